@@ -1,0 +1,79 @@
+// dpbalance/acceptance.h — expected accepted tokens as a function of verify length.
+//
+// Contract
+// - `AcceptanceCurve` holds, for one request, P_j = probability that draft position j (1-based)
+//   is accepted, i.e. that drafts 1..j are all accepted. P is non-increasing in j, so
+//   expected_tokens(k) = 1 + sum_{j<=k} P_j (the bonus token included) is concave and
+//   non-decreasing in k.
+// - Curves come from per-position conditional acceptance rates (a_j = P_j / P_{j-1}), from an
+//   online estimate (`AcceptanceEstimator`), or from per-token draft confidences for this step.
+// - `AcceptanceEstimator` keeps a Beta-Bernoulli estimate of each request's conditional rates
+//   with a prior from instance-wide pooled counts (so a new request starts at the instance mean).
+//   Not thread-safe: one estimator per rank, used from that rank's step thread.
+#pragma once
+
+#include <array>
+#include <cstdint>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace dpbalance {
+
+// Longest verify length dpbalance plans for (draft tokens per request per step).
+inline constexpr int kMaxDraftLen = 8;
+
+class AcceptanceCurve {
+ public:
+  AcceptanceCurve() = default;  // all zeros: nothing is ever accepted
+  // From conditional per-position rates a_1..a_n (n <= kMaxDraftLen), each in [0, 1].
+  static absl::StatusOr<AcceptanceCurve> FromConditional(absl::Span<const double> rates);
+  // From this step's draft-token confidences (probability each draft is accepted given the
+  // previous one was), each in [0, 1]. Same maths as FromConditional; named for its source.
+  static absl::StatusOr<AcceptanceCurve> FromConfidences(absl::Span<const float> confidences);
+
+  // P_j for j in 1..kMaxDraftLen; 0 outside.
+  double Accept(int j) const { return (j >= 1 && j <= kMaxDraftLen) ? cum_[j - 1] : 0.0; }
+  // Expected emitted tokens when verifying k drafts (k clamped to [0, kMaxDraftLen]).
+  double ExpectedTokens(int k) const;
+
+ private:
+  std::array<double, kMaxDraftLen> cum_{};
+};
+
+// The conditional profile of multi-layer MTP at K = 8 (GSM8K, temperature 0), derived from the
+// per-position acceptance 76.2/61.6/51.3/42.4/36.4/30.9/27.2/23.7 % in docs/cost-model.md.
+std::array<double, kMaxDraftLen> MtpK8ConditionalProfile();
+
+class AcceptanceEstimator {
+ public:
+  // `prior_strength`: pseudo-observations per position the pooled prior is worth (> 0).
+  // `initial_rates`: conditional rates used before any observation at all.
+  AcceptanceEstimator(double prior_strength, std::array<double, kMaxDraftLen> initial_rates);
+
+  // Records that `request_id` verified `verify_len` drafts and `accepted` of them were accepted
+  // (0 <= accepted <= verify_len <= kMaxDraftLen). Positions 1..accepted count as successes,
+  // position accepted+1 (if verified) as a failure, later ones are unobserved.
+  absl::Status Observe(int64_t request_id, int verify_len, int accepted);
+  // Posterior-mean curve for the request (the pooled prior for an unknown request).
+  AcceptanceCurve Curve(int64_t request_id) const;
+  // Pooled conditional rates over all observations (with the initial rates as a weak prior).
+  std::array<double, kMaxDraftLen> PooledRates() const;
+  void Forget(int64_t request_id) { per_request_.erase(request_id); }
+  size_t num_tracked() const { return per_request_.size(); }
+
+ private:
+  struct Counts {
+    std::array<float, kMaxDraftLen> trials{};
+    std::array<float, kMaxDraftLen> successes{};
+  };
+  static void Add(Counts& c, int verify_len, int accepted);
+
+  double prior_strength_;
+  std::array<double, kMaxDraftLen> initial_rates_;
+  Counts pooled_;
+  absl::flat_hash_map<int64_t, Counts> per_request_;
+};
+
+}  // namespace dpbalance

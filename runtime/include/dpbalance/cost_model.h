@@ -1,0 +1,130 @@
+// dpbalance/cost_model.h — predicted decode-step time of one DP rank and of the instance.
+//
+// Contract
+// - A rank's batch is a list of requests, each with `ctx_tokens` (keys it attends, its context)
+//   and `query_tokens` (q_i = 1 + k_i, k_i = draft tokens verified this step).
+// - `CostModel` is linear in a fixed set of per-rank features (sums, maxima, regime indicators,
+//   a roofline knee). Published forms, fitted forms and online refits are all coefficient sets
+//   of this one class, so the planner, the replay and the plugin share one implementation.
+//   Every prediction is in microseconds. Coefficients are non-negative for physical features.
+// - `GlobalCost` is the instance-wide part of a step: MoE FFN + EP communication as a function
+//   of the instance's tokens, a fixed per-step overhead, and the draft cost per draft step.
+// - Step time of the instance (the form used everywhere, see docs/cost-model.md):
+//     step_us = max_r attention_us(rank r) + global.StepUs(tokens, draft_depth)
+//   `PublishedInstanceCost` evaluates the published V1/V2 formulas exactly (with their two
+//   separate max() terms) for scoring against the published study.
+// - Thread safety: all methods are const and thread-compatible.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace dpbalance {
+
+// One request's load in one decode step.
+struct RequestLoad {
+  int64_t ctx_tokens = 0;    // keys attended (context incl. tokens being verified), >= 0
+  int32_t query_tokens = 1;  // q_i = 1 + verify_len, >= 1
+};
+
+// Per-rank features of a batch. All of them can be updated one query token at a time, which is
+// what lets the planner evaluate its frontier exactly for any coefficient set.
+enum class CostFeature : int {
+  kConstant = 0,          // 1 (kernel launch and fixed cost)
+  kNumRequests,           // B: number of requests
+  kQueryTokens,           // Q = sum q_i
+  kQueryKeyPairs,         // C = sum q_i * ctx_i  (attention FLOPs)
+  kKeyTokens,             // K = sum ctx_i        (KV bytes read)
+  kMaxQueryKeyPairs,      // max_i q_i * ctx_i    (critical path of one long request)
+  kMultiQuery,            // 1 if any q_i > 1     (kernel path switch: split-KV decode vs varlen)
+  kMultiQueryKeyTokens,   // [any q_i > 1] * K
+  kMultiQueryPairs,       // [any q_i > 1] * C
+  kQueryTokensAboveKnee,  // max(0, Q - knee_tokens) (roofline knee of the per-token GEMMs)
+  kNumFeatures
+};
+inline constexpr int kNumCostFeatures = static_cast<int>(CostFeature::kNumFeatures);
+std::string_view CostFeatureName(CostFeature f);
+
+// Aggregates from which every feature is derived; cheap to update incrementally.
+struct BatchAggregates {
+  double num_requests = 0;
+  double query_tokens = 0;
+  double query_key_pairs = 0;
+  double key_tokens = 0;
+  double max_query_key_pairs = 0;
+  bool multi_query = false;
+
+  void Add(const RequestLoad& r);
+  // One more query token for a request whose load was `before` (ctx unchanged).
+  void AddQueryToken(const RequestLoad& before);
+};
+
+class CostModel {
+ public:
+  using Weights = std::array<double, kNumCostFeatures>;
+
+  CostModel() = default;
+  // Weights in microseconds per unit of each feature; knee in query tokens.
+  static absl::StatusOr<CostModel> Create(const Weights& weights_us, double knee_tokens,
+                                          std::string name);
+
+  // The published formulas as one per-rank scalar (single barrier) with B -> sum q_i,
+  // C -> sum q_i * ctx_i; the cost units are read as milliseconds. See docs/cost-model.md.
+  static CostModel PublishedV1();
+  static CostModel PublishedV2();
+
+  // Loads a model file written by dpbalance-calibrate (JSON). Errors name the file and field.
+  static absl::StatusOr<CostModel> FromFile(const std::string& path);
+  static absl::StatusOr<CostModel> FromJson(std::string_view json_text, std::string_view source);
+  std::string ToJson() const;
+
+  // Predicted attention time of one rank in microseconds.
+  double AttentionUs(absl::Span<const RequestLoad> batch) const;
+  double AttentionUs(const BatchAggregates& agg) const;
+  // Feature vector of a batch (what a fit regresses on).
+  Weights Features(const BatchAggregates& agg) const;
+
+  const Weights& weights_us() const { return weights_us_; }
+  double knee_tokens() const { return knee_tokens_; }
+  const std::string& name() const { return name_; }
+  // Returns a copy with every coefficient multiplied by `factor` (> 0).
+  CostModel Scaled(double factor) const;
+  // 64-bit FNV-1a hash of the coefficients (configs must agree across ranks).
+  uint64_t Hash() const;
+
+ private:
+  Weights weights_us_{};
+  double knee_tokens_ = 0;
+  std::string name_ = "zero";
+};
+
+// The instance-wide part of a step (identical on every rank).
+struct GlobalCost {
+  double ffn_fixed_us = 20000.0;       // MoE FFN + EP comm at zero tokens (replay default 20 ms)
+  double ffn_per_token_us = 2.0;       // per instance query token (replay default 0.002 ms)
+  double step_overhead_us = 0.0;       // scheduler, sampling, launch
+  double draft_per_step_us = 1500.0;   // one draft step (replay default 1.5 ms, MTP with MoE)
+  bool padded_tokens = false;          // FFN sees num_ranks * max rank tokens (CUDA-graph padding)
+
+  double StepUs(double ffn_tokens, int draft_depth) const {
+    return ffn_fixed_us + ffn_per_token_us * ffn_tokens + step_overhead_us +
+           draft_per_step_us * draft_depth;
+  }
+  absl::Status Validate() const;
+  uint64_t Hash() const;
+};
+
+// The published V1/V2 instance cost with separate max() terms, for scoring only.
+// `ranks[r]` is rank r's batch. Returns cost in the published units.
+enum class PublishedForm { kV1, kV2 };
+double PublishedInstanceCost(PublishedForm form, absl::Span<const BatchAggregates> ranks);
+// Per-rank value of the same formula (each max() term evaluated on that rank alone).
+double PublishedRankCost(PublishedForm form, const BatchAggregates& rank);
+
+}  // namespace dpbalance

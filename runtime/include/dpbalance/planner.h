@@ -1,0 +1,142 @@
+// dpbalance/planner.h — verify-length planner: the one implementation every caller shares.
+//
+// Objective: maximise the instance's expected emitted tokens per second of step time, where
+//   step_us = max_r attention_us(r) + GlobalCost::StepUs(ffn_tokens, draft_depth),
+// subject to per-request floors/caps, per-rank KV capacity for extra tokens and (optionally)
+// CUDA-graph token tiers. See docs/design.md for the per-step flow.
+//
+// Three phases, so it runs inside a DP rank:
+//   1. `Summarize(rank batch) -> RankSummary`       local, O(n k log(n k))
+//   2. the engine/collectives all-gather the summaries (rank order)
+//   3. `Decide(all summaries) -> GlobalDecision`    identical bytes in, identical result out
+//      `Assign(decision) -> verify_len per request`  local, uses the state kept by Summarize
+// `Decide` is bit-for-bit deterministic: it reads only the summaries and the config, in a fixed
+// order, with no threads and no fast-math.
+//
+// Thread safety: a Planner is owned by one rank's step thread. Summarize/Assign keep scratch
+// state between them (no allocation per step once warm). Decide is const.
+// Errors: every method returns absl::Status naming the bad value and where it came from.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "dpbalance/acceptance.h"
+#include "dpbalance/cost_model.h"
+#include "dpbalance/summary.h"
+
+namespace dpbalance {
+
+enum class PlanMode {
+  kOff,      // engine default verify length for every request
+  kGoodput,  // maximise expected tokens per second of the instance
+  kFill,     // never raise the barrier set by the slowest rank at the default length; spend the
+             // other ranks' idle time on extra verify (and deeper drafts where they pay)
+  kLocal,    // each rank maximises its own goodput, no coordination (ignores other summaries)
+};
+std::string_view PlanModeName(PlanMode m);
+absl::StatusOr<PlanMode> ParsePlanMode(std::string_view name);
+
+struct PlannerConfig {
+  int num_ranks = 1;
+  PlanMode mode = PlanMode::kGoodput;
+  int k_max = 7;        // the engine's draft depth limit, 0..kMaxDraftLen
+  int default_k = 3;    // the engine's static verify length (mode off, fallback)
+  GlobalCost global;    // identical on every rank
+  // Allowed per-rank query-token counts (CUDA-graph tiers), ascending; empty: any count.
+  std::vector<int32_t> token_tiers;
+
+  absl::Status Validate() const;
+  // Hash over everything that must agree across ranks (the cost model hash is mixed in by the
+  // caller through Planner, since each rank carries its own calibrated model).
+  uint64_t Hash() const;
+};
+
+// One request as the planner sees it this step.
+struct PlanRequest {
+  int64_t ctx_tokens = 0;  // context (keys) before this step's verify tokens, >= 0
+  int32_t k_min = 0;       // floor on verify length (SLO), 0..k_cap
+  int32_t k_cap = 7;       // cap: min(k_max, tokens the request may still emit - 1), >= 0
+  AcceptanceCurve acceptance;
+};
+
+struct GlobalDecision {
+  int draft_depth = 0;             // agreed draft depth (every rank drafts this many steps)
+  double barrier_us = 0;           // planned max-rank attention time
+  double step_us = 0;              // planned step time
+  double expected_tokens = 0;      // planned instance tokens (sum over planned ranks)
+  double tokens_per_us = 0;        // planned goodput; also the fill threshold for Assign
+  int64_t ffn_tokens = 0;          // tokens the FFN term was charged for
+  int32_t padded_rank_tokens = 0;  // per-rank token tier (padded mode), else 0
+  int num_planned_ranks = 0;       // ranks whose summaries were valid
+};
+
+class Planner {
+ public:
+  static absl::StatusOr<Planner> Create(PlannerConfig config, CostModel model);
+
+  // Phase 1. Builds this rank's summary from its batch. Keeps the batch's frontier for Assign.
+  // `kv_free_tokens`: tokens of KV capacity left for extra verify tokens (< 0: unlimited).
+  absl::Status Summarize(int rank_idx, absl::Span<const PlanRequest> batch, int64_t kv_free_tokens,
+                         RankSummary* out);
+  // Phase 3a. Global decision from all ranks' summaries (index = rank).
+  absl::StatusOr<GlobalDecision> Decide(absl::Span<const RankSummary> summaries) const;
+  // Phase 3b. This rank's verify lengths for the batch last given to Summarize.
+  absl::Status Assign(const GlobalDecision& decision, absl::Span<int32_t> verify_len);
+
+  // Convenience for single-process callers (replay, oracle): runs all three phases for all
+  // ranks with one model each. `batches[r]` is rank r's batch; `verify_len[r]` gets its result.
+  absl::StatusOr<GlobalDecision> PlanAll(absl::Span<const std::vector<PlanRequest>> batches,
+                                         absl::Span<const int64_t> kv_free_tokens,
+                                         std::vector<std::vector<int32_t>>* verify_len);
+
+  const PlannerConfig& config() const { return config_; }
+  const CostModel& model() const { return model_; }
+  void set_model(CostModel model) { model_ = std::move(model); }
+  uint64_t config_hash() const { return config_hash_; }
+
+ private:
+  Planner(PlannerConfig config, CostModel model);
+  struct Item {
+    // Sort key: ~bits(gain per marginal us) << 32 | req_idx << 8 | pos, so ascending keys are
+    // descending ratios with ties broken by request then position.
+    uint64_t key;
+    float gain;  // P_j: expected extra tokens
+    int32_t req_idx() const { return static_cast<int32_t>((key >> 8) & 0xffffffu); }
+    int32_t pos() const { return static_cast<int32_t>(key & 0xff); }  // draft position j, 1-based
+  };
+  absl::Status ValidateBatch(absl::Span<const PlanRequest> batch) const;
+  int32_t Floor(const PlanRequest& r) const;
+
+  PlannerConfig config_;
+  CostModel model_;
+  uint64_t config_hash_ = 0;
+  double last_tokens_per_us_ = 0;  // previous decision's goodput (filters unprofitable items)
+
+  // What Summarize keeps of one rank's batch for Assign.
+  struct LocalState {
+    std::vector<PlanRequest> batch;
+    std::vector<Item> items;  // extra-token items, by gain per microsecond, descending
+    std::vector<int32_t> base_len;
+    int64_t kv_free_tokens = -1;
+    BatchAggregates base_agg;
+    double base_attention_us = 0;
+  };
+  absl::Status SummarizeInto(LocalState& st, int rank_idx, absl::Span<const PlanRequest> batch,
+                             int64_t kv_free_tokens, RankSummary* out) const;
+  absl::Status AssignFrom(const LocalState& st, const GlobalDecision& decision,
+                          absl::Span<int32_t> verify_len) const;
+
+  LocalState local_;
+  std::vector<LocalState> all_local_;     // PlanAll: one per rank
+  std::vector<RankSummary> all_summaries_;
+  mutable std::vector<uint64_t> events_;  // Decide scratch
+  mutable std::vector<uint32_t> cursor_;  // Decide scratch
+  mutable std::vector<uint32_t> valid_;   // Decide scratch
+};
+
+}  // namespace dpbalance

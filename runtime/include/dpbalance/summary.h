@@ -1,0 +1,57 @@
+// dpbalance/summary.h — the per-rank summary record exchanged by the all-gather every step.
+//
+// Contract
+// - Fixed size (kSummaryBytes = 512) whatever the batch size, trivially copyable, host byte
+//   order (every rank of an instance runs on the same architecture). Layout in docs/design.md.
+// - It describes one rank's cost-versus-gain trade-off for this step: the cost and expected
+//   tokens of its base assignment (every request at its floor) and, for each draft depth d, up to
+//   a share of kKnotPool points of its best extra-token frontier (greedy by gain per
+//   microsecond). Depths with few items get one knot per item (exact); the rest share the pool.
+// - `flags & kSummaryValid` is clear when the rank is in fallback this step; the other ranks
+//   then plan without it (its cost is unknown, so it cannot be the barrier they plan against).
+// - The previous step's measured times ride along, so every rank sees every rank's real bubble.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "dpbalance/acceptance.h"
+
+namespace dpbalance {
+
+inline constexpr uint32_t kSummaryMagic = 0x31425044;  // "DPB1" read little-endian
+inline constexpr uint16_t kSummaryVersion = 1;
+inline constexpr int kKnotPool = 40;  // knots shared by all depths (water-filled)
+inline constexpr uint16_t kSummaryValid = 1u << 0;
+
+struct RankSummary {
+  // --- header: 68 bytes ---
+  uint32_t magic;              // kSummaryMagic
+  uint16_t version;            // kSummaryVersion
+  uint16_t flags;              // kSummaryValid | ...
+  uint64_t config_hash;        // PlannerConfig::Hash(): all ranks must agree
+  uint32_t rank_idx;           // sender's rank
+  uint32_t step_idx;           // sender's step counter (low 32 bits)
+  float prev_attention_us;     // measured attention time of the previous step, < 0 if unknown
+  float prev_step_us;          // measured step time of the previous step, < 0 if unknown
+  float prev_accepted_tokens;  // tokens emitted by this rank in the previous step, < 0 unknown
+  float base_attention_us;     // predicted attention time with every request at its floor
+  float base_gain;             // expected emitted tokens with every request at its floor
+  uint32_t base_tokens;        // query tokens with every request at its floor
+  uint16_t num_requests;       // requests in this rank's batch
+  uint8_t min_depth;           // smallest draft depth the floors allow (max k_min)
+  uint8_t max_depth;           // largest draft depth this rank can use
+  uint8_t knot_begin[kMaxDraftLen];  // first knot of depth d at index d-1
+  uint8_t num_knots[kMaxDraftLen];   // knots of depth d at index d-1
+  // --- knots: 400 bytes. Cost and gain are totals (base included), in knot order. ---
+  float knot_attention_us[kKnotPool];
+  float knot_gain[kKnotPool];
+  uint16_t knot_tokens[kKnotPool];  // extra query tokens over the base
+  uint8_t reserved[44];             // zero; room for v1-compatible additions
+};
+
+inline constexpr size_t kSummaryBytes = 512;
+static_assert(sizeof(RankSummary) == kSummaryBytes, "RankSummary layout changed: bump version");
+static_assert(std::is_trivially_copyable_v<RankSummary>);
+
+}  // namespace dpbalance

@@ -1,0 +1,103 @@
+#include "dpbalance/acceptance.h"
+
+#include <cmath>
+
+#include "absl/strings/str_format.h"
+
+namespace dpbalance {
+
+absl::StatusOr<AcceptanceCurve> AcceptanceCurve::FromConditional(absl::Span<const double> rates) {
+  if (rates.size() > kMaxDraftLen) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "acceptance: %d conditional rates given, at most %d supported", rates.size(), kMaxDraftLen));
+  }
+  AcceptanceCurve c;
+  double p = 1.0;
+  for (size_t j = 0; j < rates.size(); ++j) {
+    const double a = rates[j];
+    if (!(a >= 0.0 && a <= 1.0)) {  // also rejects NaN
+      return absl::InvalidArgumentError(
+          absl::StrFormat("acceptance: conditional rate at position %d is %g, not in [0, 1]", j + 1, a));
+    }
+    p *= a;
+    c.cum_[j] = p;
+  }
+  return c;
+}
+
+absl::StatusOr<AcceptanceCurve> AcceptanceCurve::FromConfidences(absl::Span<const float> conf) {
+  std::array<double, kMaxDraftLen> rates{};
+  if (conf.size() > kMaxDraftLen) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "acceptance: %d draft confidences given, at most %d supported", conf.size(), kMaxDraftLen));
+  }
+  for (size_t j = 0; j < conf.size(); ++j) rates[j] = conf[j];
+  return FromConditional(absl::MakeConstSpan(rates.data(), conf.size()));
+}
+
+double AcceptanceCurve::ExpectedTokens(int k) const {
+  double e = 1.0;
+  for (int j = 0; j < k && j < kMaxDraftLen; ++j) e += cum_[j];
+  return e;
+}
+
+std::array<double, kMaxDraftLen> MtpK8ConditionalProfile() {
+  // Per-position (cumulative) acceptance, ../shared/docs/landscape.md; a_j = P_j / P_{j-1}.
+  constexpr double kCumulative[kMaxDraftLen] = {0.762, 0.616, 0.513, 0.424,
+                                                0.364, 0.309, 0.272, 0.237};
+  std::array<double, kMaxDraftLen> a{};
+  double prev = 1.0;
+  for (int j = 0; j < kMaxDraftLen; ++j) {
+    a[j] = kCumulative[j] / prev;
+    prev = kCumulative[j];
+  }
+  return a;
+}
+
+AcceptanceEstimator::AcceptanceEstimator(double prior_strength,
+                                         std::array<double, kMaxDraftLen> initial_rates)
+    : prior_strength_(prior_strength > 0 ? prior_strength : 1.0), initial_rates_(initial_rates) {}
+
+void AcceptanceEstimator::Add(Counts& c, int verify_len, int accepted) {
+  for (int j = 0; j < verify_len; ++j) {
+    if (j > accepted) break;  // unobserved after the first rejection
+    c.trials[j] += 1;
+    if (j < accepted) c.successes[j] += 1;
+  }
+}
+
+absl::Status AcceptanceEstimator::Observe(int64_t request_id, int verify_len, int accepted) {
+  if (verify_len < 0 || verify_len > kMaxDraftLen || accepted < 0 || accepted > verify_len) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "acceptance: request %d reported accepted=%d of verify_len=%d (need 0 <= accepted <= "
+        "verify_len <= %d)",
+        request_id, accepted, verify_len, kMaxDraftLen));
+  }
+  Add(pooled_, verify_len, accepted);
+  Add(per_request_[request_id], verify_len, accepted);
+  return absl::OkStatus();
+}
+
+std::array<double, kMaxDraftLen> AcceptanceEstimator::PooledRates() const {
+  // The initial rates act as a prior worth `prior_strength_` observations per position.
+  std::array<double, kMaxDraftLen> a{};
+  for (int j = 0; j < kMaxDraftLen; ++j) {
+    a[j] = (pooled_.successes[j] + prior_strength_ * initial_rates_[j]) /
+           (pooled_.trials[j] + prior_strength_);
+  }
+  return a;
+}
+
+AcceptanceCurve AcceptanceEstimator::Curve(int64_t request_id) const {
+  std::array<double, kMaxDraftLen> a = PooledRates();
+  const auto it = per_request_.find(request_id);
+  if (it != per_request_.end()) {
+    const Counts& c = it->second;
+    for (int j = 0; j < kMaxDraftLen; ++j) {
+      a[j] = (c.successes[j] + prior_strength_ * a[j]) / (c.trials[j] + prior_strength_);
+    }
+  }
+  return *AcceptanceCurve::FromConditional(a);
+}
+
+}  // namespace dpbalance

@@ -1,0 +1,226 @@
+#include "dpbalance/cost_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "nlohmann/json.hpp"
+#include "hash.h"
+
+namespace dpbalance {
+namespace {
+
+constexpr std::array<std::string_view, kNumCostFeatures> kFeatureNames = {
+    "constant",     "num_requests",           "query_tokens",
+    "query_key_pairs", "key_tokens",          "max_query_key_pairs",
+    "multi_query",  "multi_query_key_tokens", "multi_query_pairs",
+    "query_tokens_above_knee"};
+
+// Published coefficients: ../shared/docs/problem.md (restated in docs/cost-model.md).
+constexpr double kV1BatchWeight = 0.72482;
+constexpr double kV1MixWeight = 0.27518;
+constexpr double kV1CtxScale = 1.30219 / 100000.0;
+constexpr double kV2Fixed = 4.32158;
+constexpr double kV2BatchWeight = 0.336;
+constexpr double kV2MixWeight = 0.1238;
+constexpr double kV2CtxScale = 2.89453 / 100000.0;
+constexpr double kUsPerMs = 1000.0;
+
+}  // namespace
+
+std::string_view CostFeatureName(CostFeature f) { return kFeatureNames[static_cast<int>(f)]; }
+
+void BatchAggregates::Add(const RequestLoad& r) {
+  const double q = r.query_tokens;
+  const double pairs = q * static_cast<double>(r.ctx_tokens);
+  num_requests += 1;
+  query_tokens += q;
+  query_key_pairs += pairs;
+  key_tokens += static_cast<double>(r.ctx_tokens);
+  max_query_key_pairs = std::max(max_query_key_pairs, pairs);
+  multi_query = multi_query || r.query_tokens > 1;
+}
+
+void BatchAggregates::AddQueryToken(const RequestLoad& before) {
+  const double ctx = static_cast<double>(before.ctx_tokens);
+  query_tokens += 1;
+  query_key_pairs += ctx;
+  max_query_key_pairs = std::max(max_query_key_pairs, (before.query_tokens + 1.0) * ctx);
+  multi_query = true;
+}
+
+absl::StatusOr<CostModel> CostModel::Create(const Weights& weights_us, double knee_tokens,
+                                            std::string name) {
+  for (int f = 0; f < kNumCostFeatures; ++f) {
+    const double w = weights_us[f];
+    if (!std::isfinite(w) || w < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("cost model '%s': coefficient %s = %g must be finite and >= 0", name,
+                          kFeatureNames[f], w));
+    }
+  }
+  if (!std::isfinite(knee_tokens) || knee_tokens < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "cost model '%s': knee_tokens = %g must be finite and >= 0", name, knee_tokens));
+  }
+  CostModel m;
+  m.weights_us_ = weights_us;
+  m.knee_tokens_ = knee_tokens;
+  m.name_ = std::move(name);
+  return m;
+}
+
+// Per-rank form of V1/V2 with one barrier: the two max() terms of the published formula applied
+// to one rank are a plain sum, linear in (Q, C). Units: published cost read as ms.
+CostModel CostModel::PublishedV1() {
+  Weights w{};
+  w[static_cast<int>(CostFeature::kQueryTokens)] = (kV1BatchWeight + kV1MixWeight) * kUsPerMs;
+  w[static_cast<int>(CostFeature::kQueryKeyPairs)] = kV1MixWeight * kV1CtxScale * kUsPerMs;
+  return *Create(w, 0, "published-v1");
+}
+
+CostModel CostModel::PublishedV2() {
+  Weights w{};
+  w[static_cast<int>(CostFeature::kConstant)] = kV2Fixed * kUsPerMs;
+  w[static_cast<int>(CostFeature::kQueryTokens)] = (kV2BatchWeight + kV2MixWeight) * kUsPerMs;
+  w[static_cast<int>(CostFeature::kQueryKeyPairs)] = kV2MixWeight * kV2CtxScale * kUsPerMs;
+  return *Create(w, 0, "published-v2");
+}
+
+CostModel::Weights CostModel::Features(const BatchAggregates& a) const {
+  Weights x{};
+  const double multi = a.multi_query ? 1.0 : 0.0;
+  x[static_cast<int>(CostFeature::kConstant)] = a.num_requests > 0 ? 1.0 : 0.0;
+  x[static_cast<int>(CostFeature::kNumRequests)] = a.num_requests;
+  x[static_cast<int>(CostFeature::kQueryTokens)] = a.query_tokens;
+  x[static_cast<int>(CostFeature::kQueryKeyPairs)] = a.query_key_pairs;
+  x[static_cast<int>(CostFeature::kKeyTokens)] = a.key_tokens;
+  x[static_cast<int>(CostFeature::kMaxQueryKeyPairs)] = a.max_query_key_pairs;
+  x[static_cast<int>(CostFeature::kMultiQuery)] = multi;
+  x[static_cast<int>(CostFeature::kMultiQueryKeyTokens)] = multi * a.key_tokens;
+  x[static_cast<int>(CostFeature::kMultiQueryPairs)] = multi * a.query_key_pairs;
+  x[static_cast<int>(CostFeature::kQueryTokensAboveKnee)] =
+      std::max(0.0, a.query_tokens - knee_tokens_);
+  return x;
+}
+
+double CostModel::AttentionUs(const BatchAggregates& agg) const {
+  const Weights x = Features(agg);
+  double us = 0;
+  for (int f = 0; f < kNumCostFeatures; ++f) us += weights_us_[f] * x[f];
+  return us;
+}
+
+double CostModel::AttentionUs(absl::Span<const RequestLoad> batch) const {
+  BatchAggregates agg;
+  for (const RequestLoad& r : batch) agg.Add(r);
+  return AttentionUs(agg);
+}
+
+CostModel CostModel::Scaled(double factor) const {
+  CostModel m = *this;
+  for (double& w : m.weights_us_) w *= factor;
+  return m;
+}
+
+uint64_t CostModel::Hash() const {
+  internal::Fnv1a h;
+  for (double w : weights_us_) h.Value(w);
+  h.Value(knee_tokens_);
+  return h.digest();
+}
+
+std::string CostModel::ToJson() const {
+  nlohmann::json j;
+  j["format"] = "dpbalance-cost-model";
+  j["version"] = 1;
+  j["name"] = name_;
+  j["units"] = "us";
+  j["knee_tokens"] = knee_tokens_;
+  for (int f = 0; f < kNumCostFeatures; ++f) j["weights_us"][std::string(kFeatureNames[f])] = weights_us_[f];
+  return j.dump(2);
+}
+
+absl::StatusOr<CostModel> CostModel::FromJson(std::string_view text, std::string_view source_view) {
+  const std::string source(source_view);  // this Abseil's StrCat takes absl::string_view only
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": not a JSON object"));
+  }
+  if (j.value("format", "") != "dpbalance-cost-model" || j.value("version", 0) != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        source, ": expected format 'dpbalance-cost-model' version 1, got '",
+        j.value("format", ""), "' version ", j.value("version", 0)));
+  }
+  if (!j.contains("weights_us") || !j["weights_us"].is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": missing object 'weights_us'"));
+  }
+  Weights w{};
+  for (auto it = j["weights_us"].begin(); it != j["weights_us"].end(); ++it) {
+    const auto pos = std::find(kFeatureNames.begin(), kFeatureNames.end(), it.key());
+    if (pos == kFeatureNames.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(source, ": unknown feature 'weights_us.", it.key(), "'"));
+    }
+    if (!it.value().is_number()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(source, ": weights_us.", it.key(), " is not a number"));
+    }
+    w[pos - kFeatureNames.begin()] = it.value().get<double>();
+  }
+  const double knee = j.value("knee_tokens", 0.0);
+  return Create(w, knee, absl::StrCat(j.value("name", "fitted"), "(", source, ")"));
+}
+
+absl::StatusOr<CostModel> CostModel::FromFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cost model file '", path, "' cannot be read"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return FromJson(ss.str(), path);
+}
+
+absl::Status GlobalCost::Validate() const {
+  const std::pair<const char*, double> fields[] = {{"ffn_fixed_us", ffn_fixed_us},
+                                                   {"ffn_per_token_us", ffn_per_token_us},
+                                                   {"step_overhead_us", step_overhead_us},
+                                                   {"draft_per_step_us", draft_per_step_us}};
+  for (const auto& [name, v] : fields) {
+    if (!std::isfinite(v) || v < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("global cost: %s = %g must be finite and >= 0", name, v));
+    }
+  }
+  return absl::OkStatus();
+}
+
+uint64_t GlobalCost::Hash() const {
+  internal::Fnv1a h;
+  h.Value(ffn_fixed_us);
+  h.Value(ffn_per_token_us);
+  h.Value(step_overhead_us);
+  h.Value(draft_per_step_us);
+  h.Value(padded_tokens);
+  return h.digest();
+}
+
+double PublishedRankCost(PublishedForm form, const BatchAggregates& a) {
+  const BatchAggregates one[] = {a};
+  return PublishedInstanceCost(form, one);
+}
+
+double PublishedInstanceCost(PublishedForm form, absl::Span<const BatchAggregates> ranks) {
+  const double ctx_scale = form == PublishedForm::kV1 ? kV1CtxScale : kV2CtxScale;
+  double max_b = 0, max_mix = 0;
+  for (const BatchAggregates& a : ranks) {
+    max_b = std::max(max_b, a.query_tokens);
+    max_mix = std::max(max_mix, a.query_tokens + ctx_scale * a.query_key_pairs);
+  }
+  if (form == PublishedForm::kV1) return kV1BatchWeight * max_b + kV1MixWeight * max_mix;
+  return kV2Fixed + kV2BatchWeight * max_b + kV2MixWeight * max_mix;
+}
+
+}  // namespace dpbalance

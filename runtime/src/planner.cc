@@ -1,0 +1,563 @@
+#include "dpbalance/planner.h"
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "hash.h"
+
+namespace dpbalance {
+namespace {
+
+constexpr double kTinyUs = 1e-3;  // floor on a marginal cost, so ratios stay finite
+
+// Relative slack when testing "fits under the barrier": the barrier itself came from the same
+// model through float storage in the summary record.
+constexpr double kBarrierSlack = 1e-6;
+
+// Marginal cost (us) of one more query token for a request, linearised at the base batch.
+// Used only to order items; knot costs are always evaluated exactly with the full model.
+double MarginalUs(const CostModel& m, const BatchAggregates& base, int64_t ctx) {
+  const auto& w = m.weights_us();
+  auto W = [&](CostFeature f) { return w[static_cast<int>(f)]; };
+  const double c = static_cast<double>(ctx);
+  double us = W(CostFeature::kQueryTokens) + W(CostFeature::kQueryKeyPairs) * c +
+              W(CostFeature::kMultiQueryPairs) * c;
+  if (base.query_tokens >= m.knee_tokens()) us += W(CostFeature::kQueryTokensAboveKnee);
+  if (c >= base.max_query_key_pairs) us += W(CostFeature::kMaxQueryKeyPairs) * c;
+  return std::max(us, kTinyUs);
+}
+
+int32_t TierFor(absl::Span<const int32_t> tiers, int64_t tokens) {
+  for (int32_t t : tiers) {
+    if (t >= tokens) return t;
+  }
+  return static_cast<int32_t>(tokens);  // beyond the largest tier: no padding
+}
+
+uint32_t FloatKey(float v) { return std::bit_cast<uint32_t>(v); }  // monotone for v >= 0
+
+absl::Status CheckSummary(const RankSummary& s, size_t idx, uint64_t want_hash) {
+  if (s.magic != kSummaryMagic || s.version != kSummaryVersion) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "summary from rank %d: magic 0x%08x version %d, expected 0x%08x version %d", idx, s.magic,
+        s.version, kSummaryMagic, kSummaryVersion));
+  }
+  if (s.config_hash != want_hash) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "summary from rank %d: config hash %016x differs from this rank's %016x", idx,
+        s.config_hash, want_hash));
+  }
+  return absl::OkStatus();
+}
+
+// Garbage in a valid-looking record is excluded (consistently on every rank) rather than fatal.
+bool SummaryUsable(const RankSummary& s, size_t idx) {
+  if (!(s.flags & kSummaryValid) || s.rank_idx != idx) return false;
+  if (!(std::isfinite(s.base_attention_us) && s.base_attention_us >= 0)) return false;
+  if (!(std::isfinite(s.base_gain) && s.base_gain >= 0)) return false;
+  if (s.min_depth > kMaxDraftLen || s.max_depth > kMaxDraftLen || s.min_depth > s.max_depth) {
+    return false;
+  }
+  for (int d = 0; d < kMaxDraftLen; ++d) {
+    if (s.knot_begin[d] + s.num_knots[d] > kKnotPool) return false;
+    float prev_cost = s.base_attention_us, prev_gain = s.base_gain;
+    for (int k = s.knot_begin[d]; k < s.knot_begin[d] + s.num_knots[d]; ++k) {
+      const float c = s.knot_attention_us[k], g = s.knot_gain[k];
+      if (!(std::isfinite(c) && std::isfinite(g) && c >= prev_cost && g >= prev_gain)) return false;
+      prev_cost = c;
+      prev_gain = g;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+std::string_view PlanModeName(PlanMode m) {
+  switch (m) {
+    case PlanMode::kOff: return "off";
+    case PlanMode::kGoodput: return "goodput";
+    case PlanMode::kFill: return "fill";
+    case PlanMode::kLocal: return "local";
+  }
+  return "?";
+}
+
+absl::StatusOr<PlanMode> ParsePlanMode(std::string_view name) {
+  for (PlanMode m : {PlanMode::kOff, PlanMode::kGoodput, PlanMode::kFill, PlanMode::kLocal}) {
+    if (name == PlanModeName(m)) return m;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown verify mode '", std::string(name), "' (expected off, goodput, fill or local)"));
+}
+
+absl::Status PlannerConfig::Validate() const {
+  if (num_ranks < 1 || num_ranks > 65536) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("planner: num_ranks = %d must be in 1..65536", num_ranks));
+  }
+  if (k_max < 0 || k_max > kMaxDraftLen) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("planner: k_max = %d must be in 0..%d", k_max, kMaxDraftLen));
+  }
+  if (default_k < 0 || default_k > k_max) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("planner: default_k = %d must be in 0..k_max (%d)", default_k, k_max));
+  }
+  for (size_t i = 0; i < token_tiers.size(); ++i) {
+    if (token_tiers[i] <= 0 || (i > 0 && token_tiers[i] <= token_tiers[i - 1])) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "planner: token tier %d (index %d) must be positive and ascending", token_tiers[i], i));
+    }
+  }
+  return global.Validate();
+}
+
+uint64_t PlannerConfig::Hash() const {
+  internal::Fnv1a h;
+  h.Value(num_ranks);
+  h.Value(static_cast<int>(mode));
+  h.Value(k_max);
+  h.Value(default_k);
+  h.Value(global.Hash());
+  for (int32_t t : token_tiers) h.Value(t);
+  h.Value(kSummaryVersion);
+  return h.digest();
+}
+
+Planner::Planner(PlannerConfig config, CostModel model)
+    : config_(std::move(config)), model_(std::move(model)), config_hash_(config_.Hash()) {}
+
+absl::StatusOr<Planner> Planner::Create(PlannerConfig config, CostModel model) {
+  if (absl::Status s = config.Validate(); !s.ok()) return s;
+  return Planner(std::move(config), std::move(model));
+}
+
+int32_t Planner::Floor(const PlanRequest& r) const {
+  if (config_.mode == PlanMode::kFill) return std::max(r.k_min, std::min(config_.default_k, r.k_cap));
+  return r.k_min;
+}
+
+absl::Status Planner::ValidateBatch(absl::Span<const PlanRequest> batch) const {
+  if (batch.size() > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("planner: batch of %d requests exceeds 65535", batch.size()));
+  }
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const PlanRequest& r = batch[i];
+    if (r.ctx_tokens < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("planner: request %d: ctx_tokens = %d is negative", i, r.ctx_tokens));
+    }
+    if (r.k_cap < 0 || r.k_cap > config_.k_max) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "planner: request %d: k_cap = %d must be in 0..k_max (%d)", i, r.k_cap, config_.k_max));
+    }
+    if (r.k_min < 0 || r.k_min > r.k_cap) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "planner: request %d: k_min = %d must be in 0..k_cap (%d)", i, r.k_min, r.k_cap));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Planner::Summarize(int rank_idx, absl::Span<const PlanRequest> batch,
+                                int64_t kv_free_tokens, RankSummary* out) {
+  return SummarizeInto(local_, rank_idx, batch, kv_free_tokens, out);
+}
+
+absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
+                                    absl::Span<const PlanRequest> batch, int64_t kv_free_tokens,
+                                    RankSummary* out) const {
+  if (rank_idx < 0 || rank_idx >= config_.num_ranks) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "planner: rank_idx = %d outside 0..%d", rank_idx, config_.num_ranks - 1));
+  }
+  if (absl::Status s = ValidateBatch(batch); !s.ok()) return s;
+
+  // Step 1: base assignment (every request at its floor).
+  st.batch.assign(batch.begin(), batch.end());
+  st.kv_free_tokens = kv_free_tokens;
+  st.base_len.resize(batch.size());
+  st.base_agg = BatchAggregates{};
+  double base_gain = 0;
+  int min_depth = 0, max_depth = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const int32_t k = Floor(batch[i]);
+    st.base_len[i] = k;
+    st.base_agg.Add(RequestLoad{batch[i].ctx_tokens, 1 + k});
+    base_gain += batch[i].acceptance.ExpectedTokens(k);
+    min_depth = std::max(min_depth, k);
+    max_depth = std::max(max_depth, static_cast<int>(batch[i].k_cap));
+  }
+  st.base_attention_us = model_.AttentionUs(st.base_agg);
+
+  // Step 2: extra-token items ordered by expected tokens per marginal microsecond. An item whose
+  // gain cannot pay for its FFN cost at last step's goodput never helps, so it is dropped.
+  const double min_gain = config_.global.padded_tokens
+                              ? 0.0
+                              : last_tokens_per_us_ * config_.global.ffn_per_token_us;
+  st.items.clear();
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const double marginal = MarginalUs(model_, st.base_agg, batch[i].ctx_tokens);
+    for (int j = st.base_len[i] + 1; j <= batch[i].k_cap; ++j) {
+      const double gain = batch[i].acceptance.Accept(j);
+      if (gain <= min_gain) break;  // gains fall with j
+      const uint32_t ratio_bits = FloatKey(static_cast<float>(gain / marginal));
+      st.items.push_back(Item{(uint64_t{~ratio_bits} << 32) | (uint64_t{static_cast<uint32_t>(i)} << 8) |
+                                  static_cast<uint64_t>(j),
+                              static_cast<float>(gain)});
+    }
+  }
+  std::sort(st.items.begin(), st.items.end(),
+            [](const Item& a, const Item& b) { return a.key < b.key; });
+
+  // Step 3: per draft depth, knots spread evenly along the frontier, costs evaluated exactly.
+  RankSummary& s = *out;
+  std::memset(&s, 0, sizeof(s));
+  s.magic = kSummaryMagic;
+  s.version = kSummaryVersion;
+  s.flags = kSummaryValid;
+  s.config_hash = config_hash_;
+  s.rank_idx = static_cast<uint32_t>(rank_idx);
+  s.prev_attention_us = s.prev_step_us = s.prev_accepted_tokens = -1.f;
+  s.base_attention_us = static_cast<float>(st.base_attention_us);
+  s.base_gain = static_cast<float>(base_gain);
+  s.base_tokens = static_cast<uint32_t>(st.base_agg.query_tokens);
+  s.num_requests = static_cast<uint16_t>(batch.size());
+  s.min_depth = static_cast<uint8_t>(min_depth);
+  s.max_depth = static_cast<uint8_t>(std::max(min_depth, max_depth));
+  const int64_t kv_cap = kv_free_tokens < 0 ? std::numeric_limits<int64_t>::max() : kv_free_tokens;
+  // Items available at each depth (capped by the KV budget).
+  std::array<int64_t, kMaxDraftLen + 1> avail{};
+  for (const Item& it : st.items) ++avail[it.pos()];
+  int64_t running = 0;
+  for (int d = 1; d <= kMaxDraftLen; ++d) {
+    running += avail[d];
+    avail[d] = std::min<int64_t>({running, kv_cap, 65535});
+  }
+  // Water-fill the knot pool: a depth with few items gets one knot per item.
+  std::array<int, kMaxDraftLen + 1> share{};
+  int depths_left = 0;
+  for (int d = std::max(1, min_depth); d <= s.max_depth; ++d) depths_left += avail[d] > 0;
+  int pool = kKnotPool;
+  for (bool changed = true; changed && depths_left > 0;) {
+    changed = false;
+    for (int d = std::max(1, min_depth); d <= s.max_depth; ++d) {
+      if (avail[d] == 0 || share[d] > 0) continue;
+      if (avail[d] <= pool / depths_left) {
+        share[d] = static_cast<int>(avail[d]);
+        pool -= share[d];
+        --depths_left;
+        changed = true;
+      }
+    }
+  }
+  for (int d = std::max(1, min_depth); d <= s.max_depth && depths_left > 0; ++d) {
+    if (avail[d] > 0 && share[d] == 0) {
+      share[d] = pool / depths_left;
+      pool -= share[d];
+      --depths_left;
+    }
+  }
+  int next_knot = 0;
+  for (int d = std::max(1, min_depth); d <= s.max_depth; ++d) {
+    const int64_t n = avail[d];
+    const int knots = share[d];
+    s.knot_begin[d - 1] = static_cast<uint8_t>(next_knot);
+    if (n == 0 || knots == 0) continue;
+    BatchAggregates agg = st.base_agg;
+    double gain = base_gain;
+    int64_t taken = 0;
+    int knot = 0;
+    for (const Item& it : st.items) {
+      if (it.pos() > d) continue;
+      agg.AddQueryToken(RequestLoad{batch[it.req_idx()].ctx_tokens, it.pos()});
+      gain += it.gain;
+      ++taken;
+      const int64_t at = (n * (knot + 1) + knots - 1) / knots;  // ceil(n * (knot+1) / knots)
+      if (taken == at) {
+        s.knot_attention_us[next_knot + knot] = static_cast<float>(model_.AttentionUs(agg));
+        s.knot_gain[next_knot + knot] = static_cast<float>(gain);
+        s.knot_tokens[next_knot + knot] = static_cast<uint16_t>(taken);
+        if (++knot == knots) break;
+      }
+    }
+    s.num_knots[d - 1] = static_cast<uint8_t>(knot);
+    next_knot += knot;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> summaries) const {
+  const PlannerConfig& c = config_;
+  const bool local = c.mode == PlanMode::kLocal;
+  if (summaries.empty()) return absl::InvalidArgumentError("planner: no summaries to decide on");
+  if (!local && summaries.size() != static_cast<size_t>(c.num_ranks)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "planner: %d summaries for %d ranks", summaries.size(), c.num_ranks));
+  }
+  GlobalDecision best;
+  best.draft_depth = c.default_k;
+  if (c.mode == PlanMode::kOff) return best;
+
+  // Step 1: which ranks take part; the floor barrier and the feasible depths.
+  valid_.clear();
+  int depth_lo = 0;
+  double floor_us = 0, base_gain = 0, base_tokens = 0, max_base_tokens = 0;
+  for (size_t r = 0; r < summaries.size(); ++r) {
+    const RankSummary& s = summaries[r];
+    const size_t idx = local ? s.rank_idx : r;
+    if (absl::Status st = CheckSummary(s, idx, config_hash_); !st.ok()) return st;
+    if (!SummaryUsable(s, idx)) continue;
+    valid_.push_back(static_cast<uint32_t>(r));
+    depth_lo = std::max<int>(depth_lo, s.min_depth);
+    floor_us = std::max<double>(floor_us, s.base_attention_us);
+    base_gain += s.base_gain;
+    base_tokens += s.base_tokens;
+    max_base_tokens = std::max<double>(max_base_tokens, s.base_tokens);
+  }
+  const int num_valid = static_cast<int>(valid_.size());
+  if (num_valid == 0) {
+    return absl::UnavailableError("planner: no rank sent a usable summary this step");
+  }
+  const GlobalCost& g = c.global;
+  // FFN tokens: padded mode charges every rank at the tier of the largest; otherwise the sum,
+  // scaled up for ranks that sent no usable summary (or, in local mode, for all other ranks).
+  const double ffn_scale = static_cast<double>(c.num_ranks) / num_valid;
+  auto ffn_tokens = [&](double sum_tokens, double max_tokens) -> double {
+    if (g.padded_tokens) return c.num_ranks * static_cast<double>(TierFor(c.token_tiers,
+                                                                         std::llround(max_tokens)));
+    return sum_tokens * ffn_scale;
+  };
+  auto depth_knots = [&](const RankSummary& s, int d, int* first) {
+    const int slot = std::min<int>(d, s.max_depth);
+    *first = slot > 0 ? s.knot_begin[slot - 1] : 0;
+    return slot > 0 ? static_cast<int>(s.num_knots[slot - 1]) : 0;
+  };
+
+  double best_j = -1;
+  auto consider = [&](int d, double barrier, double gain, double sum_tok, double max_tok) {
+    const double ffn = ffn_tokens(sum_tok, max_tok);
+    const double step = barrier + g.StepUs(ffn, d);
+    const double j = gain / step;
+    if (j > best_j) {
+      best_j = j;
+      best.draft_depth = d;
+      best.barrier_us = barrier;
+      best.step_us = step;
+      best.expected_tokens = gain;
+      best.tokens_per_us = j;
+      best.ffn_tokens = std::llround(ffn);
+      best.padded_rank_tokens =
+          g.padded_tokens ? TierFor(c.token_tiers, std::llround(max_tok)) : 0;
+    }
+  };
+
+  // Upper bound on goodput for any barrier >= `barrier` when the gain can still grow from `gain`
+  // to `ub_gain`: every extra token adds at most one expected token (P_j <= 1), so x more gain
+  // costs at least x more FFN tokens. (a + x) / (b + slope x) is monotone in x, so the bound is
+  // at one end of [0, ub_gain - gain].
+  const double ffn_slope = g.padded_tokens ? 0.0 : g.ffn_per_token_us * ffn_scale;
+  auto bound = [&](double gain, double ub_gain, double barrier, double ffn, int d) {
+    const double b = barrier + g.StepUs(ffn, d);
+    return std::max(gain / b, ub_gain / (b + ffn_slope * (ub_gain - gain)));
+  };
+
+  // Step 2: an upper bound on each depth's goodput (every rank at its last knot, the barrier at
+  // the floor, the FFN at the base tokens); depths are tried best bound first and skipped once
+  // their bound cannot beat what was found.
+  const int depth_hi = std::max(depth_lo, c.k_max);
+  std::array<std::pair<double, int>, kMaxDraftLen + 1> order{};
+  int num_depths = 0;
+  const double min_ffn = ffn_tokens(base_tokens, max_base_tokens);
+  for (int d = depth_lo; d <= depth_hi; ++d) {
+    double ub_gain = 0;
+    for (uint32_t r : valid_) {
+      int first;
+      const int n = depth_knots(summaries[r], d, &first);
+      ub_gain += n > 0 ? summaries[r].knot_gain[first + n - 1] : summaries[r].base_gain;
+    }
+    order[num_depths++] = {-bound(base_gain, ub_gain, floor_us, min_ffn, d), d};
+  }
+  std::sort(order.begin(), order.begin() + num_depths);
+
+  // Step 3: for each depth, sweep the barrier upwards over the knot costs; at each barrier every
+  // rank sits at its furthest knot that fits, which (knots being prefixes of one greedy order) is
+  // its best gain for that barrier. Knots under the floor barrier are free and applied at once.
+  cursor_.assign(summaries.size(), 0);
+  // Pass 0 (cheap, every depth): the goodput at the floor barrier, and a bound for every barrier
+  // above it, evaluated at the lowest knot cost above the floor (the barrier's first possible
+  // jump). Pass 1 sweeps only the depths whose bound beats the best found, best bound first.
+  std::array<std::pair<double, int>, kMaxDraftLen + 1> refined{};
+  for (int pass = 0; pass < 2; ++pass) {
+  if (pass == 1) {
+    order = refined;
+    std::sort(order.begin(), order.begin() + num_depths);
+  }
+  for (int oi = 0; oi < num_depths; ++oi) {
+    const int d = order[oi].second;
+    if (pass == 1 && -order[oi].first <= best_j) break;
+    double gain = base_gain, sum_tok = base_tokens, max_tok = max_base_tokens, ub_gain = 0;
+    float first_jump = std::numeric_limits<float>::infinity();
+    events_.clear();
+    for (uint32_t r : valid_) {
+      const RankSummary& s = summaries[r];
+      int first;
+      const int n = depth_knots(s, d, &first);
+      int k = 0;
+      for (; k < n && s.knot_attention_us[first + k] <= floor_us; ++k) {}
+      if (k > 0) {  // free knots
+        gain += s.knot_gain[first + k - 1] - s.base_gain;
+        sum_tok += s.knot_tokens[first + k - 1];
+        max_tok = std::max<double>(max_tok, s.base_tokens + s.knot_tokens[first + k - 1]);
+      }
+      cursor_[r] = k > 0 ? s.knot_tokens[first + k - 1] : 0;
+      ub_gain += n > 0 ? s.knot_gain[first + n - 1] : s.base_gain;
+      if (c.mode == PlanMode::kFill || k == n) continue;  // fill: the barrier stays at the floor
+      first_jump = std::min(first_jump, s.knot_attention_us[first + k]);
+      for (int kk = k; pass == 1 && kk < n; ++kk) {
+        events_.push_back((uint64_t{FloatKey(s.knot_attention_us[first + kk])} << 32) |
+                          (uint64_t{r} << 8) | static_cast<uint64_t>(kk));
+      }
+    }
+    if (pass == 0) {
+      consider(d, floor_us, gain, sum_tok, max_tok);
+      const double above = std::isfinite(first_jump)
+                               ? bound(gain, ub_gain, first_jump, ffn_tokens(sum_tok, max_tok), d)
+                               : 0.0;
+      refined[oi] = {-above, d};
+      continue;
+    }
+    std::sort(events_.begin(), events_.end());
+    for (size_t e = 0; e < events_.size();) {
+      const uint32_t key = static_cast<uint32_t>(events_[e] >> 32);
+      const double barrier = std::bit_cast<float>(key);
+      if (bound(gain, ub_gain, barrier, ffn_tokens(sum_tok, max_tok), d) <= best_j) break;
+      for (; e < events_.size() && static_cast<uint32_t>(events_[e] >> 32) == key; ++e) {
+        const uint32_t r = static_cast<uint32_t>((events_[e] >> 8) & 0xffffffu);
+        const int k = static_cast<int>(events_[e] & 0xff);
+        const RankSummary& s = summaries[r];
+        int first;
+        depth_knots(s, d, &first);
+        const double prev_gain = k > 0 ? s.knot_gain[first + k - 1] : s.base_gain;
+        gain += s.knot_gain[first + k] - prev_gain;
+        const uint32_t extra = s.knot_tokens[first + k];
+        sum_tok += static_cast<double>(extra) - cursor_[r];
+        cursor_[r] = extra;
+        max_tok = std::max<double>(max_tok, s.base_tokens + extra);
+      }
+      consider(d, barrier, gain, sum_tok, max_tok);
+    }
+  }
+  }
+  best.num_planned_ranks = num_valid;
+  return best;
+}
+
+absl::Status Planner::Assign(const GlobalDecision& decision, absl::Span<int32_t> verify_len) {
+  last_tokens_per_us_ = decision.tokens_per_us;
+  return AssignFrom(local_, decision, verify_len);
+}
+
+absl::Status Planner::AssignFrom(const LocalState& st, const GlobalDecision& d,
+                                 absl::Span<int32_t> verify_len) const {
+  const size_t n = st.batch.size();
+  if (verify_len.size() != n) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "planner: verify_len has %d slots for a batch of %d", verify_len.size(), n));
+  }
+  if (config_.mode == PlanMode::kOff) {
+    for (size_t i = 0; i < n; ++i) verify_len[i] = std::min(config_.default_k, st.batch[i].k_cap);
+    return absl::OkStatus();
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (st.base_len[i] > d.draft_depth) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "planner: request %d needs verify length %d but the agreed draft depth is %d", i,
+          st.base_len[i], d.draft_depth));
+    }
+    verify_len[i] = st.base_len[i];
+  }
+  // Greedy fill in gain-per-microsecond order, skipping items that do not fit: attention must
+  // stay under the agreed barrier, tokens under the padded tier (padded mode) or each item must
+  // pay for its FFN time at the planned goodput, and extra tokens within the KV budget.
+  const GlobalCost& g = config_.global;
+  const double min_gain = g.padded_tokens ? 0.0 : d.tokens_per_us * g.ffn_per_token_us;
+  const double barrier = d.barrier_us * (1 + kBarrierSlack) + kBarrierSlack;
+  const int64_t kv_cap =
+      st.kv_free_tokens < 0 ? std::numeric_limits<int64_t>::max() : st.kv_free_tokens;
+  BatchAggregates agg = st.base_agg;
+  int64_t extra = 0;
+  for (const Item& it : st.items) {
+    const int32_t i = it.req_idx(), pos = it.pos();
+    if (pos > d.draft_depth || verify_len[i] != pos - 1) continue;
+    if (it.gain < min_gain || extra >= kv_cap) continue;
+    if (g.padded_tokens && agg.query_tokens + 1 > d.padded_rank_tokens) continue;
+    BatchAggregates next = agg;
+    next.AddQueryToken(RequestLoad{st.batch[i].ctx_tokens, pos});
+    if (model_.AttentionUs(next) > barrier) continue;
+    agg = next;
+    verify_len[i] = pos;
+    ++extra;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<GlobalDecision> Planner::PlanAll(absl::Span<const std::vector<PlanRequest>> batches,
+                                                absl::Span<const int64_t> kv_free_tokens,
+                                                std::vector<std::vector<int32_t>>* verify_len) {
+  const size_t num = batches.size();
+  if (num != static_cast<size_t>(config_.num_ranks) || kv_free_tokens.size() != num) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "planner: PlanAll got %d batches and %d KV budgets for %d ranks", num,
+        kv_free_tokens.size(), config_.num_ranks));
+  }
+  all_local_.resize(num);
+  all_summaries_.resize(num);
+  verify_len->resize(num);
+  for (size_t r = 0; r < num; ++r) {
+    if (absl::Status s = SummarizeInto(all_local_[r], static_cast<int>(r), batches[r],
+                                       kv_free_tokens[r], &all_summaries_[r]);
+        !s.ok()) {
+      return s;
+    }
+    (*verify_len)[r].resize(batches[r].size());
+  }
+  GlobalDecision result;
+  if (config_.mode == PlanMode::kLocal) {
+    // Each rank decides alone; the instance drafts as deep as the deepest rank asks.
+    double tokens_per_us = 0;
+    for (size_t r = 0; r < num; ++r) {
+      absl::StatusOr<GlobalDecision> d = Decide(absl::MakeConstSpan(&all_summaries_[r], 1));
+      if (!d.ok()) return d.status();
+      if (absl::Status s = AssignFrom(all_local_[r], *d, absl::MakeSpan((*verify_len)[r])); !s.ok()) {
+        return s;
+      }
+      result.draft_depth = std::max(r == 0 ? 0 : result.draft_depth, d->draft_depth);
+      tokens_per_us += d->tokens_per_us / num;
+    }
+    result.tokens_per_us = tokens_per_us;
+  } else {
+    absl::StatusOr<GlobalDecision> d = Decide(all_summaries_);
+    if (!d.ok()) return d.status();
+    result = *d;
+    for (size_t r = 0; r < num; ++r) {
+      if (absl::Status s = AssignFrom(all_local_[r], result, absl::MakeSpan((*verify_len)[r]));
+          !s.ok()) {
+        return s;
+      }
+    }
+  }
+  last_tokens_per_us_ = result.tokens_per_us;
+  return result;
+}
+
+}  // namespace dpbalance

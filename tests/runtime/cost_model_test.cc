@@ -1,0 +1,109 @@
+#include "dpbalance/cost_model.h"
+
+#include <random>
+
+#include "gtest/gtest.h"
+
+namespace dpbalance {
+namespace {
+
+BatchAggregates Agg(std::initializer_list<RequestLoad> reqs) {
+  BatchAggregates a;
+  for (const RequestLoad& r : reqs) a.Add(r);
+  return a;
+}
+
+// The published formulas written out literally (../shared/docs/problem.md), q_i = 1.
+double LiteralV1(double max_b, double max_b_plus_c) { return 0.72482 * max_b + 0.27518 * max_b_plus_c; }
+double LiteralV2(double max_b, double max_b_plus_c) {
+  return 4.32158 + 0.336 * max_b + 0.1238 * max_b_plus_c;
+}
+
+TEST(PublishedCost, ReproducesPublishedFormulasWithSeparateMaxTerms) {
+  // Rank 0: many short requests (large B); rank 1: few long ones (large C).
+  const BatchAggregates r0 = Agg({{1000, 1}, {2000, 1}, {1500, 1}, {800, 1}});
+  const BatchAggregates r1 = Agg({{120000, 1}, {90000, 1}});
+  const BatchAggregates ranks[] = {r0, r1};
+  const double b0 = 4, b1 = 2, c0 = 5300, c1 = 210000;
+  const double v1 = LiteralV1(std::max(b0, b1), std::max(b0 + 1.30219 * c0 / 1e5, b1 + 1.30219 * c1 / 1e5));
+  const double v2 = LiteralV2(std::max(b0, b1), std::max(b0 + 2.89453 * c0 / 1e5, b1 + 2.89453 * c1 / 1e5));
+  EXPECT_DOUBLE_EQ(PublishedInstanceCost(PublishedForm::kV1, ranks), v1);
+  EXPECT_DOUBLE_EQ(PublishedInstanceCost(PublishedForm::kV2, ranks), v2);
+  // The separate max() terms are not the max of per-rank sums here.
+  EXPECT_GT(v2, std::max(PublishedRankCost(PublishedForm::kV2, r0), PublishedRankCost(PublishedForm::kV2, r1)));
+}
+
+TEST(PublishedCost, PerRankModelIsTheSameFormulaInMicroseconds) {
+  std::mt19937_64 rng(7);
+  std::uniform_int_distribution<int64_t> ctx(0, 130000);
+  std::uniform_int_distribution<int> q(1, 8);
+  for (int trial = 0; trial < 200; ++trial) {
+    std::vector<RequestLoad> batch;
+    for (int i = 0; i < 1 + trial % 40; ++i) batch.push_back({ctx(rng), q(rng)});
+    BatchAggregates a;
+    for (const RequestLoad& r : batch) a.Add(r);
+    // Extension to q > 1: B -> sum q_i, C -> sum q_i ctx_i.
+    EXPECT_NEAR(CostModel::PublishedV1().AttentionUs(batch), 1000 * PublishedRankCost(PublishedForm::kV1, a), 1e-6);
+    EXPECT_NEAR(CostModel::PublishedV2().AttentionUs(batch), 1000 * PublishedRankCost(PublishedForm::kV2, a), 1e-6);
+  }
+}
+
+TEST(CostModel, IncrementalAggregatesMatchRebuild) {
+  std::mt19937_64 rng(3);
+  std::vector<RequestLoad> batch = {{5000, 1}, {100, 1}, {70000, 2}};
+  BatchAggregates inc;
+  for (const RequestLoad& r : batch) inc.Add(r);
+  for (int step = 0; step < 20; ++step) {
+    const size_t i = rng() % batch.size();
+    inc.AddQueryToken(batch[i]);
+    batch[i].query_tokens += 1;
+    BatchAggregates fresh;
+    for (const RequestLoad& r : batch) fresh.Add(r);
+    EXPECT_DOUBLE_EQ(inc.query_tokens, fresh.query_tokens);
+    EXPECT_DOUBLE_EQ(inc.query_key_pairs, fresh.query_key_pairs);
+    EXPECT_DOUBLE_EQ(inc.max_query_key_pairs, fresh.max_query_key_pairs);
+    EXPECT_EQ(inc.multi_query, fresh.multi_query);
+  }
+}
+
+TEST(CostModel, RegimeAndKneeFeatures) {
+  CostModel::Weights w{};
+  w[static_cast<int>(CostFeature::kMultiQuery)] = 50;
+  w[static_cast<int>(CostFeature::kQueryTokensAboveKnee)] = 2;
+  const CostModel m = *CostModel::Create(w, 4, "t");
+  EXPECT_DOUBLE_EQ(m.AttentionUs({{{100, 1}, {100, 1}}}), 0);
+  EXPECT_DOUBLE_EQ(m.AttentionUs({{{100, 2}, {100, 1}}}), 50);
+  EXPECT_DOUBLE_EQ(m.AttentionUs({{{100, 5}, {100, 1}}}), 50 + 2 * 2);
+}
+
+TEST(CostModel, JsonRoundTripAndErrors) {
+  const CostModel v2 = CostModel::PublishedV2();
+  absl::StatusOr<CostModel> back = CostModel::FromJson(v2.ToJson(), "mem");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->Hash(), v2.Hash());
+
+  absl::StatusOr<CostModel> bad = CostModel::FromJson(
+      R"({"format":"dpbalance-cost-model","version":1,"weights_us":{"bogus":1}})", "f.json");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("bogus"), std::string::npos);
+  EXPECT_NE(bad.status().message().find("f.json"), std::string::npos);
+
+  CostModel::Weights neg{};
+  neg[2] = -1;
+  absl::StatusOr<CostModel> n = CostModel::Create(neg, 0, "neg");
+  ASSERT_FALSE(n.ok());
+  EXPECT_NE(n.status().message().find("query_tokens = -1"), std::string::npos);
+  EXPECT_FALSE(CostModel::FromFile("/nonexistent/model.json").ok());
+  EXPECT_FALSE(CostModel::FromJson("{\"format\":\"x\"}", "g").ok());
+}
+
+TEST(GlobalCost, ValidateNamesField) {
+  GlobalCost g;
+  g.ffn_per_token_us = std::nan("");
+  absl::Status s = g.Validate();
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("ffn_per_token_us"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace dpbalance

@@ -1,0 +1,333 @@
+#include "dpbalance/planner.h"
+
+#include <cstring>
+#include <random>
+
+#include "gtest/gtest.h"
+
+namespace dpbalance {
+namespace {
+
+using Batches = std::vector<std::vector<PlanRequest>>;
+
+// Instance objective of an assignment: expected tokens per microsecond with drafting `depth`.
+double Objective(const Batches& b, const std::vector<std::vector<int32_t>>& k, int depth,
+                 const CostModel& m, const GlobalCost& g) {
+  double gain = 0, tokens = 0, barrier = 0;
+  for (size_t r = 0; r < b.size(); ++r) {
+    BatchAggregates a;
+    for (size_t i = 0; i < b[r].size(); ++i) {
+      a.Add({b[r][i].ctx_tokens, 1 + k[r][i]});
+      gain += b[r][i].acceptance.ExpectedTokens(k[r][i]);
+    }
+    tokens += a.query_tokens;
+    barrier = std::max(barrier, m.AttentionUs(a));
+  }
+  return gain / (barrier + g.StepUs(tokens, depth));
+}
+
+// Exhaustive search over every request's verify length; depth = the largest length used.
+double BruteForce(const Batches& b, const CostModel& m, const GlobalCost& g) {
+  std::vector<std::pair<int, int>> idx;
+  for (size_t r = 0; r < b.size(); ++r)
+    for (size_t i = 0; i < b[r].size(); ++i) idx.push_back({static_cast<int>(r), static_cast<int>(i)});
+  std::vector<std::vector<int32_t>> k(b.size());
+  for (size_t r = 0; r < b.size(); ++r) {
+    k[r].resize(b[r].size());
+    for (size_t i = 0; i < b[r].size(); ++i) k[r][i] = b[r][i].k_min;
+  }
+  double best = 0;
+  while (true) {
+    int depth = 0;
+    for (const auto& row : k)
+      for (int32_t v : row) depth = std::max(depth, v);
+    best = std::max(best, Objective(b, k, depth, m, g));
+    size_t p = 0;
+    for (; p < idx.size(); ++p) {
+      auto [r, i] = idx[p];
+      if (k[r][i] < b[r][i].k_cap) {
+        ++k[r][i];
+        break;
+      }
+      k[r][i] = b[r][i].k_min;
+    }
+    if (p == idx.size()) break;
+  }
+  return best;
+}
+
+AcceptanceCurve RandomCurve(std::mt19937_64& rng) {
+  std::uniform_real_distribution<double> u(0.3, 0.97);
+  std::array<double, kMaxDraftLen> a;
+  for (double& x : a) x = u(rng);
+  return *AcceptanceCurve::FromConditional(a);
+}
+
+Batches RandomInstance(std::mt19937_64& rng, int ranks, int max_reqs, int k_max, bool floors) {
+  std::uniform_int_distribution<int> nreq(1, max_reqs);
+  std::lognormal_distribution<double> ctx(std::log(6000), 1.3);
+  Batches b(ranks);
+  for (auto& rank : b) {
+    const int n = nreq(rng);
+    for (int i = 0; i < n; ++i) {
+      PlanRequest r;
+      r.ctx_tokens = std::min<int64_t>(131000, static_cast<int64_t>(ctx(rng)));
+      r.k_cap = static_cast<int32_t>(rng() % (k_max + 1));
+      r.k_min = floors ? static_cast<int32_t>(rng() % (r.k_cap + 1)) / 2 : 0;
+      r.acceptance = RandomCurve(rng);
+      rank.push_back(r);
+    }
+  }
+  return b;
+}
+
+GlobalCost RandomGlobal(std::mt19937_64& rng) {
+  std::uniform_real_distribution<double> u(0, 1);
+  GlobalCost g;
+  g.ffn_fixed_us = 20000 * u(rng);
+  g.ffn_per_token_us = 5 * u(rng);
+  g.draft_per_step_us = 2000 * u(rng);
+  return g;
+}
+
+CostModel RegimeModel() {
+  // A fitted-style model: fixed cost, a kernel-path jump when any q > 1, critical-path term.
+  CostModel::Weights w{};
+  w[static_cast<int>(CostFeature::kConstant)] = 40;
+  w[static_cast<int>(CostFeature::kQueryTokens)] = 3;
+  w[static_cast<int>(CostFeature::kKeyTokens)] = 0.004;
+  w[static_cast<int>(CostFeature::kMultiQuery)] = 25;
+  w[static_cast<int>(CostFeature::kMultiQueryPairs)] = 0.02;
+  w[static_cast<int>(CostFeature::kMaxQueryKeyPairs)] = 0.01;
+  return *CostModel::Create(w, 0, "regime");
+}
+
+struct BruteCase {
+  const char* name;
+  CostModel model;
+};
+
+class PlannerBruteForce : public ::testing::TestWithParam<int> {};
+
+// The planner's objective is within 1% of an exhaustive search on small instances.
+TEST_P(PlannerBruteForce, WithinOnePercentOfExhaustive) {
+  const CostModel model = GetParam() == 0 ? CostModel::PublishedV2() : RegimeModel();
+  std::mt19937_64 rng(1000 + GetParam());
+  int trials = 0;
+  double worst = 1.0;
+  while (trials < 60) {
+    const int ranks = 2 + static_cast<int>(rng() % 3);
+    const int k_max = 1 + static_cast<int>(rng() % 4);
+    Batches b = RandomInstance(rng, ranks, 4, k_max, /*floors=*/trials % 3 == 0);
+    double space = 1;
+    for (auto& rank : b)
+      for (auto& r : rank) space *= r.k_cap - r.k_min + 1;
+    if (space > 3e5) continue;
+    ++trials;
+    PlannerConfig c;
+    c.num_ranks = ranks;
+    c.k_max = k_max;
+    c.default_k = std::min(3, k_max);
+    c.global = RandomGlobal(rng);
+    Planner p = *Planner::Create(c, model);
+    std::vector<int64_t> kv(ranks, -1);
+    std::vector<std::vector<int32_t>> k;
+    absl::StatusOr<GlobalDecision> d = p.PlanAll(b, kv, &k);
+    ASSERT_TRUE(d.ok()) << d.status();
+    const double got = Objective(b, k, d->draft_depth, model, c.global);
+    const double best = BruteForce(b, model, c.global);
+    ASSERT_GE(got, 0.99 * best) << "trial " << trials << " ranks " << ranks << " k_max " << k_max;
+    worst = std::min(worst, got / best);
+  }
+  RecordProperty("worst_ratio_to_exhaustive", std::to_string(worst));
+  std::printf("worst planner/exhaustive objective ratio over 60 instances: %.5f\n", worst);
+}
+INSTANTIATE_TEST_SUITE_P(Models, PlannerBruteForce, ::testing::Values(0, 1));
+
+struct RankRun {
+  std::vector<RankSummary> summaries;
+  std::vector<GlobalDecision> decisions;
+  std::vector<std::vector<int32_t>> k;
+};
+
+// Runs the three phases as separate ranks would: one Planner per rank.
+RankRun RunAsRanks(const PlannerConfig& c, const CostModel& m, const Batches& b,
+                   const std::vector<int64_t>& kv) {
+  RankRun out;
+  std::vector<Planner> planners;
+  out.summaries.resize(b.size());
+  for (size_t r = 0; r < b.size(); ++r) {
+    planners.push_back(*Planner::Create(c, m));
+    EXPECT_TRUE(planners[r].Summarize(static_cast<int>(r), b[r], kv[r], &out.summaries[r]).ok());
+  }
+  out.k.resize(b.size());
+  for (size_t r = 0; r < b.size(); ++r) {
+    absl::StatusOr<GlobalDecision> d = planners[r].Decide(out.summaries);
+    EXPECT_TRUE(d.ok()) << d.status();
+    out.decisions.push_back(*d);
+    out.k[r].resize(b[r].size());
+    EXPECT_TRUE(planners[r].Assign(*d, absl::MakeSpan(out.k[r])).ok());
+  }
+  return out;
+}
+
+TEST(PlannerProperties, DeterministicAndRespectsConstraintsOnRandomInstances) {
+  std::mt19937_64 rng(99);
+  for (int trial = 0; trial < 40; ++trial) {
+    const int ranks = 1 + static_cast<int>(rng() % 64);
+    PlannerConfig c;
+    c.num_ranks = ranks;
+    c.k_max = 1 + static_cast<int>(rng() % kMaxDraftLen);
+    c.default_k = static_cast<int>(rng() % (c.k_max + 1));
+    c.global = RandomGlobal(rng);
+    c.global.padded_tokens = trial % 2 == 1;
+    if (trial % 4 == 1) c.token_tiers = {8, 16, 32, 64, 128, 256, 512};
+    const CostModel m = trial % 3 == 0 ? RegimeModel() : CostModel::PublishedV2();
+    Batches b = RandomInstance(rng, ranks, 40, c.k_max, trial % 2 == 0);
+    std::vector<int64_t> kv(ranks);
+    for (auto& v : kv) v = (rng() % 3 == 0) ? static_cast<int64_t>(rng() % 30) : -1;
+    const RankRun run = RunAsRanks(c, m, b, kv);
+    const GlobalDecision& d0 = run.decisions[0];
+    for (const GlobalDecision& d : run.decisions) {
+      EXPECT_EQ(std::memcmp(&d, &d0, sizeof(d)), 0) << "ranks disagree on the decision";
+    }
+    for (int r = 0; r < ranks; ++r) {
+      BatchAggregates a;
+      int64_t extra = 0;
+      for (size_t i = 0; i < b[r].size(); ++i) {
+        const int32_t k = run.k[r][i];
+        EXPECT_GE(k, b[r][i].k_min);
+        EXPECT_LE(k, b[r][i].k_cap);
+        EXPECT_LE(k, d0.draft_depth);
+        extra += k - b[r][i].k_min;
+        a.Add({b[r][i].ctx_tokens, 1 + k});
+      }
+      if (kv[r] >= 0) EXPECT_LE(extra, kv[r]);
+      EXPECT_LE(m.AttentionUs(a), d0.barrier_us * (1 + 1e-5) + 1e-3);
+      if (c.global.padded_tokens) EXPECT_LE(a.query_tokens, d0.padded_rank_tokens);
+    }
+    // The whole flow agrees with the single-process PlanAll.
+    Planner all = *Planner::Create(c, m);
+    std::vector<std::vector<int32_t>> k2;
+    absl::StatusOr<GlobalDecision> d2 = all.PlanAll(b, kv, &k2);
+    ASSERT_TRUE(d2.ok());
+    EXPECT_EQ(std::memcmp(&*d2, &d0, sizeof(d0)), 0);
+    EXPECT_EQ(k2, run.k);
+  }
+}
+
+TEST(PlannerProperties, OffReproducesDefault) {
+  std::mt19937_64 rng(4);
+  PlannerConfig c;
+  c.num_ranks = 8;
+  c.mode = PlanMode::kOff;
+  c.default_k = 3;
+  Batches b = RandomInstance(rng, 8, 20, 7, false);
+  const RankRun run = RunAsRanks(c, CostModel::PublishedV2(), b, std::vector<int64_t>(8, -1));
+  for (int r = 0; r < 8; ++r)
+    for (size_t i = 0; i < b[r].size(); ++i) EXPECT_EQ(run.k[r][i], std::min(3, b[r][i].k_cap));
+  EXPECT_EQ(run.decisions[0].draft_depth, 3);
+}
+
+TEST(PlannerProperties, FillNeverRaisesTheDefaultBarrier) {
+  std::mt19937_64 rng(8);
+  const CostModel m = CostModel::PublishedV2();
+  for (int trial = 0; trial < 30; ++trial) {
+    PlannerConfig c;
+    c.num_ranks = 16;
+    c.mode = PlanMode::kFill;
+    c.global = RandomGlobal(rng);
+    Batches b = RandomInstance(rng, 16, 30, 7, false);
+    double default_barrier = 0;
+    for (auto& rank : b) {
+      BatchAggregates a;
+      for (auto& r : rank) a.Add({r.ctx_tokens, 1 + std::min(c.default_k, r.k_cap)});
+      default_barrier = std::max(default_barrier, m.AttentionUs(a));
+    }
+    const RankRun run = RunAsRanks(c, m, b, std::vector<int64_t>(16, -1));
+    for (int r = 0; r < 16; ++r) {
+      BatchAggregates a;
+      for (size_t i = 0; i < b[r].size(); ++i) {
+        EXPECT_GE(run.k[r][i], std::min(c.default_k, b[r][i].k_cap));
+        a.Add({b[r][i].ctx_tokens, 1 + run.k[r][i]});
+      }
+      EXPECT_LE(m.AttentionUs(a), default_barrier * (1 + 1e-5) + 1e-3);
+    }
+  }
+}
+
+TEST(PlannerProperties, GoodputBeatsOrMatchesStaticDefault) {
+  std::mt19937_64 rng(21);
+  const CostModel m = CostModel::PublishedV2();
+  for (int trial = 0; trial < 30; ++trial) {
+    PlannerConfig c;
+    c.num_ranks = 32;
+    c.global = RandomGlobal(rng);
+    Batches b = RandomInstance(rng, 32, 40, 7, false);
+    std::vector<std::vector<int32_t>> k, kdef(32);
+    Planner p = *Planner::Create(c, m);
+    absl::StatusOr<GlobalDecision> d = p.PlanAll(b, std::vector<int64_t>(32, -1), &k);
+    ASSERT_TRUE(d.ok());
+    for (int r = 0; r < 32; ++r)
+      for (auto& q : b[r]) kdef[r].push_back(std::min(c.default_k, q.k_cap));
+    EXPECT_GE(Objective(b, k, d->draft_depth, m, c.global),
+              0.995 * Objective(b, kdef, c.default_k, m, c.global));
+  }
+}
+
+TEST(PlannerErrors, BadInputIsAStatusNamingTheValue) {
+  PlannerConfig c;
+  c.num_ranks = 2;
+  Planner p = *Planner::Create(c, CostModel::PublishedV2());
+  RankSummary s;
+  std::vector<PlanRequest> b(1);
+  b[0].ctx_tokens = -3;
+  absl::Status st = p.Summarize(0, b, -1, &s);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("ctx_tokens = -3"), std::string::npos);
+  b[0] = PlanRequest{};
+  b[0].k_min = 5;
+  b[0].k_cap = 2;
+  st = p.Summarize(0, b, -1, &s);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("k_min = 5"), std::string::npos);
+  EXPECT_FALSE(p.Summarize(7, {}, -1, &s).ok());
+
+  PlannerConfig zero;
+  zero.num_ranks = 0;
+  EXPECT_FALSE(Planner::Create(zero, CostModel::PublishedV2()).ok());
+  PlannerConfig kbad;
+  kbad.k_max = 2;
+  kbad.default_k = 3;
+  EXPECT_FALSE(Planner::Create(kbad, CostModel::PublishedV2()).ok());
+  EXPECT_FALSE(ParsePlanMode("fast").ok());
+}
+
+TEST(PlannerErrors, MismatchedVersionOrConfigIsRejectedAndGarbageExcluded) {
+  PlannerConfig c;
+  c.num_ranks = 2;
+  Planner p = *Planner::Create(c, CostModel::PublishedV2());
+  std::vector<PlanRequest> b(3);
+  std::vector<RankSummary> s(2);
+  ASSERT_TRUE(p.Summarize(0, b, -1, &s[0]).ok());
+  ASSERT_TRUE(p.Summarize(1, b, -1, &s[1]).ok());
+  ASSERT_TRUE(p.Decide(s).ok());
+
+  std::vector<RankSummary> v = s;
+  v[1].version = 2;
+  EXPECT_EQ(p.Decide(v).status().code(), absl::StatusCode::kFailedPrecondition);
+  v = s;
+  v[1].config_hash ^= 1;
+  EXPECT_NE(p.Decide(v).status().message().find("config hash"), std::string::npos);
+
+  v = s;
+  v[1].base_attention_us = std::nanf("");  // garbage: excluded, the other rank still plans
+  absl::StatusOr<GlobalDecision> d = p.Decide(v);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->num_planned_ranks, 1);
+  v[0].flags = 0;
+  EXPECT_EQ(p.Decide(v).status().code(), absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace dpbalance
