@@ -62,6 +62,7 @@ bool SummaryUsable(const RankSummary& s, size_t idx) {
   if (!(s.flags & kSummaryValid) || s.rank_idx != idx) return false;
   if (!(std::isfinite(s.base_attention_us) && s.base_attention_us >= 0)) return false;
   if (!(std::isfinite(s.base_gain) && s.base_gain >= 0)) return false;
+  if (!(std::isfinite(s.default_attention_us) && s.default_attention_us >= 0)) return false;
   if (s.min_depth > kMaxDraftLen || s.max_depth > kMaxDraftLen || s.min_depth > s.max_depth) {
     return false;
   }
@@ -99,6 +100,9 @@ absl::StatusOr<PlanMode> ParsePlanMode(std::string_view name) {
 }
 
 absl::Status PlannerConfig::Validate() const {
+  if (std::isnan(max_step_slack)) {
+    return absl::InvalidArgumentError("planner: max_step_slack is NaN");
+  }
   if (num_ranks < 1 || num_ranks > 65536) {
     return absl::InvalidArgumentError(
         absl::StrFormat("planner: num_ranks = %d must be in 1..65536", num_ranks));
@@ -128,6 +132,7 @@ uint64_t PlannerConfig::Hash() const {
   h.Value(default_k);
   h.Value(global.Hash());
   for (int32_t t : token_tiers) h.Value(t);
+  h.Value(max_step_slack);
   h.Value(kSummaryVersion);
   return h.digest();
 }
@@ -198,6 +203,13 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
     max_depth = std::max(max_depth, static_cast<int>(batch[i].k_cap));
   }
   st.base_attention_us = model_.AttentionUs(st.base_agg);
+  BatchAggregates default_agg;
+  double default_gain = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const int32_t k = std::min(config_.default_k, batch[i].k_cap);
+    default_agg.Add(RequestLoad{batch[i].ctx_tokens, 1 + k});
+    default_gain += batch[i].acceptance.ExpectedTokens(k);
+  }
 
   // Step 2: extra-token items ordered by expected tokens per marginal microsecond. An item whose
   // gain cannot pay for its FFN cost at last step's goodput never helps, so it is dropped.
@@ -232,6 +244,9 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
   s.base_gain = static_cast<float>(base_gain);
   s.base_tokens = static_cast<uint32_t>(st.base_agg.query_tokens);
   s.num_requests = static_cast<uint16_t>(batch.size());
+  s.default_attention_us = static_cast<float>(model_.AttentionUs(default_agg));
+  s.default_gain = static_cast<float>(default_gain);
+  s.default_tokens = static_cast<uint32_t>(default_agg.query_tokens);
   s.min_depth = static_cast<uint8_t>(min_depth);
   s.max_depth = static_cast<uint8_t>(std::max(min_depth, max_depth));
   const int64_t kv_cap = kv_free_tokens < 0 ? std::numeric_limits<int64_t>::max() : kv_free_tokens;
@@ -312,12 +327,16 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
   valid_.clear();
   int depth_lo = 0;
   double floor_us = 0, base_gain = 0, base_tokens = 0, max_base_tokens = 0;
+  double default_barrier = 0, default_tokens = 0, max_default_tokens = 0;
   for (size_t r = 0; r < summaries.size(); ++r) {
     const RankSummary& s = summaries[r];
     const size_t idx = local ? s.rank_idx : r;
     if (absl::Status st = CheckSummary(s, idx, config_hash_); !st.ok()) return st;
     if (!SummaryUsable(s, idx)) continue;
     valid_.push_back(static_cast<uint32_t>(r));
+    default_barrier = std::max<double>(default_barrier, s.default_attention_us);
+    default_tokens += s.default_tokens;
+    max_default_tokens = std::max<double>(max_default_tokens, s.default_tokens);
     depth_lo = std::max<int>(depth_lo, s.min_depth);
     floor_us = std::max<double>(floor_us, s.base_attention_us);
     base_gain += s.base_gain;
@@ -343,12 +362,24 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
     return slot > 0 ? static_cast<int>(s.num_knots[slot - 1]) : 0;
   };
 
+  const double default_step =
+      default_barrier + g.StepUs(ffn_tokens(default_tokens, max_default_tokens), c.default_k);
+  const double max_step =
+      c.max_step_slack < 0 ? std::numeric_limits<double>::infinity()
+                           : default_step * (1 + c.max_step_slack);
+  best.default_step_us = default_step;
   double best_j = -1;
+  bool best_within_guard = false;
   auto consider = [&](int d, double barrier, double gain, double sum_tok, double max_tok) {
     const double ffn = ffn_tokens(sum_tok, max_tok);
     const double step = barrier + g.StepUs(ffn, d);
     const double j = gain / step;
-    if (j > best_j) {
+    // Within the TPOT guard the best goodput wins; if nothing fits the guard, the shortest step.
+    const bool within = step <= max_step;
+    const bool better = within ? (!best_within_guard || j > best_j)
+                               : (!best_within_guard && (best_j < 0 || step < best.step_us));
+    if (better) {
+      best_within_guard = within;
       best_j = j;
       best.draft_depth = d;
       best.barrier_us = barrier;
@@ -389,74 +420,126 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
   }
   std::sort(order.begin(), order.begin() + num_depths);
 
-  // Step 3: for each depth, sweep the barrier upwards over the knot costs; at each barrier every
-  // rank sits at its furthest knot that fits, which (knots being prefixes of one greedy order) is
-  // its best gain for that barrier. Knots under the floor barrier are free and applied at once.
-  cursor_.assign(summaries.size(), 0);
+  // Step 3: for each depth, sweep the barrier T upwards over the knot costs. Every rank sits on
+  // the segment of its frontier that contains T: between knots that are single items its gain is
+  // a step (exact: items are indivisible); between knots that skip items it is the chord (the
+  // frontier is concave, so the chord is a conservative estimate that Assign's fill achieves).
+  // Totals are linear in T between events, so goodput (linear-fractional) peaks at an event.
+  seg_.assign(summaries.size(), Segment{});
+  auto knot = [](const RankSummary& s, int first, int k, double* c, double* gn, double* t) {
+    if (k < 0) {
+      *c = s.base_attention_us;
+      *gn = s.base_gain;
+      *t = 0;
+    } else {
+      *c = s.knot_attention_us[first + k];
+      *gn = s.knot_gain[first + k];
+      *t = s.knot_tokens[first + k];
+    }
+  };
+  auto segment = [&](const RankSummary& s, int first, int n, int k) {
+    double c0, g0, t0;
+    knot(s, first, k, &c0, &g0, &t0);
+    Segment sg{g0, 0, t0, 0};
+    if (k + 1 < n) {
+      double c1, g1, t1;
+      knot(s, first, k + 1, &c1, &g1, &t1);
+      if (t1 - t0 > 1 && c1 > c0) {
+        sg.s_gain = (g1 - g0) / (c1 - c0);
+        sg.s_tok = (t1 - t0) / (c1 - c0);
+        sg.a_gain = g0 - sg.s_gain * c0;
+        sg.a_tok = t0 - sg.s_tok * c0;
+      }
+    }
+    return sg;
+  };
+  constexpr uint32_t kProbe = 0xffffffu;  // an event that only evaluates a barrier
+
   // Pass 0 (cheap, every depth): the goodput at the floor barrier, and a bound for every barrier
   // above it, evaluated at the lowest knot cost above the floor (the barrier's first possible
   // jump). Pass 1 sweeps only the depths whose bound beats the best found, best bound first.
   std::array<std::pair<double, int>, kMaxDraftLen + 1> refined{};
   for (int pass = 0; pass < 2; ++pass) {
-  if (pass == 1) {
-    order = refined;
-    std::sort(order.begin(), order.begin() + num_depths);
-  }
-  for (int oi = 0; oi < num_depths; ++oi) {
-    const int d = order[oi].second;
-    if (pass == 1 && -order[oi].first <= best_j) break;
-    double gain = base_gain, sum_tok = base_tokens, max_tok = max_base_tokens, ub_gain = 0;
-    float first_jump = std::numeric_limits<float>::infinity();
-    events_.clear();
-    for (uint32_t r : valid_) {
-      const RankSummary& s = summaries[r];
-      int first;
-      const int n = depth_knots(s, d, &first);
-      int k = 0;
-      for (; k < n && s.knot_attention_us[first + k] <= floor_us; ++k) {}
-      if (k > 0) {  // free knots
-        gain += s.knot_gain[first + k - 1] - s.base_gain;
-        sum_tok += s.knot_tokens[first + k - 1];
-        max_tok = std::max<double>(max_tok, s.base_tokens + s.knot_tokens[first + k - 1]);
-      }
-      cursor_[r] = k > 0 ? s.knot_tokens[first + k - 1] : 0;
-      ub_gain += n > 0 ? s.knot_gain[first + n - 1] : s.base_gain;
-      if (c.mode == PlanMode::kFill || k == n) continue;  // fill: the barrier stays at the floor
-      first_jump = std::min(first_jump, s.knot_attention_us[first + k]);
-      for (int kk = k; pass == 1 && kk < n; ++kk) {
-        events_.push_back((uint64_t{FloatKey(s.knot_attention_us[first + kk])} << 32) |
-                          (uint64_t{r} << 8) | static_cast<uint64_t>(kk));
-      }
+    if (pass == 1) {
+      order = refined;
+      std::sort(order.begin(), order.begin() + num_depths);
     }
-    if (pass == 0) {
-      consider(d, floor_us, gain, sum_tok, max_tok);
-      const double above = std::isfinite(first_jump)
-                               ? bound(gain, ub_gain, first_jump, ffn_tokens(sum_tok, max_tok), d)
-                               : 0.0;
-      refined[oi] = {-above, d};
-      continue;
-    }
-    std::sort(events_.begin(), events_.end());
-    for (size_t e = 0; e < events_.size();) {
-      const uint32_t key = static_cast<uint32_t>(events_[e] >> 32);
-      const double barrier = std::bit_cast<float>(key);
-      if (bound(gain, ub_gain, barrier, ffn_tokens(sum_tok, max_tok), d) <= best_j) break;
-      for (; e < events_.size() && static_cast<uint32_t>(events_[e] >> 32) == key; ++e) {
-        const uint32_t r = static_cast<uint32_t>((events_[e] >> 8) & 0xffffffu);
-        const int k = static_cast<int>(events_[e] & 0xff);
+    for (int oi = 0; oi < num_depths; ++oi) {
+      const int d = order[oi].second;
+      if (pass == 1 && best_within_guard && -order[oi].first <= best_j) break;
+      double a_gain = 0, s_gain = 0, a_tok = 0, s_tok = 0, max_tok = max_base_tokens, ub_gain = 0;
+      float first_jump = std::numeric_limits<float>::infinity();
+      events_.clear();
+      for (uint32_t r : valid_) {
         const RankSummary& s = summaries[r];
         int first;
-        depth_knots(s, d, &first);
-        const double prev_gain = k > 0 ? s.knot_gain[first + k - 1] : s.base_gain;
-        gain += s.knot_gain[first + k] - prev_gain;
-        const uint32_t extra = s.knot_tokens[first + k];
-        sum_tok += static_cast<double>(extra) - cursor_[r];
-        cursor_[r] = extra;
-        max_tok = std::max<double>(max_tok, s.base_tokens + extra);
+        const int n = depth_knots(s, d, &first);
+        int k = 0;
+        for (; k < n && s.knot_attention_us[first + k] <= floor_us; ++k) {}
+        // The rank sits on the segment starting at knot k-1 (k-1 = -1: its base).
+        const Segment sg = segment(s, first, n, k - 1);
+        seg_[r] = sg;
+        a_gain += sg.a_gain;
+        s_gain += sg.s_gain;
+        a_tok += sg.a_tok;
+        s_tok += sg.s_tok;
+        if (k > 0) max_tok = std::max<double>(max_tok, s.base_tokens + s.knot_tokens[first + k - 1]);
+        ub_gain += (n > 0 ? s.knot_gain[first + n - 1] : s.base_gain) - s.base_gain;
+        if (c.mode == PlanMode::kFill || k == n) continue;  // fill: the barrier stays at the floor
+        first_jump = std::min(first_jump, s.knot_attention_us[first + k]);
+        if (pass == 1) {
+          for (int kk = k; kk < n; ++kk) {
+            events_.push_back((uint64_t{FloatKey(s.knot_attention_us[first + kk])} << 32) |
+                              (uint64_t{r} << 8) | static_cast<uint64_t>(kk));
+          }
+        }
       }
-      consider(d, barrier, gain, sum_tok, max_tok);
+      ub_gain += base_gain;
+      // Knot gains are totals (base included); knot tokens are extra over the base.
+      auto gain_at = [&](double t) { return a_gain + s_gain * t; };
+      auto tokens_at = [&](double t) { return base_tokens + a_tok + s_tok * t; };
+      if (pass == 0) {
+        consider(d, floor_us, gain_at(floor_us), tokens_at(floor_us), max_tok);
+        const double above =
+            std::isfinite(first_jump)
+                ? bound(gain_at(floor_us), ub_gain, first_jump,
+                        ffn_tokens(tokens_at(floor_us), max_tok), d)
+                : 0.0;
+        refined[oi] = {-above, d};
+        continue;
+      }
+      if (c.mode != PlanMode::kFill && default_barrier > floor_us) {
+        events_.push_back((uint64_t{FloatKey(static_cast<float>(default_barrier))} << 32) |
+                          (uint64_t{kProbe} << 8));
+      }
+      std::sort(events_.begin(), events_.end());
+      for (size_t e = 0; e < events_.size();) {
+        const uint32_t key = static_cast<uint32_t>(events_[e] >> 32);
+        const double barrier = std::bit_cast<float>(key);
+        const double gain_now = gain_at(barrier), tok_now = tokens_at(barrier);
+        const double ffn_now = ffn_tokens(tok_now, max_tok);
+        if (best_within_guard && (bound(gain_now, ub_gain, barrier, ffn_now, d) <= best_j ||
+                                  barrier + g.StepUs(ffn_now, d) > max_step)) {
+          break;  // no later barrier can win (steps only grow from here)
+        }
+        for (; e < events_.size() && static_cast<uint32_t>(events_[e] >> 32) == key; ++e) {
+          const uint32_t r = static_cast<uint32_t>((events_[e] >> 8) & 0xffffffu);
+          if (r == kProbe) continue;
+          const int k = static_cast<int>(events_[e] & 0xff);
+          const RankSummary& s = summaries[r];
+          int first;
+          const int n = depth_knots(s, d, &first);
+          const Segment sg = segment(s, first, n, k);
+          a_gain += sg.a_gain - seg_[r].a_gain;
+          s_gain += sg.s_gain - seg_[r].s_gain;
+          a_tok += sg.a_tok - seg_[r].a_tok;
+          s_tok += sg.s_tok - seg_[r].s_tok;
+          seg_[r] = sg;
+          max_tok = std::max<double>(max_tok, s.base_tokens + s.knot_tokens[first + k]);
+        }
+        consider(d, barrier, gain_at(barrier), tokens_at(barrier), max_tok);
+      }
     }
-  }
   }
   best.num_planned_ranks = num_valid;
   return best;

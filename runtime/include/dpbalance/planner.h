@@ -49,6 +49,10 @@ struct PlannerConfig {
   GlobalCost global;    // identical on every rank
   // Allowed per-rank query-token counts (CUDA-graph tiers), ascending; empty: any count.
   std::vector<int32_t> token_tiers;
+  // TPOT guard: a plan's step time may not exceed (1 + max_step_slack) x the step time of the
+  // engine's default plan (every request at default_k) for the same batches. < 0: no guard.
+  // Requests that accept little get ~1 token a step, so their TPOT follows the step time.
+  double max_step_slack = -1;
 
   absl::Status Validate() const;
   // Hash over everything that must agree across ranks (the cost model hash is mixed in by the
@@ -70,6 +74,7 @@ struct GlobalDecision {
   double step_us = 0;              // planned step time
   double expected_tokens = 0;      // planned instance tokens (sum over planned ranks)
   double tokens_per_us = 0;        // planned goodput; also the fill threshold for Assign
+  double default_step_us = 0;      // predicted step time of the engine's default plan
   int64_t ffn_tokens = 0;          // tokens the FFN term was charged for
   int32_t padded_rank_tokens = 0;  // per-rank token tier (padded mode), else 0
   int num_planned_ranks = 0;       // ranks whose summaries were valid
@@ -135,7 +140,12 @@ class Planner {
   std::vector<LocalState> all_local_;     // PlanAll: one per rank
   std::vector<RankSummary> all_summaries_;
   mutable std::vector<uint64_t> events_;  // Decide scratch
-  mutable std::vector<uint32_t> cursor_;  // Decide scratch
+  // Decide scratch: each rank's current frontier segment as gain(T) = a_gain + s_gain * T and
+  // extra_tokens(T) = a_tok + s_tok * T for barrier T.
+  struct Segment {
+    double a_gain = 0, s_gain = 0, a_tok = 0, s_tok = 0;
+  };
+  mutable std::vector<Segment> seg_;
   mutable std::vector<uint32_t> valid_;   // Decide scratch
 };
 

@@ -47,7 +47,11 @@ struct RankSummary {
   float knot_attention_us[kKnotPool];
   float knot_gain[kKnotPool];
   uint16_t knot_tokens[kKnotPool];  // extra query tokens over the base
-  uint8_t reserved[44];             // zero; room for v1-compatible additions
+  // --- the engine's default plan (every request at min(default_k, cap)): 12 bytes ---
+  float default_attention_us;       // predicted attention time at the default verify length
+  float default_gain;               // expected emitted tokens at the default verify length
+  uint32_t default_tokens;          // query tokens at the default verify length
+  uint8_t reserved[32];             // zero; room for v1-compatible additions
 };
 
 inline constexpr size_t kSummaryBytes = 512;

@@ -1,0 +1,80 @@
+// integration/replay/simulator.h — trace-replay simulator of one DP decode instance.
+//
+// Contract
+// - `Simulate` replays `trace` through routing, verify-length planning (the runtime's Router and
+//   Planner, the same code an engine links) and a *truth* timing model, and returns the metrics
+//   of one run. Deterministic for a given config and seed.
+// - Closed loop (default): the next trace request is admitted whenever the instance has fewer
+//   than `inflight` requests and some rank has capacity; open loop: at its (scaled) arrival time.
+//   Requests that fit nowhere wait, in order. Measurement stops when the trace is exhausted
+//   (the drain at the end is not measured).
+// - The planner never sees the truth: it plans with `planner_model` and acceptance estimated
+//   from observed accept counts; `kOracle` plans with the truth model and true acceptance.
+// - Thread-compatible: independent calls may run concurrently.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "dpbalance/cost_model.h"
+#include "dpbalance/planner.h"
+#include "dpbalance/routing.h"
+#include "trace.h"
+
+namespace dpbalance::replay {
+
+enum class VerifyMode { kStatic, kLocal, kGoodput, kFill, kOracle };
+std::string VerifyModeName(VerifyMode m);  // "off" for static
+
+struct TruthModel {
+  CostModel attention = CostModel::PublishedV2();  // per-rank attention time
+  GlobalCost global;                                // FFN + EP comm, overhead, draft
+  double noise_sigma = 0;                           // multiplicative log-normal noise per rank/step
+};
+
+struct SimConfig {
+  int num_ranks = 64;
+  int64_t rank_capacity_tokens = 512000;  // KV tokens per rank
+  int max_batch_per_rank = 64;
+  int inflight = 2048;                    // closed loop: requests in flight, whole instance
+  bool open_loop = false;
+  double arrival_speedup = 1.0;           // open loop: arrival times divided by this
+  RoutingConfig routing;
+  VerifyMode verify = VerifyMode::kStatic;
+  int static_k = 3;                       // kStatic: verify length; planner modes: default_k
+  int k_max = 7;                          // planner modes: draft depth limit
+  double max_step_slack = 0.05;           // planner modes: TPOT guard (PlannerConfig), < 0 off
+  bool floor_at_default = false;          // planner modes: k_min = min(static_k, cap) (TPOT floor)
+  CostModel planner_model = CostModel::PublishedV2();
+  double acceptance_sigma = 1.0;          // per-request logit shift, standard deviation
+  double acceptance_prior_strength = 4.0;
+  uint64_t seed = 1;
+};
+
+struct RunResult {
+  int64_t steps = 0;
+  int64_t requests_finished = 0;
+  double sim_time_s = 0;
+  double tokens = 0;
+  double balance_efficiency = 0;       // sum mean-rank attention / sum max-rank attention
+  double cost_ratio_v1 = 0;            // published V1 actual / perfectly balanced, summed
+  double cost_ratio_v2 = 0;
+  double goodput_tok_per_s = 0;
+  double ideal_goodput_tok_per_s = 0;  // same steps with attention perfectly balanced
+  double mean_step_ms = 0;
+  double tpot_p50_ms = 0;
+  double tpot_p99_ms = 0;
+  double token_balance = 0;            // mean over steps of avg/max rank query tokens
+  double mean_verify_len = 0;          // mean k over request-steps
+  double mean_draft_depth = 0;
+  double blocked_step_fraction = 0;    // steps where the next request waited for KV capacity
+  double wall_s = 0;
+};
+
+absl::StatusOr<RunResult> Simulate(const SimConfig& config, const TruthModel& truth,
+                                   absl::Span<const TraceRequest> trace);
+
+}  // namespace dpbalance::replay

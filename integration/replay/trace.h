@@ -1,0 +1,29 @@
+// integration/replay/trace.h — loading public serving traces (Mooncake JSONL, Azure CSV).
+//
+// Contract: `LoadTrace` returns every request in file order, or an error naming the file, the
+// line and the offending value. Arrival times are milliseconds from the first request.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace dpbalance::replay {
+
+struct TraceRequest {
+  double arrival_ms = 0;
+  int64_t input_tokens = 0;
+  int64_t output_tokens = 0;
+};
+
+enum class TraceFormat { kAuto, kMooncakeJsonl, kAzureCsv };
+absl::StatusOr<TraceFormat> ParseTraceFormat(const std::string& name);  // auto|mooncake|azure
+
+// Mooncake timestamps are quantised into ~3 s buckets; `seed` spreads arrivals uniformly
+// inside each bucket (only open-loop replay looks at arrival times).
+absl::StatusOr<std::vector<TraceRequest>> LoadTrace(const std::string& path, TraceFormat format,
+                                                    uint64_t seed);
+
+}  // namespace dpbalance::replay

@@ -1,0 +1,86 @@
+// dpbalance/routing.h — request-level DP rank selection (what an engine's DP router calls).
+//
+// Contract
+// - `Router::Route(request, ranks)` returns the rank index for a new request, or
+//   ResourceExhausted when no rank has the KV capacity for it (the request then waits).
+// - Every strategy first drops ranks whose reserved tokens + the request's footprint exceed
+//   their capacity (../shared/docs/problem.md), then picks:
+//     A  min batch (requests), ties by min context
+//     B  min total context tokens, ties by min batch
+//     C  request longer than the Px percentile of the last N requests -> A, else -> B
+//     D  DualPath: ranks with token usage < avg * Z -> A among them, else B
+//     E  cost-aware (ours): the rank whose predicted attention time after adding the request
+//        (its context taken at the middle of its expected stay) is lowest, i.e. water-filling
+//        by the cost model the planner uses; ties by min batch. See docs/design.md.
+//   With G > 1 groups (contiguous blocks of ranks), a group is chosen first by A or B over the
+//   groups' totals (among groups with a rank that fits), then D inside it.
+// - Deterministic: ties break towards the lower rank index.
+// - Not thread-safe (C keeps a window of recent lengths; E a running output mean).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <string>
+#include <string_view>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "dpbalance/cost_model.h"
+
+namespace dpbalance {
+
+enum class RoutingStrategy { kMinBatch, kMinContext, kLengthSplit, kDualPath, kCostAware };
+// "A", "B", "C", "D" and "E" (also "cost").
+std::string_view RoutingName(RoutingStrategy s);
+absl::StatusOr<RoutingStrategy> ParseRouting(std::string_view name);
+
+struct RoutingConfig {
+  RoutingStrategy strategy = RoutingStrategy::kDualPath;
+  double z = 1.2;                    // D: usage threshold factor over the average
+  double split_percentile = 0.9;     // C: Px as a fraction
+  int split_window = 1000;           // C: N recent requests
+  int groups = 1;                    // G >= 1
+  RoutingStrategy group_choice = RoutingStrategy::kMinBatch;  // A or B
+  double query_tokens_per_request = 4;   // E: typical q (1 + verify length)
+  double initial_output_tokens = 300;    // E: expected output before any request finished
+
+  absl::Status Validate(int num_ranks) const;
+};
+
+// A rank's load as the router sees it.
+struct RankLoad {
+  int32_t num_requests = 0;
+  int64_t ctx_tokens = 0;       // sum of current contexts (token usage)
+  int64_t reserved_tokens = 0;  // KV reserved: contexts + remaining outputs of its requests
+  int64_t capacity_tokens = 0;  // KV capacity
+  int32_t max_requests = 0;     // batch cap (0: none)
+  BatchAggregates agg;          // for E: the batch at typical q (see RoutingConfig)
+};
+
+struct RouteRequest {
+  int64_t input_tokens = 0;
+  int64_t output_tokens = 0;  // footprint for the capacity filter (engines reserve max_tokens)
+};
+
+class Router {
+ public:
+  static absl::StatusOr<Router> Create(RoutingConfig config, int num_ranks, CostModel model);
+  absl::StatusOr<int> Route(const RouteRequest& req, absl::Span<const RankLoad> ranks);
+  // Feeds E's running mean of output lengths (call when a request finishes).
+  void ObserveFinished(int64_t output_tokens);
+  const RoutingConfig& config() const { return config_; }
+
+ private:
+  Router(RoutingConfig c, int n, CostModel m) : config_(c), num_ranks_(n), model_(std::move(m)) {}
+  int PickIn(RoutingStrategy s, const RouteRequest& req, absl::Span<const RankLoad> ranks,
+             int begin, int end) const;
+  bool Fits(const RouteRequest& req, const RankLoad& r) const;
+
+  RoutingConfig config_;
+  int num_ranks_;
+  CostModel model_;
+  std::deque<int64_t> recent_inputs_;
+  double finished_ = 0, finished_output_sum_ = 0;
+};
+
+}  // namespace dpbalance
