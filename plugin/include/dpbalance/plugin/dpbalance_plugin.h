@@ -1,0 +1,17 @@
+/* dpbalance plugin ABI umbrella: the newest version. A host dlopen()s the library named by
+ * DPB_PLUGIN and looks up DPB_PLUGIN_SYMBOL (trying newer versions first when there are
+ * several). */
+#ifndef DPBALANCE_PLUGIN_H_
+#define DPBALANCE_PLUGIN_H_
+
+#include "dpbalance/plugin/dpbalance_plugin_v1.h"
+
+typedef dpbalancePlugin_v1_t dpbalancePlugin_t;
+typedef dpbInitArgs_v1_t dpbInitArgs_t;
+typedef dpbRequest_v1_t dpbRequest_t;
+typedef dpbAccepted_v1_t dpbAccepted_t;
+typedef dpbStats_v1_t dpbStats_t;
+#define DPB_PLUGIN_SYMBOL "dpbalancePlugin_v1"
+#define DPB_PLUGIN_DEFAULT_LIBRARY "libdpbalance.so"
+
+#endif /* DPBALANCE_PLUGIN_H_ */

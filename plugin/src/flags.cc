@@ -1,0 +1,172 @@
+#include "flags.h"
+
+#include <cmath>
+#include <functional>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "dpbalance/cost_model.h"
+#include "dpbalance/log.h"
+
+extern char** environ;
+
+namespace dpbalance::plugin {
+namespace {
+
+using Setter = std::function<absl::Status(PluginFlags&, const std::string&)>;
+
+absl::Status Bad(const std::string& /*key*/, const std::string& value, const std::string& want) {
+  return absl::InvalidArgumentError(absl::StrCat("'", value, "' is not ", want));
+}
+
+Setter Int(int lo, int hi, std::function<void(PluginFlags&, int)> set) {
+  return [=](PluginFlags& f, const std::string& v) -> absl::Status {
+    int x;
+    if (!absl::SimpleAtoi(v, &x) || x < lo || x > hi) {
+      return Bad("", v, absl::StrCat("an integer in ", lo, "..", hi));
+    }
+    set(f, x);
+    return absl::OkStatus();
+  };
+}
+
+Setter Double(double lo, double hi, std::function<void(PluginFlags&, double)> set) {
+  return [=](PluginFlags& f, const std::string& v) -> absl::Status {
+    double x;
+    if (!absl::SimpleAtod(v, &x) || !std::isfinite(x) || x < lo || x > hi) {
+      return Bad("", v, absl::StrCat("a number in [", lo, ", ", hi, "]"));
+    }
+    set(f, x);
+    return absl::OkStatus();
+  };
+}
+
+const std::map<std::string, Setter>& Table() {
+  static const auto* table = new std::map<std::string, Setter>{
+      {"mode", [](PluginFlags& f, const std::string& v) -> absl::Status {
+         absl::StatusOr<PlanMode> m = ParsePlanMode(v);
+         if (!m.ok()) return Bad("", v, "off, goodput, fill or local");
+         f.balancer.planner.mode = *m;
+         return absl::OkStatus();
+       }},
+      {"k_max", Int(0, kMaxDraftLen, [](PluginFlags& f, int x) { f.balancer.planner.k_max = x; })},
+      {"default_k", Int(0, kMaxDraftLen, [](PluginFlags& f, int x) { f.balancer.planner.default_k = x; })},
+      {"k_min", Int(0, kMaxDraftLen, [](PluginFlags& f, int x) { f.k_min = x; })},
+      {"tiers", [](PluginFlags& f, const std::string& v) -> absl::Status {
+         f.balancer.planner.token_tiers.clear();
+         if (v.empty()) return absl::OkStatus();
+         for (absl::string_view part : absl::StrSplit(v, ',')) {
+           int32_t t;
+           if (!absl::SimpleAtoi(part, &t) || t <= 0) return Bad("", v, "a comma list of positive token counts");
+           f.balancer.planner.token_tiers.push_back(t);
+         }
+         return absl::OkStatus();
+       }},
+      {"padded", Int(0, 1, [](PluginFlags& f, int x) { f.balancer.planner.global.padded_tokens = x; })},
+      {"backend", [](PluginFlags& f, const std::string& v) -> absl::Status {
+         if (v != "inproc" && v != "callback" && v != "nccl") return Bad("", v, "inproc, callback or nccl");
+         f.backend = v;
+         return absl::OkStatus();
+       }},
+      {"group", [](PluginFlags& f, const std::string& v) -> absl::Status {
+         if (v.empty()) return Bad("", v, "a non-empty name");
+         f.group = v;
+         return absl::OkStatus();
+       }},
+      {"timeout_ms", Int(1, 600000, [](PluginFlags& f, int x) { f.balancer.timeout = absl::Milliseconds(x); })},
+      {"max_failures", Int(1, 1000000, [](PluginFlags& f, int x) { f.balancer.max_consecutive_failures = x; })},
+      {"ab_epoch", Int(0, 100000000, [](PluginFlags& f, int x) { f.balancer.ab_epoch_steps = x; })},
+      {"log_every", Int(0, 100000000, [](PluginFlags& f, int x) { f.balancer.log_every_steps = x; })},
+      {"log_level", [](PluginFlags& f, const std::string& v) -> absl::Status {
+         static const char* kLevels[] = {"trace", "debug", "info", "warn", "error", "off"};
+         for (const char* l : kLevels) {
+           if (v == l) {
+             f.log_level = v;
+             return absl::OkStatus();
+           }
+         }
+         return Bad("", v, "trace, debug, info, warn, error or off");
+       }},
+      {"metrics_file", [](PluginFlags& f, const std::string& v) -> absl::Status {
+         f.balancer.metrics_file = v;
+         return absl::OkStatus();
+       }},
+      {"cost_model", [](PluginFlags& f, const std::string& v) -> absl::Status {
+         if (v == "v2") {
+           f.balancer.model = CostModel::PublishedV2();
+         } else if (v == "v1") {
+           f.balancer.model = CostModel::PublishedV1();
+         } else {
+           absl::StatusOr<CostModel> m = CostModel::FromFile(v);
+           if (!m.ok()) return m.status();
+           f.balancer.model = *m;
+         }
+         return absl::OkStatus();
+       }},
+      {"ffn_fixed_us", Double(0, 1e9, [](PluginFlags& f, double x) { f.balancer.planner.global.ffn_fixed_us = x; })},
+      {"ffn_per_token_us", Double(0, 1e6, [](PluginFlags& f, double x) { f.balancer.planner.global.ffn_per_token_us = x; })},
+      {"step_overhead_us", Double(0, 1e9, [](PluginFlags& f, double x) { f.balancer.planner.global.step_overhead_us = x; })},
+      {"draft_us", Double(0, 1e9, [](PluginFlags& f, double x) { f.balancer.planner.global.draft_per_step_us = x; })},
+      {"step_slack", Double(-1, 100, [](PluginFlags& f, double x) { f.balancer.planner.max_step_slack = x; })},
+      {"prior_strength", Double(1e-3, 1e6, [](PluginFlags& f, double x) { f.balancer.acceptance_prior_strength = x; })},
+  };
+  return *table;
+}
+
+absl::Status Apply(PluginFlags& f, const std::string& key, const std::string& value,
+                   const std::string& source) {
+  const auto it = Table().find(key);
+  if (it == Table().end()) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown flag '", key, "' in ", source));
+  }
+  if (absl::Status s = it->second(f, value); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("flag '", key, "' in ", source, ": ", s.message()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::map<std::string, std::string> DpbEnvironment() {
+  std::map<std::string, std::string> out;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+    const std::string kv(*e);
+    const size_t eq = kv.find('=');
+    if (eq == std::string::npos || kv.rfind("DPB_", 0) != 0) continue;
+    const std::string name = kv.substr(0, eq);
+    if (name == "DPB_PLUGIN") continue;  // the host's: which library to load
+    out[name] = kv.substr(eq + 1);
+  }
+  return out;
+}
+
+absl::StatusOr<PluginFlags> ParseFlags(const std::map<std::string, std::string>& env,
+                                       const std::string& config) {
+  PluginFlags f;
+  f.balancer.planner.max_step_slack = 0.05;
+  for (const auto& [name, value] : env) {
+    if (name.rfind("DPB_", 0) != 0 || name == "DPB_PLUGIN") continue;
+    const std::string key = absl::AsciiStrToLower(name.substr(4));
+    if (absl::Status s = Apply(f, key, value, absl::StrCat("environment variable ", name)); !s.ok()) return s;
+  }
+  for (absl::string_view item : absl::StrSplit(config, ';', absl::SkipWhitespace())) {
+    const std::string entry(absl::StripAsciiWhitespace(item));
+    const size_t eq = entry.find('=');
+    if (eq == std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat("config string entry '", entry, "' is not key=value"));
+    }
+    const std::string key(absl::StripAsciiWhitespace(entry.substr(0, eq)));
+    const std::string value(absl::StripAsciiWhitespace(entry.substr(eq + 1)));
+    if (absl::Status s = Apply(f, key, value, "the config string"); !s.ok()) return s;
+  }
+  if (f.balancer.planner.default_k > f.balancer.planner.k_max) {
+    return absl::InvalidArgumentError(absl::StrCat("flag 'default_k' (", f.balancer.planner.default_k,
+                                                   ") exceeds 'k_max' (", f.balancer.planner.k_max, ")"));
+  }
+  return f;
+}
+
+}  // namespace dpbalance::plugin

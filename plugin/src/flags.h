@@ -1,0 +1,30 @@
+// plugin/src/flags.h — the plugin's runtime flags: DPB_* environment variables, overridden by
+// the `key=value;...` config string given to init. docs/flags.md lists every flag.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "dpbalance/balancer.h"
+
+namespace dpbalance::plugin {
+
+struct PluginFlags {
+  BalancerConfig balancer;         // mode, k_max, default_k, global terms, timeout, A/B, ...
+  int32_t k_min = 0;               // floor added to every request's own k_min
+  std::string backend = "nccl";    // inproc | callback | nccl (when init says "from flags")
+  std::string group = "default";   // inproc group name
+  std::string log_level = "info";
+};
+
+// `env` maps variable names to values (the process environment in production, a map in tests).
+// Errors name the flag, its source (environment or config string) and the value.
+absl::StatusOr<PluginFlags> ParseFlags(const std::map<std::string, std::string>& env,
+                                       const std::string& config);
+// The DPB_* variables of this process's environment (DPB_PLUGIN, the host's, excluded).
+std::map<std::string, std::string> DpbEnvironment();
+
+}  // namespace dpbalance::plugin

@@ -1,0 +1,137 @@
+// dpbalance/balancer.h — the per-rank balancer an engine calls once per decode step.
+//
+// Contract
+// - `Create` runs a handshake all-gather: every rank must run the same summary version and the
+//   same config hash. On a mismatch every rank sees the same gathered bytes, so every rank
+//   disables itself (and logs why) consistently; Create still succeeds and `Plan` then returns
+//   the engine's default verify lengths. Create fails only on bad arguments.
+// - `Plan(batch)` always fills `verify_len` (never throws, never blocks longer than the
+//   timeout): the balanced lengths, or on any failure the engine's default length
+//   min(default_k, k_cap) with the failure counted and a rate-limited warning. A rank whose own
+//   input is bad still joins the all-gather (with a record marked unusable), so no other rank
+//   waits for it. After `max_consecutive_failures` failures in a row the balancer disables.
+// - `Report(step)` feeds measured times and accept counts: the acceptance estimator, the
+//   predicted-vs-measured error, and the next summary's "previous step" fields.
+// - A/B epochs (`ab_epoch_steps` > 0): balancing is on in even epochs and off in odd ones, by
+//   step number (the smallest step index among the gathered records), with no extra traffic.
+// - Not thread-safe: one Balancer per rank, called from that rank's step thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "dpbalance/acceptance.h"
+#include "dpbalance/allgather.h"
+#include "dpbalance/metrics.h"
+#include "dpbalance/planner.h"
+
+namespace dpbalance {
+
+struct BalancerConfig {
+  PlannerConfig planner;                   // num_ranks, mode, k_max, default_k, global terms...
+  CostModel model = CostModel::PublishedV2();
+  absl::Duration timeout = absl::Milliseconds(50);
+  int max_consecutive_failures = 8;
+  int ab_epoch_steps = 0;                  // 0: no A/B
+  int log_every_steps = 1000;              // periodic one-line summary (0: never)
+  std::string metrics_file;                // JSON lines, one per log period (empty: none)
+  double acceptance_prior_strength = 4.0;
+  uint64_t Hash() const;                   // what the handshake compares
+};
+
+struct BalancerRequest {
+  int64_t request_id = 0;
+  int64_t ctx_tokens = 0;
+  int32_t k_min = 0;
+  int32_t k_cap = 0;                          // <= k_max; tokens the request may still emit - 1
+  absl::Span<const float> draft_confidence;  // optional, per draft position
+};
+
+struct BalancerAccepted {
+  int64_t request_id = 0;
+  int32_t verify_len = 0;
+  int32_t accepted = 0;
+  bool finished = false;  // the request left the batch: forget its statistics
+};
+
+struct PlanOutcome {
+  bool balanced = false;  // false: the default lengths were returned
+  int draft_depth = 0;    // agreed draft depth (the default k when not balanced)
+  absl::Status status;    // why not balanced, when it was a failure
+};
+
+struct ArmSummary {
+  int64_t epochs = 0;
+  double bubble_fraction = 0, bubble_ci95 = 0;
+  double goodput_tok_per_s = 0, goodput_ci95 = 0;
+};
+
+struct BalancerStats {
+  int64_t steps = 0;
+  int64_t balanced_steps = 0;
+  int64_t fallbacks = 0;
+  bool enabled = true;
+  std::string disabled_reason;
+  double bubble_fraction = 0;         // instance, from measured attention times (mean over steps)
+  double bubble_us = 0;               // mean idle time per rank per step
+  double predicted_error = 0;         // mean |predicted - measured| / measured, this rank
+  double tokens_per_step = 0;         // instance tokens per step
+  double goodput_tok_per_s = 0;       // instance tokens / instance step time
+  ArmSummary arm_on, arm_off;         // A/B arms (epochs == 0 without A/B)
+};
+
+class Balancer {
+ public:
+  static absl::StatusOr<std::unique_ptr<Balancer>> Create(BalancerConfig config, int rank,
+                                                          std::unique_ptr<AllGather> comm);
+  ~Balancer();
+
+  PlanOutcome Plan(absl::Span<const BalancerRequest> batch, int64_t kv_free_tokens,
+                   absl::Span<int32_t> verify_len);
+  absl::Status Report(double attention_us, double step_us,
+                      absl::Span<const BalancerAccepted> accepted);
+  BalancerStats Stats() const;
+  bool enabled() const { return enabled_; }
+
+ private:
+  Balancer(BalancerConfig config, int rank, std::unique_ptr<AllGather> comm, Planner planner);
+  absl::Status Handshake();
+  void Fallback(absl::Span<const BalancerRequest> batch, absl::Span<int32_t> verify_len) const;
+  void Fail(const absl::Status& s);
+  void Disable(const std::string& why);
+  void AccountPreviousStep(absl::Span<const RankSummary> all, bool prev_arm_on);
+  void MaybeLog();
+  bool ArmOn(uint64_t step) const;
+
+  BalancerConfig config_;
+  int rank_;
+  std::unique_ptr<AllGather> comm_;
+  Planner planner_;
+  AcceptanceEstimator estimator_;
+  bool enabled_ = true;
+  std::string disabled_reason_;
+  int consecutive_failures_ = 0;
+  uint64_t step_ = 0;
+  std::vector<PlanRequest> plan_batch_;
+  std::vector<RankSummary> gathered_;
+  RankSummary mine_{};
+  // Previous step, for the next summary and for accounting.
+  double prev_attention_us_ = -1, prev_step_us_ = -1, prev_tokens_ = -1;
+  double predicted_attention_us_ = -1;
+  bool prev_arm_on_ = true, have_prev_arm_ = false;
+  int64_t epoch_ = -1;
+  // Metrics.
+  int64_t balanced_steps_ = 0, fallbacks_ = 0;
+  RunningStat bubble_, bubble_us_, predicted_error_, tokens_per_step_;
+  double tokens_sum_ = 0, time_sum_us_ = 0;
+  ArmStats arm_on_, arm_off_;
+  int64_t last_warn_step_ = -1000000;
+};
+
+}  // namespace dpbalance

@@ -1,0 +1,334 @@
+#include "dpbalance/balancer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+
+#include "absl/strings/str_format.h"
+#include "dpbalance/log.h"
+#include "hash.h"
+
+namespace dpbalance {
+namespace {
+
+constexpr uint32_t kHelloMagic = 0x4f4c4548;  // "HELO"
+constexpr int64_t kWarnEverySteps = 1000;     // rate limit for step-path warnings
+
+// The handshake record travels in a summary-sized slot so one buffer size serves both.
+struct Hello {
+  uint32_t magic;
+  uint16_t summary_version;
+  uint16_t reserved;
+  uint64_t config_hash;
+};
+
+}  // namespace
+
+uint64_t BalancerConfig::Hash() const {
+  internal::Fnv1a h;
+  h.Value(planner.Hash());
+  h.Value(ab_epoch_steps);
+  return h.digest();
+}
+
+absl::StatusOr<std::unique_ptr<Balancer>> Balancer::Create(BalancerConfig config, int rank,
+                                                           std::unique_ptr<AllGather> comm) {
+  if (comm == nullptr) return absl::InvalidArgumentError("balancer: no all-gather backend");
+  if (comm->num_ranks() != config.planner.num_ranks || comm->rank() != rank ||
+      comm->record_bytes() != sizeof(RankSummary)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "balancer: backend '%s' is rank %d of %d with %d-byte records; config says rank %d of %d "
+        "with %d-byte records",
+        comm->name(), comm->rank(), comm->num_ranks(), comm->record_bytes(), rank,
+        config.planner.num_ranks, sizeof(RankSummary)));
+  }
+  if (config.max_consecutive_failures < 1 || config.ab_epoch_steps < 0 ||
+      config.timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "balancer: max_consecutive_failures %d must be >= 1, ab_epoch_steps %d >= 0, timeout > 0",
+        config.max_consecutive_failures, config.ab_epoch_steps));
+  }
+  absl::StatusOr<Planner> planner = Planner::Create(config.planner, config.model);
+  if (!planner.ok()) return planner.status();
+  std::unique_ptr<Balancer> b(new Balancer(std::move(config), rank, std::move(comm), *std::move(planner)));
+  if (absl::Status s = b->Handshake(); !s.ok()) b->Disable(std::string(s.message()));
+  return b;
+}
+
+Balancer::Balancer(BalancerConfig config, int rank, std::unique_ptr<AllGather> comm,
+                   Planner planner)
+    : config_(std::move(config)), rank_(rank), comm_(std::move(comm)), planner_(std::move(planner)),
+      estimator_(config_.acceptance_prior_strength, MtpK8ConditionalProfile()) {
+  gathered_.resize(config_.planner.num_ranks);
+}
+
+Balancer::~Balancer() {
+  if (config_.log_every_steps > 0 && step_ > 0) MaybeLog();
+}
+
+absl::Status Balancer::Handshake() {
+  RankSummary slot{};
+  Hello hello{kHelloMagic, kSummaryVersion, 0, config_.Hash()};
+  std::memcpy(&slot, &hello, sizeof(hello));
+  absl::Status s = comm_->Gather(
+      absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(&slot), sizeof(slot)),
+      absl::MakeSpan(reinterpret_cast<uint8_t*>(gathered_.data()), gathered_.size() * sizeof(RankSummary)),
+      std::max(config_.timeout, absl::Seconds(10)));
+  if (!s.ok()) return absl::UnavailableError(absl::StrCat("handshake all-gather failed: ", s.message()));
+  for (size_t r = 0; r < gathered_.size(); ++r) {
+    Hello h;
+    std::memcpy(&h, &gathered_[r], sizeof(h));
+    if (h.magic != kHelloMagic || h.summary_version != kSummaryVersion || h.config_hash != hello.config_hash) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "handshake: rank %d runs summary version %d with config hash %016x; rank %d runs "
+          "version %d with %016x (every rank disables itself)",
+          r, h.summary_version, h.config_hash, rank_, kSummaryVersion, hello.config_hash));
+    }
+  }
+  Logger()->info("rank {}: enabled, {} ranks, mode {}, k_max {}, default k {}, backend {}", rank_,
+                 config_.planner.num_ranks, PlanModeName(config_.planner.mode),
+                 config_.planner.k_max, config_.planner.default_k, comm_->name());
+  return absl::OkStatus();
+}
+
+void Balancer::Disable(const std::string& why) {
+  if (!enabled_) return;
+  enabled_ = false;
+  disabled_reason_ = why;
+  Logger()->error("rank {}: disabled, engine default verify lengths from now on: {}", rank_, why);
+}
+
+void Balancer::Fail(const absl::Status& s) {
+  ++fallbacks_;
+  ++consecutive_failures_;
+  if (static_cast<int64_t>(step_) - last_warn_step_ >= kWarnEverySteps) {
+    last_warn_step_ = static_cast<int64_t>(step_);
+    Logger()->warn("rank {} step {}: default verify lengths this step ({} fallbacks so far): {}",
+                   rank_, step_, fallbacks_, std::string(s.message()));
+  }
+  if (consecutive_failures_ >= config_.max_consecutive_failures) {
+    Disable(absl::StrFormat("%d consecutive failures, last: %s", consecutive_failures_, s.message()));
+  } else if (!comm_->healthy()) {
+    Disable(absl::StrCat("all-gather backend unusable: ", s.message()));
+  }
+}
+
+void Balancer::Fallback(absl::Span<const BalancerRequest> batch, absl::Span<int32_t> verify_len) const {
+  const size_t n = std::min(batch.size(), verify_len.size());
+  for (size_t i = 0; i < n; ++i) {
+    verify_len[i] = std::max(0, std::min(config_.planner.default_k, batch[i].k_cap));
+  }
+}
+
+bool Balancer::ArmOn(uint64_t step) const {
+  if (config_.planner.mode == PlanMode::kOff) return false;
+  if (config_.ab_epoch_steps <= 0) return true;
+  return (step / config_.ab_epoch_steps) % 2 == 0;
+}
+
+PlanOutcome Balancer::Plan(absl::Span<const BalancerRequest> batch, int64_t kv_free_tokens,
+                           absl::Span<int32_t> verify_len) {
+  PlanOutcome out;
+  out.draft_depth = config_.planner.default_k;
+  Fallback(batch, verify_len);
+  const uint64_t step = step_++;
+  if (!enabled_) return out;
+
+  // Step 1: this rank's summary. Bad local input still joins the exchange, marked unusable.
+  absl::Status local = verify_len.size() == batch.size()
+                           ? absl::OkStatus()
+                           : absl::InvalidArgumentError(absl::StrFormat(
+                                 "verify_len has %d slots for %d requests", verify_len.size(), batch.size()));
+  plan_batch_.resize(batch.size());
+  for (size_t i = 0; i < batch.size() && local.ok(); ++i) {
+    const BalancerRequest& q = batch[i];
+    PlanRequest& p = plan_batch_[i];
+    p.ctx_tokens = q.ctx_tokens;
+    p.k_min = q.k_min;
+    p.k_cap = q.k_cap;
+    if (!q.draft_confidence.empty()) {
+      absl::StatusOr<AcceptanceCurve> c = AcceptanceCurve::FromConfidences(q.draft_confidence);
+      if (!c.ok()) {
+        local = absl::InvalidArgumentError(absl::StrFormat("request %d: %s", q.request_id, c.status().message()));
+        break;
+      }
+      p.acceptance = *c;
+    } else {
+      p.acceptance = estimator_.Curve(q.request_id);
+    }
+  }
+  if (local.ok()) local = planner_.Summarize(rank_, plan_batch_, kv_free_tokens, &mine_);
+  if (!local.ok()) {
+    std::memset(&mine_, 0, sizeof(mine_));
+    mine_.magic = kSummaryMagic;
+    mine_.version = kSummaryVersion;
+    mine_.config_hash = planner_.config_hash();
+    mine_.rank_idx = static_cast<uint32_t>(rank_);
+  }
+  mine_.step_idx = static_cast<uint32_t>(step);
+  mine_.prev_attention_us = static_cast<float>(prev_attention_us_);
+  mine_.prev_step_us = static_cast<float>(prev_step_us_);
+  mine_.prev_accepted_tokens = static_cast<float>(prev_tokens_);
+
+  // Step 2: the exchange.
+  absl::Status s = comm_->Gather(
+      absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(&mine_), sizeof(mine_)),
+      absl::MakeSpan(reinterpret_cast<uint8_t*>(gathered_.data()), gathered_.size() * sizeof(RankSummary)),
+      config_.timeout);
+  if (!s.ok()) {
+    Fail(s);
+    out.status = s;
+    return out;
+  }
+  // Step 3: everyone agrees on the step (the smallest index sent) and so on the A/B arm.
+  uint32_t agreed_step = mine_.step_idx;
+  for (const RankSummary& r : gathered_) agreed_step = std::min(agreed_step, r.step_idx);
+  const bool arm_on = ArmOn(agreed_step);
+  if (have_prev_arm_) AccountPreviousStep(gathered_, prev_arm_on_);
+  const int64_t epoch = config_.ab_epoch_steps > 0 ? agreed_step / config_.ab_epoch_steps : 0;
+  if (epoch != epoch_) {
+    arm_on_.EndEpoch();
+    arm_off_.EndEpoch();
+    epoch_ = epoch;
+  }
+  prev_arm_on_ = arm_on;
+  have_prev_arm_ = true;
+  if (config_.log_every_steps > 0 && step > 0 && step % config_.log_every_steps == 0) MaybeLog();
+
+  predicted_attention_us_ = -1;
+  if (!local.ok()) {
+    Fail(local);
+    out.status = local;
+    return out;
+  }
+  if (!arm_on) {
+    consecutive_failures_ = 0;
+    return out;
+  }
+  // Step 4: the global decision (same bytes on every rank) and this rank's verify lengths.
+  absl::StatusOr<GlobalDecision> d = planner_.Decide(gathered_);
+  if (!d.ok()) {
+    if (d.status().code() == absl::StatusCode::kFailedPrecondition) {
+      Disable(std::string(d.status().message()));  // version/config mismatch: all ranks see it
+    } else {
+      Fail(d.status());
+    }
+    out.status = d.status();
+    Fallback(batch, verify_len);
+    return out;
+  }
+  if (absl::Status a = planner_.Assign(*d, verify_len); !a.ok()) {
+    Fail(a);
+    out.status = a;
+    Fallback(batch, verify_len);
+    return out;
+  }
+  BatchAggregates agg;
+  for (size_t i = 0; i < batch.size(); ++i) agg.Add({batch[i].ctx_tokens, 1 + verify_len[i]});
+  predicted_attention_us_ = planner_.model().AttentionUs(agg);
+  consecutive_failures_ = 0;
+  ++balanced_steps_;
+  out.balanced = true;
+  out.draft_depth = d->draft_depth;
+  return out;
+}
+
+void Balancer::AccountPreviousStep(absl::Span<const RankSummary> all, bool prev_arm_on) {
+  double max_attn = 0, sum_attn = 0, tokens = 0, step_us = 0;
+  int known = 0;
+  for (const RankSummary& r : all) {
+    if (!(r.prev_attention_us >= 0) || !(r.prev_step_us >= 0) || !(r.prev_accepted_tokens >= 0)) continue;
+    ++known;
+    max_attn = std::max<double>(max_attn, r.prev_attention_us);
+    sum_attn += r.prev_attention_us;
+    tokens += r.prev_accepted_tokens;
+    step_us = std::max<double>(step_us, r.prev_step_us);
+  }
+  if (known != static_cast<int>(all.size()) || max_attn <= 0 || step_us <= 0) return;
+  const double mean = sum_attn / known;
+  const double bubble = 1 - mean / max_attn;
+  bubble_.Add(bubble);
+  bubble_us_.Add(max_attn - mean);
+  tokens_per_step_.Add(tokens);
+  tokens_sum_ += tokens;
+  time_sum_us_ += step_us;
+  (prev_arm_on ? arm_on_ : arm_off_).AddStep(bubble, tokens, step_us);
+}
+
+absl::Status Balancer::Report(double attention_us, double step_us,
+                              absl::Span<const BalancerAccepted> accepted) {
+  if (!(std::isfinite(attention_us) && attention_us >= 0 && std::isfinite(step_us) && step_us >= 0)) {
+    prev_attention_us_ = prev_step_us_ = prev_tokens_ = -1;
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "report: attention_us %g and step_us %g must be finite and >= 0", attention_us, step_us));
+  }
+  double tokens = 0;
+  absl::Status first_error;
+  for (const BalancerAccepted& a : accepted) {
+    if (absl::Status s = estimator_.Observe(a.request_id, a.verify_len, a.accepted); !s.ok()) {
+      if (first_error.ok()) first_error = s;
+      continue;
+    }
+    tokens += a.accepted + 1;
+    if (a.finished) estimator_.Forget(a.request_id);
+  }
+  prev_attention_us_ = attention_us;
+  prev_step_us_ = step_us;
+  prev_tokens_ = tokens;
+  if (predicted_attention_us_ > 0 && attention_us > 0) {
+    predicted_error_.Add(std::abs(predicted_attention_us_ - attention_us) / attention_us);
+  }
+  return first_error;
+}
+
+BalancerStats Balancer::Stats() const {
+  BalancerStats s;
+  s.steps = static_cast<int64_t>(step_);
+  s.balanced_steps = balanced_steps_;
+  s.fallbacks = fallbacks_;
+  s.enabled = enabled_;
+  s.disabled_reason = disabled_reason_;
+  s.bubble_fraction = bubble_.mean();
+  s.bubble_us = bubble_us_.mean();
+  s.predicted_error = predicted_error_.mean();
+  s.tokens_per_step = tokens_per_step_.mean();
+  s.goodput_tok_per_s = time_sum_us_ > 0 ? tokens_sum_ / (time_sum_us_ * 1e-6) : 0;
+  auto arm = [](const ArmStats& a) {
+    ArmSummary r;
+    r.epochs = a.bubble().count();
+    r.bubble_fraction = a.bubble().mean();
+    r.bubble_ci95 = a.bubble().ci95();
+    r.goodput_tok_per_s = a.goodput().mean();
+    r.goodput_ci95 = a.goodput().ci95();
+    return r;
+  };
+  s.arm_on = arm(arm_on_);
+  s.arm_off = arm(arm_off_);
+  return s;
+}
+
+void Balancer::MaybeLog() {
+  const BalancerStats s = Stats();
+  Logger()->info(
+      "rank {} step {}: bubble {:.4f} ({:.0f} us/rank), goodput {:.0f} tok/s, {:.1f} tok/step, "
+      "model error {:.3f}, balanced {}/{}, fallbacks {}{}",
+      rank_, s.steps, s.bubble_fraction, s.bubble_us, s.goodput_tok_per_s, s.tokens_per_step,
+      s.predicted_error, s.balanced_steps, s.steps, s.fallbacks, s.enabled ? "" : " (disabled)");
+  if (config_.metrics_file.empty()) return;
+  std::ofstream f(config_.metrics_file, std::ios::app);
+  if (!f) return;
+  f << absl::StrFormat(
+      "{\"rank\":%d,\"step\":%d,\"bubble_fraction\":%.6f,\"bubble_us\":%.3f,\"goodput_tok_per_s\":%.3f,"
+      "\"tokens_per_step\":%.3f,\"predicted_error\":%.6f,\"balanced_steps\":%d,\"fallbacks\":%d,"
+      "\"enabled\":%s,\"ab\":{\"on\":{\"epochs\":%d,\"bubble\":%.6f,\"bubble_ci95\":%.6f,"
+      "\"goodput\":%.3f,\"goodput_ci95\":%.3f},\"off\":{\"epochs\":%d,\"bubble\":%.6f,"
+      "\"bubble_ci95\":%.6f,\"goodput\":%.3f,\"goodput_ci95\":%.3f}}}\n",
+      rank_, s.steps, s.bubble_fraction, s.bubble_us, s.goodput_tok_per_s, s.tokens_per_step,
+      s.predicted_error, s.balanced_steps, s.fallbacks, s.enabled ? "true" : "false",
+      s.arm_on.epochs, s.arm_on.bubble_fraction, s.arm_on.bubble_ci95, s.arm_on.goodput_tok_per_s,
+      s.arm_on.goodput_ci95, s.arm_off.epochs, s.arm_off.bubble_fraction, s.arm_off.bubble_ci95,
+      s.arm_off.goodput_tok_per_s, s.arm_off.goodput_ci95);
+}
+
+}  // namespace dpbalance

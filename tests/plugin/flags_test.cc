@@ -1,0 +1,49 @@
+#include "flags.h"
+
+#include "gtest/gtest.h"
+
+namespace dpbalance::plugin {
+namespace {
+
+TEST(Flags, DefaultsEnvironmentAndConfigStringWhichWins) {
+  absl::StatusOr<PluginFlags> f = ParseFlags({}, "");
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ(f->balancer.planner.mode, PlanMode::kGoodput);
+  EXPECT_EQ(f->balancer.planner.k_max, 7);
+  EXPECT_DOUBLE_EQ(f->balancer.planner.max_step_slack, 0.05);
+
+  f = ParseFlags({{"DPB_MODE", "fill"}, {"DPB_K_MAX", "5"}, {"DPB_TIERS", "8,16,32"}},
+                 "k_max=6; timeout_ms=20 ;ab_epoch=100;padded=1");
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->balancer.planner.mode, PlanMode::kFill);
+  EXPECT_EQ(f->balancer.planner.k_max, 6);
+  EXPECT_EQ(f->balancer.planner.token_tiers, (std::vector<int32_t>{8, 16, 32}));
+  EXPECT_EQ(f->balancer.timeout, absl::Milliseconds(20));
+  EXPECT_EQ(f->balancer.ab_epoch_steps, 100);
+  EXPECT_TRUE(f->balancer.planner.global.padded_tokens);
+  // DPB_PLUGIN is the host's variable, not a flag.
+  EXPECT_TRUE(ParseFlags({{"DPB_PLUGIN", "dpbalance"}}, "").ok());
+}
+
+TEST(Flags, UnknownAndMalformedFlagsAreNamed) {
+  absl::StatusOr<PluginFlags> f = ParseFlags({{"DPB_KMAX", "5"}}, "");
+  ASSERT_FALSE(f.ok());
+  EXPECT_NE(f.status().message().find("'kmax'"), std::string::npos) << f.status();
+  EXPECT_NE(f.status().message().find("DPB_KMAX"), std::string::npos);
+
+  f = ParseFlags({}, "k_max=nine");
+  ASSERT_FALSE(f.ok());
+  EXPECT_NE(f.status().message().find("k_max"), std::string::npos);
+  EXPECT_NE(f.status().message().find("nine"), std::string::npos);
+  EXPECT_NE(f.status().message().find("config string"), std::string::npos);
+
+  EXPECT_FALSE(ParseFlags({}, "mode=turbo").ok());
+  EXPECT_FALSE(ParseFlags({}, "k_max").ok());
+  EXPECT_FALSE(ParseFlags({}, "tiers=8,-1").ok());
+  EXPECT_FALSE(ParseFlags({}, "k_max=2;default_k=3").ok());
+  EXPECT_FALSE(ParseFlags({}, "cost_model=/nonexistent.json").ok());
+  EXPECT_FALSE(ParseFlags({}, "ffn_per_token_us=nan").ok());
+}
+
+}  // namespace
+}  // namespace dpbalance::plugin

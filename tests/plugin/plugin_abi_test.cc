@@ -1,0 +1,117 @@
+// The plugin as an engine sees it: dlopen + dlsym + the C ABI only.
+#include <dlfcn.h>
+
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "dpbalance/plugin/dpbalance_plugin.h"
+#include "gtest/gtest.h"
+
+namespace {
+
+class PluginAbi : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    lib_ = dlopen(DPB_PLUGIN_PATH, RTLD_NOW | RTLD_LOCAL);
+    ASSERT_NE(lib_, nullptr) << dlerror();
+    plugin_ = static_cast<const dpbalancePlugin_t*>(dlsym(lib_, DPB_PLUGIN_SYMBOL));
+    ASSERT_NE(plugin_, nullptr);
+  }
+  void TearDown() override {
+    if (lib_) dlclose(lib_);
+  }
+  void* lib_ = nullptr;
+  const dpbalancePlugin_t* plugin_ = nullptr;
+};
+
+TEST_F(PluginAbi, ExportsOnlyTheVersionedSymbol) {
+  std::unique_ptr<FILE, int (*)(FILE*)> p(popen("nm -D --defined-only " DPB_PLUGIN_PATH, "r"), pclose);
+  ASSERT_NE(p, nullptr);
+  std::array<char, 512> line;
+  std::vector<std::string> symbols;
+  while (fgets(line.data(), line.size(), p.get())) {
+    std::string s(line.data());
+    symbols.push_back(s.substr(s.rfind(' ') + 1, s.size() - s.rfind(' ') - 2));
+  }
+  ASSERT_EQ(symbols.size(), 1u);
+  EXPECT_EQ(symbols[0], "dpbalancePlugin_v1");
+  EXPECT_STREQ(plugin_->name, "dpbalance");
+}
+
+TEST_F(PluginAbi, MultiRankThroughTheAbiAgreesAndReportsStats) {
+  constexpr int kRanks = 4;
+  std::array<int32_t, kRanks> depth{};
+  std::array<dpbResult_t, kRanks> last{};
+  std::array<dpbStats_t, kRanks> stats{};
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      dpbInitArgs_t a{};
+      a.num_ranks = kRanks;
+      a.rank = r;
+      a.config = "backend=inproc;group=abi4;log_every=0;default_k=1;timeout_ms=20000";
+      a.backend = dpbBackendFromFlags;
+      void* ctx = nullptr;
+      ASSERT_EQ(plugin_->init(&a, &ctx), dpbSuccess);
+      for (int step = 0; step < 10; ++step) {
+        std::vector<dpbRequest_t> reqs;
+        for (int i = 0; i < 6 + r; ++i) reqs.push_back({100 * r + i, 1000 + 20000 * (r == 0) + 300 * i, 0, 7, nullptr, 0});
+        std::vector<int32_t> v(reqs.size(), -1);
+        last[r] = plugin_->plan(ctx, reqs.data(), static_cast<int32_t>(reqs.size()), -1, v.data(), &depth[r]);
+        std::vector<dpbAccepted_t> acc;
+        for (size_t i = 0; i < reqs.size(); ++i) {
+          EXPECT_GE(v[i], 0);
+          EXPECT_LE(v[i], depth[r]);
+          acc.push_back({reqs[i].request_id, v[i], v[i] > 0 ? 1 : 0, 0});
+        }
+        EXPECT_EQ(plugin_->report(ctx, 10000 + 2000 * r, 40000, acc.data(), static_cast<int32_t>(acc.size())), dpbSuccess);
+      }
+      EXPECT_EQ(plugin_->stats(ctx, &stats[r]), dpbSuccess);
+      EXPECT_EQ(plugin_->finalize(ctx), dpbSuccess);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_EQ(last[r], dpbSuccess);
+    EXPECT_EQ(depth[r], depth[0]);
+    EXPECT_EQ(stats[r].balanced_steps, 10);
+    EXPECT_EQ(stats[r].fallbacks, 0);
+    EXPECT_GT(stats[r].bubble_fraction, 0.1);  // reported times differ by rank
+  }
+}
+
+TEST_F(PluginAbi, BadFlagsAndArgumentsFallBackToDefaults) {
+  dpbInitArgs_t a{};
+  a.num_ranks = 1;
+  a.rank = 0;
+  a.config = "k_max=99";
+  a.backend = dpbBackendInProcess;
+  void* ctx = reinterpret_cast<void*>(0x1);
+  EXPECT_EQ(plugin_->init(&a, &ctx), dpbInvalidArgument);
+  EXPECT_EQ(ctx, nullptr);
+  a.config = "group=solo;log_every=0";
+  a.rank = 3;
+  EXPECT_EQ(plugin_->init(&a, &ctx), dpbInvalidArgument);
+  a.rank = 0;
+  ASSERT_EQ(plugin_->init(&a, &ctx), dpbSuccess);
+  // A request with a negative context: default lengths, a fallback, no crash.
+  dpbRequest_t reqs[2] = {{1, -10, 0, 5, nullptr, 0}, {2, 100, 0, 2, nullptr, 0}};
+  int32_t v[2] = {-1, -1}, d = -1;
+  EXPECT_EQ(plugin_->plan(ctx, reqs, 2, -1, v, &d), dpbFallback);
+  EXPECT_EQ(v[0], 3);  // min(default_k = 3, cap 5)
+  EXPECT_EQ(v[1], 2);
+  EXPECT_EQ(plugin_->plan(ctx, reqs, -1, -1, v, &d), dpbInvalidArgument);
+  EXPECT_EQ(plugin_->plan(nullptr, reqs, 2, -1, v, &d), dpbInvalidArgument);
+  // Confidence out of [0, 1]: also a fallback.
+  const float conf[2] = {0.9f, 1.7f};
+  dpbRequest_t c = {3, 100, 0, 2, conf, 2};
+  EXPECT_EQ(plugin_->plan(ctx, &c, 1, -1, v, &d), dpbFallback);
+  EXPECT_EQ(plugin_->report(ctx, std::nan(""), 1.0, nullptr, 0), dpbInvalidArgument);
+  EXPECT_EQ(plugin_->finalize(ctx), dpbSuccess);
+}
+
+}  // namespace

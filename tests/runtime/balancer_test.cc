@@ -1,0 +1,155 @@
+#include "dpbalance/balancer.h"
+
+#include <atomic>
+#include <functional>
+#include <random>
+#include <thread>
+
+#include "dpbalance/inprocess_allgather.h"
+#include "gtest/gtest.h"
+
+namespace dpbalance {
+namespace {
+
+BalancerConfig Config(int ranks) {
+  BalancerConfig c;
+  c.planner.num_ranks = ranks;
+  c.planner.k_max = 7;
+  c.planner.default_k = 1;
+  c.timeout = absl::Seconds(20);
+  c.log_every_steps = 0;
+  return c;
+}
+
+std::vector<BalancerRequest> Batch(std::mt19937_64& rng, int n, int64_t id0) {
+  std::lognormal_distribution<double> ctx(std::log(6000), 1.2);
+  std::vector<BalancerRequest> b(n);
+  for (int i = 0; i < n; ++i) {
+    b[i].request_id = id0 + i;
+    b[i].ctx_tokens = static_cast<int64_t>(ctx(rng));
+    b[i].k_cap = 7;
+  }
+  return b;
+}
+
+struct RankLog {
+  std::vector<int> depth;
+  std::vector<bool> balanced;
+  bool enabled = true;
+  BalancerStats stats;
+};
+
+// Runs `steps` steps on `ranks` threads; `tweak(rank, config)` may change one rank's config,
+// `batch_of(rank, step, rng)` builds its batch.
+std::vector<RankLog> RunRanks(int ranks, int steps, std::function<void(int, BalancerConfig&)> tweak,
+                              std::function<std::vector<BalancerRequest>(int, int, std::mt19937_64&)> batch_of,
+                              std::function<bool(int, int)> skip = nullptr) {
+  auto group = *InProcessGroup::Create(ranks, sizeof(RankSummary));
+  std::vector<RankLog> logs(ranks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r) {
+    threads.emplace_back([&, r] {
+      BalancerConfig c = Config(ranks);
+      if (tweak) tweak(r, c);
+      if (ranks > 16) c.timeout = absl::Seconds(60);
+      auto b = Balancer::Create(c, r, *group->Join(r));
+      ASSERT_TRUE(b.ok()) << b.status();
+      std::mt19937_64 rng(r);
+      for (int s = 0; s < steps; ++s) {
+        if (skip && skip(r, s)) break;
+        std::vector<BalancerRequest> batch = batch_of(r, s, rng);
+        std::vector<int32_t> v(batch.size(), -1);
+        const PlanOutcome o = (*b)->Plan(batch, -1, absl::MakeSpan(v));
+        logs[r].depth.push_back(o.draft_depth);
+        logs[r].balanced.push_back(o.balanced);
+        for (size_t i = 0; i < batch.size(); ++i) {
+          EXPECT_GE(v[i], 0);
+          EXPECT_LE(v[i], std::max(0, batch[i].k_cap));
+          if (o.balanced) EXPECT_LE(v[i], o.draft_depth);
+        }
+        std::vector<BalancerAccepted> acc;
+        for (size_t i = 0; i < batch.size(); ++i) acc.push_back({batch[i].request_id, v[i], v[i] / 2, false});
+        if (v.size() == batch.size()) (*b)->Report(20000 + 100 * r, 60000, acc).IgnoreError();
+      }
+      logs[r].enabled = (*b)->enabled();
+      logs[r].stats = (*b)->Stats();
+    });
+  }
+  for (auto& t : threads) t.join();
+  return logs;
+}
+
+auto Normal = [](int r, int s, std::mt19937_64& rng) { return Batch(rng, 8 + r % 5, 1000 * r + s % 3); };
+
+TEST(Balancer, RanksAgreeOnDepthForRankCountsOneToSixtyFour) {
+  for (int ranks : {1, 2, 5, 16, 64}) {
+    const auto logs = RunRanks(ranks, 6, nullptr, Normal);
+    for (int s = 0; s < 6; ++s) {
+      for (int r = 0; r < ranks; ++r) {
+        EXPECT_TRUE(logs[r].balanced[s]) << "ranks " << ranks << " rank " << r << " step " << s;
+        EXPECT_EQ(logs[r].depth[s], logs[0].depth[s]);
+      }
+    }
+    EXPECT_EQ(logs[0].stats.fallbacks, 0);
+  }
+}
+
+TEST(Balancer, ARankWithGarbageFallsBackAloneWithoutStallingOthers) {
+  auto garbage = [](int r, int /*s*/, std::mt19937_64& rng) {
+    auto b = Batch(rng, 10, 100 * r);
+    if (r == 2) b[3].ctx_tokens = -5;  // invalid on rank 2
+    return b;
+  };
+  const auto logs = RunRanks(4, 5, nullptr, garbage);
+  for (int s = 0; s < 5; ++s) {
+    EXPECT_FALSE(logs[2].balanced[s]);
+    EXPECT_TRUE(logs[0].balanced[s]);
+    EXPECT_TRUE(logs[3].balanced[s]);
+    EXPECT_EQ(logs[0].depth[s], logs[1].depth[s]);
+  }
+  EXPECT_EQ(logs[2].stats.fallbacks, 5);
+}
+
+TEST(Balancer, MismatchedConfigsDisableEveryRankConsistently) {
+  const auto logs = RunRanks(4, 3, [](int r, BalancerConfig& c) { if (r == 1) c.planner.k_max = 5; }, Normal);
+  for (const RankLog& l : logs) {
+    EXPECT_FALSE(l.enabled);
+    EXPECT_NE(l.stats.disabled_reason.find("config hash"), std::string::npos) << l.stats.disabled_reason;
+    for (bool b : l.balanced) EXPECT_FALSE(b);
+  }
+}
+
+TEST(Balancer, ARankThatStopsCausesTimeoutsThenEveryoneDisablesNoHang) {
+  const auto logs = RunRanks(
+      3, 6, [](int, BalancerConfig& c) { c.timeout = absl::Milliseconds(200); }, Normal,
+      [](int r, int s) { return r == 2 && s >= 2; });  // rank 2 vanishes at step 2
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(logs[r].balanced[0]);
+    EXPECT_FALSE(logs[r].balanced[2]);
+    EXPECT_FALSE(logs[r].enabled);  // the broken group disabled them: later steps cost nothing
+    EXPECT_EQ(logs[r].stats.fallbacks, 1);
+  }
+}
+
+TEST(Balancer, ABEpochsAlternateByStepAndMeasureBothArms) {
+  const auto logs = RunRanks(2, 40, [](int, BalancerConfig& c) { c.ab_epoch_steps = 5; }, Normal);
+  for (int s = 0; s < 40; ++s) EXPECT_EQ(logs[0].balanced[s], (s / 5) % 2 == 0) << s;
+  EXPECT_GE(logs[0].stats.arm_on.epochs, 3);
+  EXPECT_GE(logs[0].stats.arm_off.epochs, 3);
+  // Reported attention 20000 vs 20100 us: bubble 1 - 20050/20100.
+  EXPECT_NEAR(logs[0].stats.bubble_fraction, 1 - 20050.0 / 20100.0, 1e-6);
+  EXPECT_GT(logs[0].stats.goodput_tok_per_s, 0);
+  EXPECT_GT(logs[0].stats.predicted_error, 0);
+}
+
+TEST(Balancer, BadArgumentsAtCreateAreErrors) {
+  auto group = *InProcessGroup::Create(2, sizeof(RankSummary));
+  EXPECT_FALSE(Balancer::Create(Config(3), 0, *group->Join(0)).ok());  // 3 ranks vs 2
+  EXPECT_FALSE(Balancer::Create(Config(2), 0, nullptr).ok());
+  BalancerConfig c = Config(2);
+  c.max_consecutive_failures = 0;
+  EXPECT_FALSE(Balancer::Create(c, 1, *group->Join(1)).ok());
+}
+
+}  // namespace
+}  // namespace dpbalance
