@@ -46,7 +46,12 @@ ABSL_FLAG(bool, floor_at_default, false,
 ABSL_FLAG(double, step_slack, 0.05,
           "planner TPOT guard: step time <= (1 + this) x the default-k step; < 0 disables");
 ABSL_FLAG(std::string, truth, "v2", "truth attention model: v2, v1 or a cost-model JSON file");
-ABSL_FLAG(std::string, planner_model, "truth", "planner's model: truth, v2, v1 or a JSON file");
+ABSL_FLAG(std::string, planner_model, "truth",
+          "planner's model: truth, v2, v1, a JSON file, or online[:START] (refit online from the "
+          "measured attention, starting from START = v2 by default)");
+ABSL_FLAG(int, truth_layers, 1,
+          "attention layers per step: the truth model (e.g. a per-layer fit from "
+          "dpbalance-calibrate) is multiplied by this");
 ABSL_FLAG(std::string, eval_cost, "v2", "published form the attention cost ratio uses: v1 or v2");
 ABSL_FLAG(double, ffn_fixed_ms, 20.0, "truth: MoE FFN + EP comm fixed time per step, ms");
 ABSL_FLAG(double, ffn_per_token_ms, 0.002, "truth: FFN + comm per instance query token, ms");
@@ -145,6 +150,7 @@ nlohmann::json RowJson(const Row& w, const std::string& eval_cost) {
   j["mean_draft_depth"] = r.mean_draft_depth;
   j["requests_finished"] = r.requests_finished;
   j["blocked_step_fraction"] = r.blocked_step_fraction;
+  j["planner_model_error"] = r.planner_model_error;
   j["wall_s"] = r.wall_s;
   j["sim_steps_per_s"] = r.wall_s > 0 ? r.steps / r.wall_s : 0;
   return j;
@@ -208,7 +214,11 @@ int Main() {
   TruthModel truth;
   absl::StatusOr<CostModel> tm = ModelByName(absl::GetFlag(FLAGS_truth), "--truth");
   if (!tm.ok()) return fail(tm.status());
-  truth.attention = *tm;
+  if (absl::GetFlag(FLAGS_truth_layers) < 1) {
+    return fail(absl::InvalidArgumentError(absl::StrFormat("--truth_layers = %d must be >= 1",
+                                                           absl::GetFlag(FLAGS_truth_layers))));
+  }
+  truth.attention = tm->Scaled(absl::GetFlag(FLAGS_truth_layers));
   truth.global.ffn_fixed_us = absl::GetFlag(FLAGS_ffn_fixed_ms) * 1000;
   truth.global.ffn_per_token_us = absl::GetFlag(FLAGS_ffn_per_token_ms) * 1000;
   truth.global.draft_per_step_us = absl::GetFlag(FLAGS_draft_ms) * 1000;
@@ -228,7 +238,11 @@ int Main() {
   base.seed = absl::GetFlag(FLAGS_seed);
   base.routing.split_percentile = absl::GetFlag(FLAGS_split_percentile);
   base.routing.split_window = absl::GetFlag(FLAGS_split_window);
-  const std::string pm = absl::GetFlag(FLAGS_planner_model);
+  std::string pm = absl::GetFlag(FLAGS_planner_model);
+  if (pm.rfind("online", 0) == 0) {
+    base.planner_online = true;
+    pm = pm.size() > 7 && pm[6] == ':' ? pm.substr(7) : "v2";
+  }
   if (pm == "truth") {
     base.planner_model = truth.attention;
   } else {

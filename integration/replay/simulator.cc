@@ -6,7 +6,10 @@
 #include <random>
 
 #include "absl/strings/str_format.h"
+#include <optional>
+
 #include "dpbalance/acceptance.h"
+#include "dpbalance/calibration.h"
 
 namespace dpbalance::replay {
 namespace {
@@ -67,6 +70,10 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
   absl::StatusOr<Planner> planner = Planner::Create(
       pc, cfg.verify == VerifyMode::kOracle ? truth.attention : cfg.planner_model);
   if (!planner.ok()) return planner.status();
+  // One online model for the instance (every rank is the same hardware): it learns from every
+  // rank's measured attention each step, as each rank's own Balancer does in an engine.
+  std::optional<OnlineCostModel> online;
+  if (cfg.planner_online && cfg.verify != VerifyMode::kOracle) online.emplace(cfg.planner_model);
 
   std::mt19937_64 rng(cfg.seed);
   std::normal_distribution<double> shift(0, cfg.acceptance_sigma);
@@ -90,6 +97,7 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
   double sum_mean_attn = 0, sum_max_attn = 0, v1_act = 0, v1_ideal = 0, v2_act = 0, v2_ideal = 0;
   double ideal_time_us = 0, token_balance_sum = 0, k_sum = 0, k_count = 0, depth_sum = 0;
   int64_t blocked_steps = 0;
+  double model_error_sum = 0, model_error_n = 0;
 
   auto rank_load = [&](int r) {
     RankLoad l;
@@ -184,6 +192,12 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
       for (size_t i = 0; i < ranks[r].size(); ++i) aggs[r].Add({ranks[r][i].ctx, 1 + verify[r][i]});
       double attn = truth.attention.AttentionUs(aggs[r]);
       if (truth.noise_sigma > 0) attn *= std::exp(truth.noise_sigma * noise(rng));
+      if (online && aggs[r].num_requests > 0) {
+        const double predicted = online->model().AttentionUs(aggs[r]);
+        model_error_sum += std::abs(predicted - attn) / attn;
+        model_error_n += 1;
+        online->Observe(aggs[r], attn);
+      }
       max_attn = std::max(max_attn, attn);
       sum_attn += attn;
       sum_q += aggs[r].query_tokens;
@@ -200,6 +214,7 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
     ideal.key_tokens = total.key_tokens / R;
     ideal.max_query_key_pairs = 0;
     ideal.multi_query = total.query_tokens > total.num_requests;
+    if (online) planner->set_model(online->model());
     const double global_us = truth.global.StepUs(sum_q, depth);
     const double step_us = max_attn + global_us;
     sum_mean_attn += sum_attn / R;
@@ -260,6 +275,7 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
   res.mean_verify_len = k_count > 0 ? k_sum / k_count : 0;
   res.mean_draft_depth = depth_sum / res.steps;
   res.blocked_step_fraction = static_cast<double>(blocked_steps) / res.steps;
+  res.planner_model_error = model_error_n > 0 ? model_error_sum / model_error_n : 0;
   res.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count();
   return res;
 }

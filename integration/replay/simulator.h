@@ -49,6 +49,7 @@ struct SimConfig {
   double max_step_slack = 0.05;           // planner modes: TPOT guard (PlannerConfig), < 0 off
   bool floor_at_default = false;          // planner modes: k_min = min(static_k, cap) (TPOT floor)
   CostModel planner_model = CostModel::PublishedV2();
+  bool planner_online = false;            // refit planner_model online from measured attention
   double acceptance_sigma = 1.0;          // per-request logit shift, standard deviation
   double acceptance_prior_strength = 4.0;
   uint64_t seed = 1;
@@ -71,6 +72,7 @@ struct RunResult {
   double mean_verify_len = 0;          // mean k over request-steps
   double mean_draft_depth = 0;
   double blocked_step_fraction = 0;    // steps where the next request waited for KV capacity
+  double planner_model_error = 0;      // online model: mean |predicted - truth| / truth per rank-step
   double wall_s = 0;
 };
 

@@ -29,6 +29,7 @@ uint64_t BalancerConfig::Hash() const {
   internal::Fnv1a h;
   h.Value(planner.Hash());
   h.Value(ab_epoch_steps);
+  h.Value(online_calibration);
   return h.digest();
 }
 
@@ -61,6 +62,7 @@ Balancer::Balancer(BalancerConfig config, int rank, std::unique_ptr<AllGather> c
     : config_(std::move(config)), rank_(rank), comm_(std::move(comm)), planner_(std::move(planner)),
       estimator_(config_.acceptance_prior_strength, MtpK8ConditionalProfile()) {
   gathered_.resize(config_.planner.num_ranks);
+  if (config_.online_calibration) online_ = std::make_unique<OnlineCostModel>(config_.model);
 }
 
 Balancer::~Balancer() {
@@ -224,9 +226,9 @@ PlanOutcome Balancer::Plan(absl::Span<const BalancerRequest> batch, int64_t kv_f
     Fallback(batch, verify_len);
     return out;
   }
-  BatchAggregates agg;
-  for (size_t i = 0; i < batch.size(); ++i) agg.Add({batch[i].ctx_tokens, 1 + verify_len[i]});
-  predicted_attention_us_ = planner_.model().AttentionUs(agg);
+  planned_agg_ = BatchAggregates{};
+  for (size_t i = 0; i < batch.size(); ++i) planned_agg_.Add({batch[i].ctx_tokens, 1 + verify_len[i]});
+  predicted_attention_us_ = planner_.model().AttentionUs(planned_agg_);
   consecutive_failures_ = 0;
   ++balanced_steps_;
   out.balanced = true;
@@ -278,6 +280,8 @@ absl::Status Balancer::Report(double attention_us, double step_us,
   prev_tokens_ = tokens;
   if (predicted_attention_us_ > 0 && attention_us > 0) {
     predicted_error_.Add(std::abs(predicted_attention_us_ - attention_us) / attention_us);
+    // The online refit learns only from balanced steps, whose batch it knows exactly.
+    if (online_ && online_->Observe(planned_agg_, attention_us)) planner_.set_model(online_->model());
   }
   return first_error;
 }

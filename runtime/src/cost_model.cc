@@ -13,11 +13,22 @@
 namespace dpbalance {
 namespace {
 
-constexpr std::array<std::string_view, kNumCostFeatures> kFeatureNames = {
-    "constant",     "num_requests",           "query_tokens",
-    "query_key_pairs", "key_tokens",          "max_query_key_pairs",
-    "multi_query",  "multi_query_key_tokens", "multi_query_pairs",
-    "query_tokens_above_knee"};
+constexpr std::array<std::string_view, 7> kScalarTermNames = {
+    "constant", "num_requests", "query_tokens", "query_key_pairs", "key_tokens",
+    "max_query_key_pairs", "max_key_tokens"};
+
+int W(Regime r, CostTerm t) { return FeatureIndex(r, t); }
+
+std::string TermName(int t) {
+  if (t < static_cast<int>(CostTerm::kWaveKeys0)) return std::string(kScalarTermNames[t]);
+  if (t < static_cast<int>(CostTerm::kWavePairs0)) {
+    return absl::StrCat("wave_keys_w", kWaveWidths[t - static_cast<int>(CostTerm::kWaveKeys0)]);
+  }
+  if (t < static_cast<int>(CostTerm::kKnee0)) {
+    return absl::StrCat("wave_pairs_w", kWaveWidths[t - static_cast<int>(CostTerm::kWavePairs0)]);
+  }
+  return absl::StrCat("knee_", kKneeTokens[t - static_cast<int>(CostTerm::kKnee0)]);
+}
 
 // Published coefficients: ../shared/docs/problem.md (restated in docs/cost-model.md).
 constexpr double kV1BatchWeight = 0.72482;
@@ -31,7 +42,10 @@ constexpr double kUsPerMs = 1000.0;
 
 }  // namespace
 
-std::string_view CostFeatureName(CostFeature f) { return kFeatureNames[static_cast<int>(f)]; }
+std::string FeatureName(int f) {
+  const std::string term = TermName(f % kNumCostTerms);
+  return f < kNumCostTerms ? term : "multi_" + term;
+}
 
 void BatchAggregates::Add(const RequestLoad& r) {
   const double q = r.query_tokens;
@@ -41,6 +55,7 @@ void BatchAggregates::Add(const RequestLoad& r) {
   query_key_pairs += pairs;
   key_tokens += static_cast<double>(r.ctx_tokens);
   max_query_key_pairs = std::max(max_query_key_pairs, pairs);
+  max_key_tokens = std::max(max_key_tokens, static_cast<double>(r.ctx_tokens));
   multi_query = multi_query || r.query_tokens > 1;
 }
 
@@ -52,23 +67,17 @@ void BatchAggregates::AddQueryToken(const RequestLoad& before) {
   multi_query = true;
 }
 
-absl::StatusOr<CostModel> CostModel::Create(const Weights& weights_us, double knee_tokens,
-                                            std::string name) {
+absl::StatusOr<CostModel> CostModel::Create(const Weights& weights_us, std::string name) {
   for (int f = 0; f < kNumCostFeatures; ++f) {
     const double w = weights_us[f];
     if (!std::isfinite(w) || w < 0) {
       return absl::InvalidArgumentError(
           absl::StrFormat("cost model '%s': coefficient %s = %g must be finite and >= 0", name,
-                          kFeatureNames[f], w));
+                          FeatureName(f), w));
     }
-  }
-  if (!std::isfinite(knee_tokens) || knee_tokens < 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "cost model '%s': knee_tokens = %g must be finite and >= 0", name, knee_tokens));
   }
   CostModel m;
   m.weights_us_ = weights_us;
-  m.knee_tokens_ = knee_tokens;
   m.name_ = std::move(name);
   return m;
 }
@@ -77,33 +86,43 @@ absl::StatusOr<CostModel> CostModel::Create(const Weights& weights_us, double kn
 // to one rank are a plain sum, linear in (Q, C). Units: published cost read as ms.
 CostModel CostModel::PublishedV1() {
   Weights w{};
-  w[static_cast<int>(CostFeature::kQueryTokens)] = (kV1BatchWeight + kV1MixWeight) * kUsPerMs;
-  w[static_cast<int>(CostFeature::kQueryKeyPairs)] = kV1MixWeight * kV1CtxScale * kUsPerMs;
-  return *Create(w, 0, "published-v1");
+  for (Regime r : {Regime::kSingleQuery, Regime::kMultiQuery}) {
+    w[W(r, CostTerm::kQueryTokens)] = (kV1BatchWeight + kV1MixWeight) * kUsPerMs;
+    w[W(r, CostTerm::kQueryKeyPairs)] = kV1MixWeight * kV1CtxScale * kUsPerMs;
+  }
+  return *Create(w, "published-v1");
 }
 
 CostModel CostModel::PublishedV2() {
   Weights w{};
-  w[static_cast<int>(CostFeature::kConstant)] = kV2Fixed * kUsPerMs;
-  w[static_cast<int>(CostFeature::kQueryTokens)] = (kV2BatchWeight + kV2MixWeight) * kUsPerMs;
-  w[static_cast<int>(CostFeature::kQueryKeyPairs)] = kV2MixWeight * kV2CtxScale * kUsPerMs;
-  return *Create(w, 0, "published-v2");
+  for (Regime r : {Regime::kSingleQuery, Regime::kMultiQuery}) {
+    w[W(r, CostTerm::kConstant)] = kV2Fixed * kUsPerMs;
+    w[W(r, CostTerm::kQueryTokens)] = (kV2BatchWeight + kV2MixWeight) * kUsPerMs;
+    w[W(r, CostTerm::kQueryKeyPairs)] = kV2MixWeight * kV2CtxScale * kUsPerMs;
+  }
+  return *Create(w, "published-v2");
 }
 
 CostModel::Weights CostModel::Features(const BatchAggregates& a) const {
+  std::array<double, kNumCostTerms> t{};
+  t[static_cast<int>(CostTerm::kConstant)] = a.num_requests > 0 ? 1.0 : 0.0;
+  t[static_cast<int>(CostTerm::kNumRequests)] = a.num_requests;
+  t[static_cast<int>(CostTerm::kQueryTokens)] = a.query_tokens;
+  t[static_cast<int>(CostTerm::kQueryKeyPairs)] = a.query_key_pairs;
+  t[static_cast<int>(CostTerm::kKeyTokens)] = a.key_tokens;
+  t[static_cast<int>(CostTerm::kMaxQueryKeyPairs)] = a.max_query_key_pairs;
+  t[static_cast<int>(CostTerm::kMaxKeyTokens)] = a.max_key_tokens;
+  for (int b = 0; b < 8; ++b) {
+    t[static_cast<int>(CostTerm::kWaveKeys0) + b] = std::max(a.key_tokens / kWaveWidths[b], a.max_key_tokens);
+    t[static_cast<int>(CostTerm::kWavePairs0) + b] =
+        std::max(a.query_key_pairs / kWaveWidths[b], a.max_key_tokens);
+  }
+  for (int b = 0; b < 6; ++b) {
+    t[static_cast<int>(CostTerm::kKnee0) + b] = std::max(0.0, a.query_tokens - kKneeTokens[b]);
+  }
   Weights x{};
-  const double multi = a.multi_query ? 1.0 : 0.0;
-  x[static_cast<int>(CostFeature::kConstant)] = a.num_requests > 0 ? 1.0 : 0.0;
-  x[static_cast<int>(CostFeature::kNumRequests)] = a.num_requests;
-  x[static_cast<int>(CostFeature::kQueryTokens)] = a.query_tokens;
-  x[static_cast<int>(CostFeature::kQueryKeyPairs)] = a.query_key_pairs;
-  x[static_cast<int>(CostFeature::kKeyTokens)] = a.key_tokens;
-  x[static_cast<int>(CostFeature::kMaxQueryKeyPairs)] = a.max_query_key_pairs;
-  x[static_cast<int>(CostFeature::kMultiQuery)] = multi;
-  x[static_cast<int>(CostFeature::kMultiQueryKeyTokens)] = multi * a.key_tokens;
-  x[static_cast<int>(CostFeature::kMultiQueryPairs)] = multi * a.query_key_pairs;
-  x[static_cast<int>(CostFeature::kQueryTokensAboveKnee)] =
-      std::max(0.0, a.query_tokens - knee_tokens_);
+  const int offset = a.multi_query ? kNumCostTerms : 0;
+  for (int i = 0; i < kNumCostTerms; ++i) x[offset + i] = t[i];
   return x;
 }
 
@@ -120,6 +139,15 @@ double CostModel::AttentionUs(absl::Span<const RequestLoad> batch) const {
   return AttentionUs(agg);
 }
 
+double CostModel::MarginalUs(const BatchAggregates& agg, int64_t ctx_tokens,
+                             int32_t query_tokens) const {
+  BatchAggregates base = agg;
+  base.multi_query = true;
+  BatchAggregates next = base;
+  next.AddQueryToken(RequestLoad{ctx_tokens, query_tokens});
+  return AttentionUs(next) - AttentionUs(base);
+}
+
 CostModel CostModel::Scaled(double factor) const {
   CostModel m = *this;
   for (double& w : m.weights_us_) w *= factor;
@@ -129,7 +157,6 @@ CostModel CostModel::Scaled(double factor) const {
 uint64_t CostModel::Hash() const {
   internal::Fnv1a h;
   for (double w : weights_us_) h.Value(w);
-  h.Value(knee_tokens_);
   return h.digest();
 }
 
@@ -139,8 +166,7 @@ std::string CostModel::ToJson() const {
   j["version"] = 1;
   j["name"] = name_;
   j["units"] = "us";
-  j["knee_tokens"] = knee_tokens_;
-  for (int f = 0; f < kNumCostFeatures; ++f) j["weights_us"][std::string(kFeatureNames[f])] = weights_us_[f];
+  for (int f = 0; f < kNumCostFeatures; ++f) j["weights_us"][FeatureName(f)] = weights_us_[f];
   return j.dump(2);
 }
 
@@ -160,8 +186,11 @@ absl::StatusOr<CostModel> CostModel::FromJson(std::string_view text, std::string
   }
   Weights w{};
   for (auto it = j["weights_us"].begin(); it != j["weights_us"].end(); ++it) {
-    const auto pos = std::find(kFeatureNames.begin(), kFeatureNames.end(), it.key());
-    if (pos == kFeatureNames.end()) {
+    int pos = -1;
+    for (int f = 0; f < kNumCostFeatures; ++f) {
+      if (FeatureName(f) == it.key()) pos = f;
+    }
+    if (pos < 0) {
       return absl::InvalidArgumentError(
           absl::StrCat(source, ": unknown feature 'weights_us.", it.key(), "'"));
     }
@@ -169,10 +198,9 @@ absl::StatusOr<CostModel> CostModel::FromJson(std::string_view text, std::string
       return absl::InvalidArgumentError(
           absl::StrCat(source, ": weights_us.", it.key(), " is not a number"));
     }
-    w[pos - kFeatureNames.begin()] = it.value().get<double>();
+    w[pos] = it.value().get<double>();
   }
-  const double knee = j.value("knee_tokens", 0.0);
-  return Create(w, knee, absl::StrCat(j.value("name", "fitted"), "(", source, ")"));
+  return Create(w, absl::StrCat(j.value("name", "fitted"), "(", source, ")"));
 }
 
 absl::StatusOr<CostModel> CostModel::FromFile(const std::string& path) {

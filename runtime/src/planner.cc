@@ -21,17 +21,10 @@ constexpr double kTinyUs = 1e-3;  // floor on a marginal cost, so ratios stay fi
 // model through float storage in the summary record.
 constexpr double kBarrierSlack = 1e-6;
 
-// Marginal cost (us) of one more query token for a request, linearised at the base batch.
-// Used only to order items; knot costs are always evaluated exactly with the full model.
-double MarginalUs(const CostModel& m, const BatchAggregates& base, int64_t ctx) {
-  const auto& w = m.weights_us();
-  auto W = [&](CostFeature f) { return w[static_cast<int>(f)]; };
-  const double c = static_cast<double>(ctx);
-  double us = W(CostFeature::kQueryTokens) + W(CostFeature::kQueryKeyPairs) * c +
-              W(CostFeature::kMultiQueryPairs) * c;
-  if (base.query_tokens >= m.knee_tokens()) us += W(CostFeature::kQueryTokensAboveKnee);
-  if (c >= base.max_query_key_pairs) us += W(CostFeature::kMaxQueryKeyPairs) * c;
-  return std::max(us, kTinyUs);
+// Marginal cost (us) of one more query token for a request, at the base batch in the
+// multi-query regime. Used only to order items; knot costs are evaluated exactly.
+double MarginalUs(const CostModel& m, const BatchAggregates& base, int64_t ctx, int32_t q) {
+  return std::max(m.MarginalUs(base, ctx, q), kTinyUs);
 }
 
 int32_t TierFor(absl::Span<const int32_t> tiers, int64_t tokens) {
@@ -218,7 +211,7 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
                               : last_tokens_per_us_ * config_.global.ffn_per_token_us;
   st.items.clear();
   for (size_t i = 0; i < batch.size(); ++i) {
-    const double marginal = MarginalUs(model_, st.base_agg, batch[i].ctx_tokens);
+    const double marginal = MarginalUs(model_, st.base_agg, batch[i].ctx_tokens, 1 + st.base_len[i]);
     for (int j = st.base_len[i] + 1; j <= batch[i].k_cap; ++j) {
       const double gain = batch[i].acceptance.Accept(j);
       if (gain <= min_gain) break;  // gains fall with j
@@ -292,6 +285,9 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
     double gain = base_gain;
     int64_t taken = 0;
     int knot = 0;
+    // A fitted model may price the multi-query kernel path below the single-query one; more
+    // verify work is never really faster, so knot costs follow the running maximum.
+    double cost = st.base_attention_us;
     for (const Item& it : st.items) {
       if (it.pos() > d) continue;
       agg.AddQueryToken(RequestLoad{batch[it.req_idx()].ctx_tokens, it.pos()});
@@ -299,7 +295,8 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
       ++taken;
       const int64_t at = (n * (knot + 1) + knots - 1) / knots;  // ceil(n * (knot+1) / knots)
       if (taken == at) {
-        s.knot_attention_us[next_knot + knot] = static_cast<float>(model_.AttentionUs(agg));
+        cost = std::max(cost, model_.AttentionUs(agg));
+        s.knot_attention_us[next_knot + knot] = static_cast<float>(cost);
         s.knot_gain[next_knot + knot] = static_cast<float>(gain);
         s.knot_tokens[next_knot + knot] = static_cast<uint16_t>(taken);
         if (++knot == knots) break;

@@ -68,12 +68,16 @@ TEST(CostModel, IncrementalAggregatesMatchRebuild) {
 
 TEST(CostModel, RegimeAndKneeFeatures) {
   CostModel::Weights w{};
-  w[static_cast<int>(CostFeature::kMultiQuery)] = 50;
-  w[static_cast<int>(CostFeature::kQueryTokensAboveKnee)] = 2;
-  const CostModel m = *CostModel::Create(w, 4, "t");
-  EXPECT_DOUBLE_EQ(m.AttentionUs({{{100, 1}, {100, 1}}}), 0);
-  EXPECT_DOUBLE_EQ(m.AttentionUs({{{100, 2}, {100, 1}}}), 50);
-  EXPECT_DOUBLE_EQ(m.AttentionUs({{{100, 5}, {100, 1}}}), 50 + 2 * 2);
+  w[FeatureIndex(Regime::kMultiQuery, CostTerm::kConstant)] = 50;
+  w[FeatureIndex(Regime::kMultiQuery, CostTerm::kKnee0)] = 2;  // knee at 16 query tokens
+  w[FeatureIndex(Regime::kSingleQuery, CostTerm::kWaveKeys0, 2)] = 1;  // max(K / 4, max ctx)
+  const CostModel m = *CostModel::Create(w, "t");
+  EXPECT_DOUBLE_EQ(m.AttentionUs({{{100, 1}, {100, 1}}}), 100);        // max(200 / 4, 100)
+  EXPECT_DOUBLE_EQ(m.AttentionUs({{{100, 1}, {100, 1}, {100, 1}, {100, 1}, {100, 1}}}), 125);
+  EXPECT_DOUBLE_EQ(m.AttentionUs({{{100, 2}, {100, 1}}}), 50);         // multi regime
+  EXPECT_DOUBLE_EQ(m.AttentionUs({{{100, 17}, {100, 1}}}), 50 + 2 * 2);  // Q = 18 > 16
+  EXPECT_EQ(FeatureName(FeatureIndex(Regime::kMultiQuery, CostTerm::kKnee0, 3)), "multi_knee_128");
+  EXPECT_EQ(FeatureName(FeatureIndex(Regime::kSingleQuery, CostTerm::kWavePairs0, 1)), "wave_pairs_w2");
 }
 
 TEST(CostModel, JsonRoundTripAndErrors) {
@@ -90,7 +94,7 @@ TEST(CostModel, JsonRoundTripAndErrors) {
 
   CostModel::Weights neg{};
   neg[2] = -1;
-  absl::StatusOr<CostModel> n = CostModel::Create(neg, 0, "neg");
+  absl::StatusOr<CostModel> n = CostModel::Create(neg, "neg");
   ASSERT_FALSE(n.ok());
   EXPECT_NE(n.status().message().find("query_tokens = -1"), std::string::npos);
   EXPECT_FALSE(CostModel::FromFile("/nonexistent/model.json").ok());

@@ -93,13 +93,15 @@ GlobalCost RandomGlobal(std::mt19937_64& rng) {
 CostModel RegimeModel() {
   // A fitted-style model: fixed cost, a kernel-path jump when any q > 1, critical-path term.
   CostModel::Weights w{};
-  w[static_cast<int>(CostFeature::kConstant)] = 40;
-  w[static_cast<int>(CostFeature::kQueryTokens)] = 3;
-  w[static_cast<int>(CostFeature::kKeyTokens)] = 0.004;
-  w[static_cast<int>(CostFeature::kMultiQuery)] = 25;
-  w[static_cast<int>(CostFeature::kMultiQueryPairs)] = 0.02;
-  w[static_cast<int>(CostFeature::kMaxQueryKeyPairs)] = 0.01;
-  return *CostModel::Create(w, 0, "regime");
+  for (Regime r : {Regime::kSingleQuery, Regime::kMultiQuery}) {
+    w[FeatureIndex(r, CostTerm::kConstant)] = 40;
+    w[FeatureIndex(r, CostTerm::kQueryTokens)] = 3;
+    w[FeatureIndex(r, CostTerm::kKeyTokens)] = 0.004;
+    w[FeatureIndex(r, CostTerm::kMaxQueryKeyPairs)] = 0.01;
+  }
+  w[FeatureIndex(Regime::kMultiQuery, CostTerm::kConstant)] += 25;  // path switch when q > 1
+  w[FeatureIndex(Regime::kMultiQuery, CostTerm::kQueryKeyPairs)] = 0.02;
+  return *CostModel::Create(w, "regime");
 }
 
 struct BruteCase {

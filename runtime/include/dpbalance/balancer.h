@@ -11,7 +11,8 @@
 //   input is bad still joins the all-gather (with a record marked unusable), so no other rank
 //   waits for it. After `max_consecutive_failures` failures in a row the balancer disables.
 // - `Report(step)` feeds measured times and accept counts: the acceptance estimator, the
-//   predicted-vs-measured error, and the next summary's "previous step" fields.
+//   predicted-vs-measured error, the online cost-model refit (OnlineCostModel, when
+//   `online_calibration`), and the next summary's "previous step" fields.
 // - A/B epochs (`ab_epoch_steps` > 0): balancing is on in even epochs and off in odd ones, by
 //   step number (the smallest step index among the gathered records), with no extra traffic.
 // - Not thread-safe: one Balancer per rank, called from that rank's step thread.
@@ -28,6 +29,7 @@
 #include "absl/types/span.h"
 #include "dpbalance/acceptance.h"
 #include "dpbalance/allgather.h"
+#include "dpbalance/calibration.h"
 #include "dpbalance/metrics.h"
 #include "dpbalance/planner.h"
 
@@ -42,6 +44,7 @@ struct BalancerConfig {
   int log_every_steps = 1000;              // periodic one-line summary (0: never)
   std::string metrics_file;                // JSON lines, one per log period (empty: none)
   double acceptance_prior_strength = 4.0;
+  bool online_calibration = true;          // refit `model` from this rank's measured attention
   uint64_t Hash() const;                   // what the handshake compares
 };
 
@@ -124,6 +127,8 @@ class Balancer {
   // Previous step, for the next summary and for accounting.
   double prev_attention_us_ = -1, prev_step_us_ = -1, prev_tokens_ = -1;
   double predicted_attention_us_ = -1;
+  BatchAggregates planned_agg_;                 // the batch as planned, for the online refit
+  std::unique_ptr<OnlineCostModel> online_;
   bool prev_arm_on_ = true, have_prev_arm_ = false;
   int64_t epoch_ = -1;
   // Metrics.

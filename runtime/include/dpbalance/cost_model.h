@@ -3,8 +3,8 @@
 // Contract
 // - A rank's batch is a list of requests, each with `ctx_tokens` (keys it attends, its context)
 //   and `query_tokens` (q_i = 1 + k_i, k_i = draft tokens verified this step).
-// - `CostModel` is linear in a fixed set of per-rank features (sums, maxima, regime indicators,
-//   a roofline knee). Published forms, fitted forms and online refits are all coefficient sets
+// - `CostModel` is linear in a fixed set of per-rank features (sums, maxima, critical-path and
+//   wave terms, a roofline knee), each split by kernel-path regime. Published forms, fitted forms and online refits are all coefficient sets
 //   of this one class, so the planner, the replay and the plugin share one implementation.
 //   Every prediction is in microseconds. Coefficients are non-negative for physical features.
 // - `GlobalCost` is the instance-wide part of a step: MoE FFN + EP communication as a function
@@ -33,23 +33,36 @@ struct RequestLoad {
   int32_t query_tokens = 1;  // q_i = 1 + verify_len, >= 1
 };
 
-// Per-rank features of a batch. All of them can be updated one query token at a time, which is
-// what lets the planner evaluate its frontier exactly for any coefficient set.
-enum class CostFeature : int {
-  kConstant = 0,          // 1 (kernel launch and fixed cost)
+// Per-rank terms of a batch, each counted in one of two kernel-path regimes: every q_i = 1 (the
+// split-KV decode path) or some q_i > 1 (the varlen/verify path). A model's coefficients are per
+// (regime, term); the fit decides which matter. The banks of hinge terms (waves over keys and
+// over query-key pairs at several widths, GEMM knees at several token counts) let non-negative
+// combinations express convex piecewise-linear costs: critical paths, wave quantisation and
+// roofline knees, without a per-kernel constant. All terms follow from `BatchAggregates`, which
+// updates one query token at a time, so the planner evaluates its frontier exactly.
+enum class CostTerm : int {
+  kConstant = 0,          // 1 (launch and fixed cost)
   kNumRequests,           // B: number of requests
   kQueryTokens,           // Q = sum q_i
-  kQueryKeyPairs,         // C = sum q_i * ctx_i  (attention FLOPs)
-  kKeyTokens,             // K = sum ctx_i        (KV bytes read)
-  kMaxQueryKeyPairs,      // max_i q_i * ctx_i    (critical path of one long request)
-  kMultiQuery,            // 1 if any q_i > 1     (kernel path switch: split-KV decode vs varlen)
-  kMultiQueryKeyTokens,   // [any q_i > 1] * K
-  kMultiQueryPairs,       // [any q_i > 1] * C
-  kQueryTokensAboveKnee,  // max(0, Q - knee_tokens) (roofline knee of the per-token GEMMs)
-  kNumFeatures
+  kQueryKeyPairs,         // C = sum q_i * ctx_i   (attention FLOPs)
+  kKeyTokens,             // K = sum ctx_i         (KV bytes read)
+  kMaxQueryKeyPairs,      // max_i q_i * ctx_i     (critical path, rows x keys)
+  kMaxKeyTokens,          // max_i ctx_i           (critical path: one request's blocks)
+  kWaveKeys0,             // max(K / w, max ctx) for w in kWaveWidths (a bank)
+  kWavePairs0 = kWaveKeys0 + 8,  // max(C / w, max ctx) for w in kWaveWidths
+  kKnee0 = kWavePairs0 + 8,      // max(0, Q - k) for k in kKneeTokens (a bank)
+  kNumTerms = kKnee0 + 6
 };
-inline constexpr int kNumCostFeatures = static_cast<int>(CostFeature::kNumFeatures);
-std::string_view CostFeatureName(CostFeature f);
+inline constexpr double kWaveWidths[8] = {1, 2, 4, 8, 16, 32, 64, 128};
+inline constexpr double kKneeTokens[6] = {16, 32, 64, 128, 256, 512};
+enum class Regime : int { kSingleQuery = 0, kMultiQuery = 1 };
+inline constexpr int kNumCostTerms = static_cast<int>(CostTerm::kNumTerms);
+inline constexpr int kNumCostFeatures = 2 * kNumCostTerms;
+constexpr int FeatureIndex(Regime r, CostTerm t, int bank_idx = 0) {
+  return static_cast<int>(r) * kNumCostTerms + static_cast<int>(t) + bank_idx;
+}
+// "constant", "wave_keys_w4", "knee_128", ... and "multi_" + that for the multi-query regime.
+std::string FeatureName(int feature_idx);
 
 // Aggregates from which every feature is derived; cheap to update incrementally.
 struct BatchAggregates {
@@ -58,6 +71,7 @@ struct BatchAggregates {
   double query_key_pairs = 0;
   double key_tokens = 0;
   double max_query_key_pairs = 0;
+  double max_key_tokens = 0;
   bool multi_query = false;
 
   void Add(const RequestLoad& r);
@@ -70,9 +84,8 @@ class CostModel {
   using Weights = std::array<double, kNumCostFeatures>;
 
   CostModel() = default;
-  // Weights in microseconds per unit of each feature; knee in query tokens.
-  static absl::StatusOr<CostModel> Create(const Weights& weights_us, double knee_tokens,
-                                          std::string name);
+  // Weights in microseconds per unit of each feature.
+  static absl::StatusOr<CostModel> Create(const Weights& weights_us, std::string name);
 
   // The published formulas as one per-rank scalar (single barrier) with B -> sum q_i,
   // C -> sum q_i * ctx_i; the cost units are read as milliseconds. See docs/cost-model.md.
@@ -91,16 +104,19 @@ class CostModel {
   Weights Features(const BatchAggregates& agg) const;
 
   const Weights& weights_us() const { return weights_us_; }
-  double knee_tokens() const { return knee_tokens_; }
+
   const std::string& name() const { return name_; }
   // Returns a copy with every coefficient multiplied by `factor` (> 0).
   CostModel Scaled(double factor) const;
+  // Predicted time of `agg` with one more query token for a request of context `ctx_tokens` that
+  // now has `query_tokens` queries, minus the time of `agg`, both in the multi-query regime
+  // (the planner's marginal cost; exact for every feature).
+  double MarginalUs(const BatchAggregates& agg, int64_t ctx_tokens, int32_t query_tokens) const;
   // 64-bit FNV-1a hash of the coefficients (configs must agree across ranks).
   uint64_t Hash() const;
 
  private:
   Weights weights_us_{};
-  double knee_tokens_ = 0;
   std::string name_ = "zero";
 };
 

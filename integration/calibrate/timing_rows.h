@@ -1,0 +1,28 @@
+// integration/calibrate/timing_rows.h — loading measured kernel timings (the JSON-lines format
+// of ../shared/data/h200/*.jsonl: one rank's batch per row, `ctx[]`, `q[]`, `attn_ms`, optional
+// `gemm_ms`). Errors name the file, the line and the value.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "dpbalance/calibration.h"
+
+namespace dpbalance::calibrate {
+
+enum class Target { kAttention, kGemm, kStep };  // attn_ms, gemm_ms, attn_ms + gemm_ms
+absl::StatusOr<Target> ParseTarget(const std::string& name);
+
+struct TimingRow {
+  TimingSample sample;
+  std::string variant, mode;
+};
+
+absl::StatusOr<std::vector<TimingRow>> LoadTimingRows(const std::string& path, Target target);
+
+// The projection-GEMM sweep (`{"ntok": N, "ms": t}` per line): one sample per token count, as
+// a batch of `ntok` query tokens (the GEMMs see tokens, not requests or contexts).
+absl::StatusOr<std::vector<TimingSample>> LoadGemmSweep(const std::string& path);
+
+}  // namespace dpbalance::calibrate

@@ -1,0 +1,100 @@
+// dpbalance/calibration.h — fitting the cost model to measured timings, offline and online.
+//
+// Contract
+// - A `TimingSample` is one rank's batch (as aggregates) and its measured time in microseconds.
+// - `FitCostModel` fits every CostModel feature at once by non-negative least absolute
+//   *relative* error (rows weighted by 1/measured, so a 40 us and a 40 ms batch count alike;
+//   iteratively reweighted NNLS, since MAPE is the figure of merit),
+//   over every feature of the model family at once. Which terms matter is decided by the fit
+//   (NNLS zeroes the rest); nothing is tuned per data file.
+//   Linear algebra: Eigen (column-pivoting Householder QR inside a Lawson-Hanson active set).
+// - `OnlineCostModel` refits from a rank's own measured steps on two time scales: the shape is
+//   recursive least squares with exponential forgetting kept in normal-equation form (an O(F^2)
+//   update per step) and solved with non-negativity every few steps (warm-started NNLS, ridge-
+//   anchored to the starting coefficients); a fast global level (log-space EWMA of measured /
+//   predicted) follows a hardware or clock change within tens of steps. Residuals are
+//   clipped at a multiple of a running robust scale, so one 3x-slow step from a GC pause moves
+//   the model little. It starts from given coefficients (an offline fit, or the published form).
+//   Not thread-safe (one per rank).
+#pragma once
+
+#include <Eigen/Dense>
+#include <cmath>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "dpbalance/cost_model.h"
+
+namespace dpbalance {
+
+struct TimingSample {
+  BatchAggregates agg;
+  double measured_us = 0;
+};
+
+struct ErrorStats {
+  size_t rows = 0;
+  double mape = 0;     // mean |pred - measured| / measured
+  double p90_ape = 0;
+  double max_ape = 0;
+};
+ErrorStats EvaluateModel(const CostModel& model, absl::Span<const TimingSample> samples);
+
+struct FitOptions {
+  std::string name = "fitted";
+  // Features the fit may use (empty: all). The published form's refit uses three.
+  std::vector<int> features;
+  // Least-absolute-error refinement (0: plain least squares on relative errors).
+  int irls_iterations = 30;
+  double irls_floor = 0.005;  // residuals below 0.5% weigh as 0.5% (keeps weights bounded)
+};
+absl::StatusOr<CostModel> FitCostModel(absl::Span<const TimingSample> samples,
+                                       const FitOptions& options = {});
+
+// Non-negative least squares in normal-equation form: argmin x'Gx - 2c'x subject to x >= 0
+// (Lawson-Hanson active set; each passive-set solve is Eigen's LDLT). `warm` (optional) is a
+// previous solution whose positive entries seed the passive set.
+Eigen::VectorXd SolveNnlsGram(const Eigen::MatrixXd& g, const Eigen::VectorXd& c,
+                              const Eigen::VectorXd* warm = nullptr);
+// argmin ||A x - b|| subject to x >= 0.
+inline Eigen::VectorXd SolveNnls(const Eigen::MatrixXd& a, const Eigen::VectorXd& b) {
+  return SolveNnlsGram(a.transpose() * a, a.transpose() * b);
+}
+
+class OnlineCostModel {
+ public:
+  struct Options {
+    double shape_forgetting = 0.999;  // per step: the shape's memory is ~1000 steps
+    int refit_every = 8;              // steps between NNLS solves (each ~tens of microseconds)
+    double prior_weight = 0.01;       // ridge towards the starting shape, in steps' worth
+    double level_rate = 0.05;         // global scale: EWMA rate in log space (~20 steps)
+    double clip_scales = 3.0;         // residuals beyond this many robust scales weigh less
+  };
+  OnlineCostModel(const CostModel& start, Options options);
+  explicit OnlineCostModel(const CostModel& start) : OnlineCostModel(start, Options{}) {}
+
+  // One measured step. Non-finite or non-positive measurements are ignored (returns false).
+  bool Observe(const BatchAggregates& agg, double measured_us);
+  // The current model: level x shape.
+  const CostModel& model() const { return model_; }
+  double level() const { return std::exp(log_level_); }
+  int64_t observations() const { return n_; }
+
+ private:
+  void Refit();
+  void Publish();
+
+  CostModel model_;
+  Options options_;
+  Eigen::VectorXd start_;   // starting coefficients, scaled units
+  Eigen::VectorXd theta_;   // current shape coefficients, scaled units (feature / scale_)
+  Eigen::VectorXd scale_;   // per-feature scale, fixed at the feature's first nonzero value
+  Eigen::MatrixXd gram_;    // forgetting-weighted sum of h h' (relative-error rows)
+  Eigen::VectorXd rhs_;     // forgetting-weighted sum of h
+  double log_level_ = 0;        // fast global scale (hardware, clocks, co-tenants)
+  double robust_scale_ = 0.1;   // running mean |relative residual|
+  int64_t n_ = 0;
+};
+
+}  // namespace dpbalance

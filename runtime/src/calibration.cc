@@ -1,0 +1,216 @@
+#include "dpbalance/calibration.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "absl/strings/str_format.h"
+
+namespace dpbalance {
+namespace {
+
+constexpr int kF = kNumCostFeatures;
+
+double Predict(const CostModel::Weights& w, const CostModel::Weights& x) {
+  double y = 0;
+  for (int f = 0; f < kF; ++f) y += w[f] * x[f];
+  return y;
+}
+
+}  // namespace
+
+ErrorStats EvaluateModel(const CostModel& model, absl::Span<const TimingSample> samples) {
+  ErrorStats e;
+  std::vector<double> ape;
+  for (const TimingSample& s : samples) {
+    if (!(s.measured_us > 0)) continue;
+    ape.push_back(std::abs(model.AttentionUs(s.agg) - s.measured_us) / s.measured_us);
+  }
+  e.rows = ape.size();
+  if (ape.empty()) return e;
+  double sum = 0;
+  for (double a : ape) sum += a;
+  e.mape = sum / ape.size();
+  std::sort(ape.begin(), ape.end());
+  e.p90_ape = ape[std::min(ape.size() - 1, static_cast<size_t>(0.9 * (ape.size() - 1) + 0.5))];
+  e.max_ape = ape.back();
+  return e;
+}
+
+Eigen::VectorXd SolveNnlsGram(const Eigen::MatrixXd& g, const Eigen::VectorXd& c,
+                              const Eigen::VectorXd* warm) {
+  const int n = static_cast<int>(g.cols());
+  Eigen::VectorXd x = Eigen::VectorXd::Zero(n);
+  std::vector<bool> passive(n, false);
+  const double tol = 1e-12 * std::max(1.0, g.norm());
+  // Solves the unconstrained problem on the passive set.
+  auto solve_passive = [&](Eigen::VectorXd* z) {
+    std::vector<int> idx;
+    for (int j = 0; j < n; ++j) {
+      if (passive[j]) idx.push_back(j);
+    }
+    z->setZero(n);
+    if (idx.empty()) return;
+    Eigen::MatrixXd gp(idx.size(), idx.size());
+    Eigen::VectorXd cp(idx.size());
+    for (size_t r = 0; r < idx.size(); ++r) {
+      cp(r) = c(idx[r]);
+      for (size_t k = 0; k < idx.size(); ++k) gp(r, k) = g(idx[r], idx[k]);
+    }
+    const Eigen::VectorXd zp = gp.ldlt().solve(cp);
+    for (size_t k = 0; k < idx.size(); ++k) (*z)(idx[k]) = zp(k);
+  };
+  // Step 1 (optional): seed the passive set from a previous solution and make it feasible.
+  auto restore_feasibility = [&](Eigen::VectorXd z) {
+    for (int inner = 0; inner < 3 * n; ++inner) {
+      bool all_positive = true;
+      for (int j = 0; j < n; ++j) all_positive = all_positive && (!passive[j] || z(j) > 0);
+      if (all_positive) break;
+      double alpha = 1;
+      for (int j = 0; j < n; ++j) {
+        if (passive[j] && z(j) <= 0) alpha = std::min(alpha, x(j) / (x(j) - z(j)));
+      }
+      x += alpha * (z - x);
+      for (int j = 0; j < n; ++j) {
+        if (passive[j] && x(j) <= 1e-15) {
+          passive[j] = false;
+          x(j) = 0;
+        }
+      }
+      solve_passive(&z);
+    }
+    x = z;
+    for (int j = 0; j < n; ++j) x(j) = passive[j] ? std::max(0.0, x(j)) : 0.0;
+  };
+  if (warm != nullptr && warm->size() == n) {
+    for (int j = 0; j < n; ++j) passive[j] = (*warm)(j) > 0;
+    x = warm->cwiseMax(0.0);
+    Eigen::VectorXd z;
+    solve_passive(&z);
+    restore_feasibility(z);
+  }
+  // Step 2: Lawson-Hanson: bring in the most violated variable until the gradient is <= 0.
+  for (int outer = 0; outer < 3 * n; ++outer) {
+    const Eigen::VectorXd w = c - g * x;
+    int t = -1;
+    for (int j = 0; j < n; ++j) {
+      if (!passive[j] && w(j) > tol && (t < 0 || w(j) > w(t))) t = j;
+    }
+    if (t < 0) break;
+    passive[t] = true;
+    Eigen::VectorXd z;
+    solve_passive(&z);
+    restore_feasibility(z);
+  }
+  return x;
+}
+
+absl::StatusOr<CostModel> FitCostModel(absl::Span<const TimingSample> samples,
+                                       const FitOptions& options) {
+  std::vector<const TimingSample*> rows;
+  for (const TimingSample& s : samples) {
+    if (s.measured_us > 0 && std::isfinite(s.measured_us)) rows.push_back(&s);
+  }
+  std::vector<int> cols = options.features;
+  if (cols.empty()) {
+    for (int f = 0; f < kF; ++f) cols.push_back(f);
+  }
+  if (rows.size() < 2 * cols.size() / 3 + 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "fit: %d usable timing rows for %d features", rows.size(), cols.size()));
+  }
+  const CostModel shape;
+  // Relative-error rows: x / y against 1. Columns scaled to unit norm for conditioning.
+  Eigen::MatrixXd a(rows.size(), cols.size());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const CostModel::Weights x = shape.Features(rows[i]->agg);
+    for (size_t c = 0; c < cols.size(); ++c) a(i, c) = x[cols[c]] / rows[i]->measured_us;
+  }
+  Eigen::VectorXd norm = a.colwise().norm().transpose();
+  for (Eigen::Index c = 0; c < a.cols(); ++c) {
+    if (norm(c) > 0) a.col(c) /= norm(c);
+  }
+  // Least absolute relative error by iteratively reweighted NNLS: each row weighted by
+  // 1/sqrt(|r_i|) turns its squared residual into |r_i|, which is what MAPE measures and keeps
+  // the noisy tail of the measurements from dragging the fit.
+  const Eigen::VectorXd ones = Eigen::VectorXd::Ones(rows.size());
+  Eigen::VectorXd sol = SolveNnls(a, ones);
+  for (int iter = 0; iter < options.irls_iterations; ++iter) {
+    const Eigen::VectorXd r = (a * sol - ones).cwiseAbs();
+    const Eigen::VectorXd wt = r.cwiseMax(options.irls_floor).cwiseSqrt().cwiseInverse();
+    sol = SolveNnls(wt.asDiagonal() * a, wt);
+  }
+  CostModel::Weights w{};
+  for (size_t c = 0; c < cols.size(); ++c) w[cols[c]] += norm(c) > 0 ? sol(c) / norm(c) : 0.0;
+  return CostModel::Create(w, options.name);
+}
+
+OnlineCostModel::OnlineCostModel(const CostModel& start, Options options)
+    : model_(start), options_(options) {
+  start_.resize(kF);
+  for (int f = 0; f < kF; ++f) start_(f) = start.weights_us()[f];
+  theta_ = start_;
+  scale_ = Eigen::VectorXd::Zero(kF);
+  gram_ = Eigen::MatrixXd::Zero(kF, kF);
+  rhs_ = Eigen::VectorXd::Zero(kF);
+}
+
+void OnlineCostModel::Refit() {
+  // Ridge towards the starting shape keeps features with no data yet where they started.
+  const double p = options_.prior_weight;
+  const Eigen::MatrixXd g = gram_ + p * Eigen::MatrixXd::Identity(kF, kF);
+  const Eigen::VectorXd c = rhs_ + p * start_;
+  theta_ = SolveNnlsGram(g, c, &theta_);
+}
+
+void OnlineCostModel::Publish() {
+  CostModel::Weights w{};
+  const double level = std::exp(log_level_);
+  for (int f = 0; f < kF; ++f) w[f] = level * (scale_(f) > 0 ? theta_(f) / scale_(f) : start_(f));
+  absl::StatusOr<CostModel> m = CostModel::Create(w, model_.name());
+  if (m.ok()) model_ = *m;
+}
+
+bool OnlineCostModel::Observe(const BatchAggregates& agg, double measured_us) {
+  if (!(measured_us > 0) || !std::isfinite(measured_us)) return false;
+  // Step 1: the fast level, from the clipped log ratio of measured to predicted (level x shape).
+  const double limit = options_.clip_scales * robust_scale_;
+  const double predicted = model_.AttentionUs(agg);
+  if (predicted > 0) {
+    const double log_ratio = std::log(measured_us / predicted);
+    if (n_ == 0) {
+      log_level_ += log_ratio;  // cold start: the starting model may be off by orders of magnitude
+    } else {
+      log_level_ += options_.level_rate * std::max(-limit, std::min(limit, log_ratio));
+    }
+  }
+  const double target = measured_us / std::exp(log_level_);  // what the shape must predict
+  // Step 2: fix each feature's scale the first time it is nonzero, in relative units (its value
+  // over the step's time then), so every row adds O(1) to the normal equations, like the prior.
+  const CostModel::Weights raw = model_.Features(agg);
+  Eigen::VectorXd h(kF);
+  for (int f = 0; f < kF; ++f) {
+    if (scale_(f) == 0 && raw[f] != 0) {
+      scale_(f) = std::abs(raw[f]) / target;
+      theta_(f) *= scale_(f);
+      start_(f) *= scale_(f);
+    }
+    h(f) = scale_(f) > 0 ? raw[f] / scale_(f) / target : 0.0;
+  }
+  // Step 3: the shape's normal equations (relative error: h . theta ~ 1), with a Huber weight on
+  // outlying steps (none while the robust scale is still being learned).
+  constexpr int64_t kWarmup = 50;
+  const double r = 1.0 - h.dot(theta_);
+  const double weight = n_ < kWarmup || std::abs(r) <= limit ? 1.0 : limit / std::abs(r);
+  robust_scale_ = 0.95 * robust_scale_ + 0.05 * std::min(std::abs(r), 2 * limit + 1e-3);
+  gram_ *= options_.shape_forgetting;
+  rhs_ *= options_.shape_forgetting;
+  gram_.noalias() += weight * h * h.transpose();
+  rhs_ += weight * h;
+  ++n_;
+  if (n_ <= kWarmup || n_ % options_.refit_every == 0) Refit();
+  Publish();
+  return true;
+}
+
+}  // namespace dpbalance

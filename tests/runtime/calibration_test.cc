@@ -1,0 +1,158 @@
+#include "dpbalance/calibration.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <random>
+
+#include "gtest/gtest.h"
+#include "timing_rows.h"
+
+namespace dpbalance {
+namespace {
+
+std::vector<TimingSample> Rows(const std::string& variant) {
+  absl::StatusOr<std::vector<calibrate::TimingRow>> rows = calibrate::LoadTimingRows(
+      std::string(DPB_H200_DIR) + "/attention_fa2_" + variant + ".train.jsonl", calibrate::Target::kAttention);
+  EXPECT_TRUE(rows.ok()) << rows.status();
+  std::vector<TimingSample> out;
+  for (const auto& r : *rows) out.push_back(r.sample);
+  return out;
+}
+
+TEST(Nnls, MatchesBruteForceOverActiveSetsOnSmallProblems) {
+  std::mt19937_64 rng(3);
+  std::normal_distribution<double> n(0, 1);
+  for (int t = 0; t < 50; ++t) {
+    const int rows = 12, cols = 4;
+    Eigen::MatrixXd a(rows, cols);
+    Eigen::VectorXd b(rows);
+    for (int i = 0; i < rows; ++i) {
+      b(i) = n(rng);
+      for (int j = 0; j < cols; ++j) a(i, j) = n(rng);
+    }
+    const Eigen::VectorXd x = SolveNnls(a, b);
+    EXPECT_GE(x.minCoeff(), 0);
+    // Brute force: every subset of free variables, unconstrained solve, keep feasible ones.
+    double best = (b).squaredNorm();
+    for (int mask = 1; mask < (1 << cols); ++mask) {
+      std::vector<int> idx;
+      for (int j = 0; j < cols; ++j) if (mask & (1 << j)) idx.push_back(j);
+      Eigen::MatrixXd s(rows, idx.size());
+      for (size_t k = 0; k < idx.size(); ++k) s.col(k) = a.col(idx[k]);
+      const Eigen::VectorXd z = s.colPivHouseholderQr().solve(b);
+      if (z.minCoeff() < 0) continue;
+      best = std::min(best, (s * z - b).squaredNorm());
+    }
+    EXPECT_NEAR((a * x - b).squaredNorm(), best, 1e-8 * (1 + best));
+  }
+}
+
+TEST(Fit, RecoversAKnownModelExactly) {
+  // Synthetic rows from a known non-negative model: the fit must reproduce the times.
+  CostModel::Weights w{};
+  w[FeatureIndex(Regime::kSingleQuery, CostTerm::kConstant)] = 30;
+  w[FeatureIndex(Regime::kMultiQuery, CostTerm::kConstant)] = 45;
+  w[FeatureIndex(Regime::kMultiQuery, CostTerm::kKeyTokens)] = 0.03;
+  w[FeatureIndex(Regime::kSingleQuery, CostTerm::kKeyTokens)] = 0.003;
+  w[FeatureIndex(Regime::kMultiQuery, CostTerm::kMaxKeyTokens)] = 0.01;
+  const CostModel truth = *CostModel::Create(w, "truth");
+  std::mt19937_64 rng(9);
+  std::vector<TimingSample> rows;
+  for (int i = 0; i < 300; ++i) {
+    TimingSample s;
+    const int b = 1 + static_cast<int>(rng() % 64);
+    for (int k = 0; k < b; ++k) s.agg.Add({static_cast<int64_t>(rng() % 50000), 1 + static_cast<int32_t>(rng() % (i % 2 ? 8 : 1))});
+    s.measured_us = truth.AttentionUs(s.agg);
+    rows.push_back(s);
+  }
+  absl::StatusOr<CostModel> fit = FitCostModel(rows);
+  ASSERT_TRUE(fit.ok()) << fit.status();
+  EXPECT_LT(EvaluateModel(*fit, rows).max_ape, 1e-3);
+}
+
+// Real H200 rows: the fitted family must beat the published form refitted, by a wide margin.
+TEST(Fit, BeatsThePublishedFormOnRealH200Rows) {
+  for (const char* v : {"gqa", "packed"}) {
+    std::vector<TimingSample> rows = Rows(v);
+    std::shuffle(rows.begin(), rows.end(), std::mt19937_64(1));
+    const size_t cut = rows.size() * 4 / 5;
+    const std::vector<TimingSample> train(rows.begin(), rows.begin() + cut), test(rows.begin() + cut, rows.end());
+    const ErrorStats ours = EvaluateModel(*FitCostModel(train), test);
+    FitOptions o;
+    o.features = {FeatureIndex(Regime::kSingleQuery, CostTerm::kConstant),
+                  FeatureIndex(Regime::kSingleQuery, CostTerm::kQueryTokens),
+                  FeatureIndex(Regime::kSingleQuery, CostTerm::kQueryKeyPairs),
+                  FeatureIndex(Regime::kMultiQuery, CostTerm::kConstant),
+                  FeatureIndex(Regime::kMultiQuery, CostTerm::kQueryTokens),
+                  FeatureIndex(Regime::kMultiQuery, CostTerm::kQueryKeyPairs)};
+    const ErrorStats linear = EvaluateModel(*FitCostModel(train, o), test);
+    std::printf("%s held-out 20%%: ours mape %.4f p90 %.4f | (1,B,C) per regime mape %.4f\n", v, ours.mape,
+                ours.p90_ape, linear.mape);
+    EXPECT_LT(ours.mape, 0.10);
+    EXPECT_LT(ours.mape, 0.5 * linear.mape);
+  }
+}
+
+// The demonstration, on the real rows streamed in random order, starting from the
+// published form: (1) after 200 rows the online model's error on the rest is within 1.5x of an
+// offline fit on the same 200 rows, on average over three stream orders (the worst single order
+// is printed; gqa's few single-query rows make it the weak case, see docs/cost-model.md);
+// (2) after all times x1.3 midway, the error over a window of 20 steps is back within 1.5x of its
+// pre-change level within 100 steps, for every order.
+TEST(Online, LearnsFromStreamedRowsAndRecoversFromAStepChange) {
+  for (const char* v : {"gqa", "packed"}) {
+  double ratio_sum = 0, worst = 0;
+  for (uint64_t seed : {7, 8, 9}) {
+    std::vector<TimingSample> rows = Rows(v);
+    std::shuffle(rows.begin(), rows.end(), std::mt19937_64(seed));
+    const std::vector<TimingSample> first(rows.begin(), rows.begin() + 200), rest(rows.begin() + 200, rows.end());
+    OnlineCostModel online(CostModel::PublishedV2());
+    for (const TimingSample& s : first) online.Observe(s.agg, s.measured_us);
+    const double online_err = EvaluateModel(online.model(), rest).mape;
+    const double offline_err = EvaluateModel(*FitCostModel(first), rest).mape;
+    std::printf("%s seed %d: after 200 rows online mape %.4f vs offline fit on the same rows %.4f (x%.2f)\n",
+                v, static_cast<int>(seed), online_err, offline_err, online_err / offline_err);
+    ratio_sum += online_err / offline_err;
+    worst = std::max(worst, online_err / offline_err);
+
+    // Step change: keep streaming (rows reused cyclically), times x1.3 from step 1000 on.
+    OnlineCostModel m(*FitCostModel(first));
+    auto window_error = [&](int from, double factor) {
+      double sum = 0;
+      for (int i = from; i < from + 20; ++i) {
+        const TimingSample& s = rows[i % rows.size()];
+        sum += std::abs(m.model().AttentionUs(s.agg) - factor * s.measured_us) / (factor * s.measured_us);
+      }
+      return sum / 20;
+    };
+    int step = 0;
+    for (; step < 1000; ++step) m.Observe(rows[step % rows.size()].agg, rows[step % rows.size()].measured_us);
+    const double before = window_error(step, 1.0);
+    int recovered_at = -1;
+    for (; step < 1200; ++step) {
+      const TimingSample& s = rows[step % rows.size()];
+      m.Observe(s.agg, 1.3 * s.measured_us);
+      if (recovered_at < 0 && window_error(step + 1, 1.3) <= 1.5 * before) recovered_at = step + 1 - 1000;
+    }
+    std::printf("%s: error before the change %.4f, recovered within 1.5x after %d steps\n", v, before, recovered_at);
+    EXPECT_GE(recovered_at, 0);
+    EXPECT_LE(recovered_at, 100);
+  }
+  std::printf("%s: online/offline error ratio after 200 rows: mean x%.2f, worst x%.2f\n", v, ratio_sum / 3, worst);
+  EXPECT_LE(ratio_sum / 3, 1.5);
+  }
+}
+
+TEST(Online, OneSlowStepBarelyMovesTheModelAndGarbageIsIgnored) {
+  std::vector<TimingSample> rows = Rows("packed");
+  OnlineCostModel m(*FitCostModel(rows));
+  for (int i = 0; i < 300; ++i) m.Observe(rows[i].agg, rows[i].measured_us);
+  const double before = EvaluateModel(m.model(), rows).mape;
+  m.Observe(rows[300].agg, 3 * rows[300].measured_us);  // a GC pause
+  EXPECT_LT(EvaluateModel(m.model(), rows).mape, before * 1.05 + 0.002);
+  EXPECT_FALSE(m.Observe(rows[0].agg, std::nan("")));
+  EXPECT_FALSE(m.Observe(rows[0].agg, -1));
+}
+
+}  // namespace
+}  // namespace dpbalance
