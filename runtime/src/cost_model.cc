@@ -79,6 +79,7 @@ absl::StatusOr<CostModel> CostModel::Create(const Weights& weights_us, std::stri
   CostModel m;
   m.weights_us_ = weights_us;
   m.name_ = std::move(name);
+  m.IndexActiveTerms();
   return m;
 }
 
@@ -103,33 +104,48 @@ CostModel CostModel::PublishedV2() {
   return *Create(w, "published-v2");
 }
 
+double CostModel::Term(const BatchAggregates& a, int t) const {
+  constexpr int kWaveKeys0 = static_cast<int>(CostTerm::kWaveKeys0);
+  constexpr int kWavePairs0 = static_cast<int>(CostTerm::kWavePairs0);
+  constexpr int kKnee0 = static_cast<int>(CostTerm::kKnee0);
+  switch (static_cast<CostTerm>(t)) {
+    case CostTerm::kConstant: return a.num_requests > 0 ? 1.0 : 0.0;
+    case CostTerm::kNumRequests: return a.num_requests;
+    case CostTerm::kQueryTokens: return a.query_tokens;
+    case CostTerm::kQueryKeyPairs: return a.query_key_pairs;
+    case CostTerm::kKeyTokens: return a.key_tokens;
+    case CostTerm::kMaxQueryKeyPairs: return a.max_query_key_pairs;
+    case CostTerm::kMaxKeyTokens: return a.max_key_tokens;
+    default: break;
+  }
+  if (t < kWavePairs0) return std::max(a.key_tokens / kWaveWidths[t - kWaveKeys0], a.max_key_tokens);
+  if (t < kKnee0) return std::max(a.query_key_pairs / kWaveWidths[t - kWavePairs0], a.max_key_tokens);
+  return std::max(0.0, a.query_tokens - kKneeTokens[t - kKnee0]);
+}
+
 CostModel::Weights CostModel::Features(const BatchAggregates& a) const {
-  std::array<double, kNumCostTerms> t{};
-  t[static_cast<int>(CostTerm::kConstant)] = a.num_requests > 0 ? 1.0 : 0.0;
-  t[static_cast<int>(CostTerm::kNumRequests)] = a.num_requests;
-  t[static_cast<int>(CostTerm::kQueryTokens)] = a.query_tokens;
-  t[static_cast<int>(CostTerm::kQueryKeyPairs)] = a.query_key_pairs;
-  t[static_cast<int>(CostTerm::kKeyTokens)] = a.key_tokens;
-  t[static_cast<int>(CostTerm::kMaxQueryKeyPairs)] = a.max_query_key_pairs;
-  t[static_cast<int>(CostTerm::kMaxKeyTokens)] = a.max_key_tokens;
-  for (int b = 0; b < 8; ++b) {
-    t[static_cast<int>(CostTerm::kWaveKeys0) + b] = std::max(a.key_tokens / kWaveWidths[b], a.max_key_tokens);
-    t[static_cast<int>(CostTerm::kWavePairs0) + b] =
-        std::max(a.query_key_pairs / kWaveWidths[b], a.max_key_tokens);
-  }
-  for (int b = 0; b < 6; ++b) {
-    t[static_cast<int>(CostTerm::kKnee0) + b] = std::max(0.0, a.query_tokens - kKneeTokens[b]);
-  }
   Weights x{};
   const int offset = a.multi_query ? kNumCostTerms : 0;
-  for (int i = 0; i < kNumCostTerms; ++i) x[offset + i] = t[i];
+  for (int t = 0; t < kNumCostTerms; ++t) x[offset + t] = Term(a, t);
   return x;
 }
 
+void CostModel::IndexActiveTerms() {
+  for (int r = 0; r < 2; ++r) {
+    num_active_[r] = 0;
+    for (int t = 0; t < kNumCostTerms; ++t) {
+      if (weights_us_[r * kNumCostTerms + t] != 0) active_[r][num_active_[r]++] = static_cast<uint8_t>(t);
+    }
+  }
+}
+
 double CostModel::AttentionUs(const BatchAggregates& agg) const {
-  const Weights x = Features(agg);
+  const int r = agg.multi_query ? 1 : 0;
   double us = 0;
-  for (int f = 0; f < kNumCostFeatures; ++f) us += weights_us_[f] * x[f];
+  for (int i = 0; i < num_active_[r]; ++i) {
+    const int t = active_[r][i];
+    us += weights_us_[r * kNumCostTerms + t] * Term(agg, t);
+  }
   return us;
 }
 
@@ -151,6 +167,7 @@ double CostModel::MarginalUs(const BatchAggregates& agg, int64_t ctx_tokens,
 CostModel CostModel::Scaled(double factor) const {
   CostModel m = *this;
   for (double& w : m.weights_us_) w *= factor;
+  m.IndexActiveTerms();
   return m;
 }
 

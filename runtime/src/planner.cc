@@ -36,6 +36,23 @@ int32_t TierFor(absl::Span<const int32_t> tiers, int64_t tokens) {
 
 uint32_t FloatKey(float v) { return std::bit_cast<uint32_t>(v); }  // monotone for v >= 0
 
+// Stable LSD radix sort of events by their upper 32 bits (the cost key). Ties keep insertion
+// order, which is deterministic; the sweep applies equal costs together anyway.
+void SortByCost(std::vector<uint64_t>& v, std::vector<uint64_t>& tmp) {
+  if (v.size() < 512) {  // below this, four 256-bucket passes cost more than a comparison sort
+    std::sort(v.begin(), v.end());  // keys are unique (rank, knot in the low bits)
+    return;
+  }
+  tmp.resize(v.size());
+  for (int shift = 32; shift < 64; shift += 8) {
+    std::array<uint32_t, 257> count{};
+    for (uint64_t e : v) ++count[((e >> shift) & 0xff) + 1];
+    for (int b = 0; b < 256; ++b) count[b + 1] += count[b];
+    for (uint64_t e : v) tmp[count[(e >> shift) & 0xff]++] = e;
+    v.swap(tmp);
+  }
+}
+
 absl::Status CheckSummary(const RankSummary& s, size_t idx, uint64_t want_hash) {
   if (s.magic != kSummaryMagic || s.version != kSummaryVersion) {
     return absl::FailedPreconditionError(absl::StrFormat(
@@ -509,7 +526,7 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
         events_.push_back((uint64_t{FloatKey(static_cast<float>(default_barrier))} << 32) |
                           (uint64_t{kProbe} << 8));
       }
-      std::sort(events_.begin(), events_.end());
+      SortByCost(events_, sort_tmp_);
       for (size_t e = 0; e < events_.size();) {
         const uint32_t key = static_cast<uint32_t>(events_[e] >> 32);
         const double barrier = std::bit_cast<float>(key);

@@ -116,8 +116,14 @@ class CostModel {
   uint64_t Hash() const;
 
  private:
+  void IndexActiveTerms();
+  double Term(const BatchAggregates& agg, int term) const;
+
   Weights weights_us_{};
   std::string name_ = "zero";
+  // Terms with a nonzero coefficient, per regime: evaluation touches only these.
+  std::array<std::array<uint8_t, kNumCostTerms>, 2> active_{};
+  std::array<int, 2> num_active_{};
 };
 
 // The instance-wide part of a step (identical on every rank).

@@ -140,6 +140,7 @@ class Planner {
   std::vector<LocalState> all_local_;     // PlanAll: one per rank
   std::vector<RankSummary> all_summaries_;
   mutable std::vector<uint64_t> events_;  // Decide scratch
+  mutable std::vector<uint64_t> sort_tmp_;
   // Decide scratch: each rank's current frontier segment as gain(T) = a_gain + s_gain * T and
   // extra_tokens(T) = a_tok + s_tok * T for barrier T.
   struct Segment {

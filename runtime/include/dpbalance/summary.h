@@ -21,7 +21,7 @@ namespace dpbalance {
 
 inline constexpr uint32_t kSummaryMagic = 0x31425044;  // "DPB1" read little-endian
 inline constexpr uint16_t kSummaryVersion = 1;
-inline constexpr int kKnotPool = 40;  // knots shared by all depths (water-filled)
+inline constexpr int kKnotPool = 32;  // knots shared by all depths (water-filled)
 inline constexpr uint16_t kSummaryValid = 1u << 0;
 
 struct RankSummary {
@@ -51,7 +51,7 @@ struct RankSummary {
   float default_attention_us;       // predicted attention time at the default verify length
   float default_gain;               // expected emitted tokens at the default verify length
   uint32_t default_tokens;          // query tokens at the default verify length
-  uint8_t reserved[32];             // zero; room for v1-compatible additions
+  uint8_t reserved[112];            // zero; room for v1-compatible additions
 };
 
 inline constexpr size_t kSummaryBytes = 512;
