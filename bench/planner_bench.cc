@@ -18,12 +18,7 @@ std::vector<PlanRequest> RandomBatch(std::mt19937_64& rng, int n, int k_max) {
   for (PlanRequest& r : b) {
     r.ctx_tokens = std::min<int64_t>(131072, static_cast<int64_t>(ctx(rng)));
     r.k_cap = k_max;
-    std::array<double, kMaxDraftLen> a;
-    const double z = shift(rng);
-    for (int j = 0; j < kMaxDraftLen; ++j) {
-      a[j] = 1 / (1 + std::exp(-(std::log(profile[j] / (1 - profile[j])) + z)));
-    }
-    r.acceptance = *AcceptanceCurve::FromConditional(a);
+    r.acceptance = *AcceptanceCurve::FromConditional(ShiftedProfile(profile, shift(rng)));
   }
   return b;
 }

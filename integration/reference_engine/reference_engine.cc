@@ -109,10 +109,7 @@ RunResult Run(const dpbalancePlugin_v1_t* plugin, const std::string& config,
       const replay::TraceRequest& t = trace[next % trace.size()];
       Req q{static_cast<int64_t>(next), t.input_tokens, t.output_tokens, {}};
       next += R;
-      const double z = shift(rng);
-      for (int j = 0; j < kMaxDraftLen; ++j) {
-        q.rates[j] = 1 / (1 + std::exp(-(std::log(profile[j] / (1 - profile[j])) + z)));
-      }
+      q.rates = ShiftedProfile(profile, shift(rng));
       return q;
     };
     std::vector<Req> batch;

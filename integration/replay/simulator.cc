@@ -136,10 +136,7 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
       a.remaining = t.output_tokens;
       a.output = t.output_tokens;
       a.start_us = now_us;
-      const double z = shift(rng);
-      for (int j = 0; j < kMaxDraftLen; ++j) {
-        a.rates[j] = 1 / (1 + std::exp(-(std::log(profile[j] / (1 - profile[j])) + z)));
-      }
+      a.rates = ShiftedProfile(profile, shift(rng));
       a.truth_curve = *AcceptanceCurve::FromConditional(a.rates);
       ranks[*r].push_back(a);
       RankLoad& l = loads[*r];
@@ -206,13 +203,18 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
       total.query_tokens += aggs[r].query_tokens;
       total.query_key_pairs += aggs[r].query_key_pairs;
       total.key_tokens += aggs[r].key_tokens;
+      total.max_query_key_pairs = std::max(total.max_query_key_pairs, aggs[r].max_query_key_pairs);
+      total.max_key_tokens = std::max(total.max_key_tokens, aggs[r].max_key_tokens);
     }
-    BatchAggregates ideal;  // the same work spread perfectly over the ranks
+    // The same work spread perfectly over the ranks; a request cannot be split, so the ideal
+    // rank still holds the instance's longest one (critical-path terms of a fitted model).
+    BatchAggregates ideal;
     ideal.num_requests = total.num_requests / R;
     ideal.query_tokens = total.query_tokens / R;
     ideal.query_key_pairs = total.query_key_pairs / R;
     ideal.key_tokens = total.key_tokens / R;
-    ideal.max_query_key_pairs = 0;
+    ideal.max_query_key_pairs = total.max_query_key_pairs;
+    ideal.max_key_tokens = total.max_key_tokens;
     ideal.multi_query = total.query_tokens > total.num_requests;
     if (online) planner->set_model(online->model());
     const double global_us = truth.global.StepUs(sum_q, depth);

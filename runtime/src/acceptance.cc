@@ -1,5 +1,6 @@
 #include "dpbalance/acceptance.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_format.h"
@@ -50,6 +51,16 @@ std::array<double, kMaxDraftLen> MtpK8ConditionalProfile() {
   for (int j = 0; j < kMaxDraftLen; ++j) {
     a[j] = kCumulative[j] / prev;
     prev = kCumulative[j];
+  }
+  return a;
+}
+
+std::array<double, kMaxDraftLen> ShiftedProfile(const std::array<double, kMaxDraftLen>& profile,
+                                                double logit_shift) {
+  std::array<double, kMaxDraftLen> a{};
+  for (int j = 0; j < kMaxDraftLen; ++j) {
+    const double p = std::min(std::max(profile[j], 1e-9), 1 - 1e-9);
+    a[j] = 1 / (1 + std::exp(-(std::log(p / (1 - p)) + logit_shift)));
   }
   return a;
 }

@@ -25,7 +25,9 @@ TEST(AcceptanceCurve, ConcaveAndNonDecreasingForRandomRates) {
     for (int k = 1; k <= kMaxDraftLen; ++k) {
       const double d1 = c.ExpectedTokens(k) - c.ExpectedTokens(k - 1);
       EXPECT_GE(d1, 0);
-      if (k >= 2) EXPECT_LE(d1, c.ExpectedTokens(k - 1) - c.ExpectedTokens(k - 2) + 1e-15);
+      if (k >= 2) {
+        EXPECT_LE(d1, c.ExpectedTokens(k - 1) - c.ExpectedTokens(k - 2) + 1e-15);
+      }
     }
   }
 }
@@ -65,6 +67,25 @@ TEST(AcceptanceEstimator, RejectsImpossibleCounts) {
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.message().find("accepted=3"), std::string::npos);
   EXPECT_FALSE(est.Observe(3, 9, 0).ok());
+}
+
+}  // namespace
+}  // namespace dpbalance
+
+namespace dpbalance {
+namespace {
+
+TEST(ShiftedProfile, ZeroShiftIsTheProfileAndShiftsAreMonotone) {
+  const auto p = MtpK8ConditionalProfile();
+  const auto same = ShiftedProfile(p, 0.0);
+  for (int j = 0; j < kMaxDraftLen; ++j) EXPECT_NEAR(same[j], p[j], 1e-12);
+  const auto up = ShiftedProfile(p, 1.0), down = ShiftedProfile(p, -1.0);
+  for (int j = 0; j < kMaxDraftLen; ++j) {
+    EXPECT_GT(up[j], p[j]);
+    EXPECT_LT(down[j], p[j]);
+    EXPECT_GT(down[j], 0.0);
+    EXPECT_LT(up[j], 1.0);
+  }
 }
 
 }  // namespace

@@ -65,7 +65,9 @@ std::vector<RankLog> RunRanks(int ranks, int steps, std::function<void(int, Bala
         for (size_t i = 0; i < batch.size(); ++i) {
           EXPECT_GE(v[i], 0);
           EXPECT_LE(v[i], std::max(0, batch[i].k_cap));
-          if (o.balanced) EXPECT_LE(v[i], o.draft_depth);
+          if (o.balanced) {
+            EXPECT_LE(v[i], o.draft_depth);
+          }
         }
         std::vector<BalancerAccepted> acc;
         for (size_t i = 0; i < batch.size(); ++i) acc.push_back({batch[i].request_id, v[i], v[i] / 2, false});

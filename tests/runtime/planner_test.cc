@@ -204,9 +204,13 @@ TEST(PlannerProperties, DeterministicAndRespectsConstraintsOnRandomInstances) {
         extra += k - b[r][i].k_min;
         a.Add({b[r][i].ctx_tokens, 1 + k});
       }
-      if (kv[r] >= 0) EXPECT_LE(extra, kv[r]);
+      if (kv[r] >= 0) {
+        EXPECT_LE(extra, kv[r]);
+      }
       EXPECT_LE(m.AttentionUs(a), d0.barrier_us * (1 + 1e-5) + 1e-3);
-      if (c.global.padded_tokens) EXPECT_LE(a.query_tokens, d0.padded_rank_tokens);
+      if (c.global.padded_tokens) {
+        EXPECT_LE(a.query_tokens, d0.padded_rank_tokens);
+      }
     }
     // The whole flow agrees with the single-process PlanAll.
     Planner all = *Planner::Create(c, m);

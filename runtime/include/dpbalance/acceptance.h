@@ -45,6 +45,10 @@ class AcceptanceCurve {
 // The conditional profile of multi-layer MTP at K = 8 (GSM8K, temperature 0), derived from the
 // per-position acceptance 76.2/61.6/51.3/42.4/36.4/30.9/27.2/23.7 % in docs/cost-model.md.
 std::array<double, kMaxDraftLen> MtpK8ConditionalProfile();
+// A request's conditional rates: `profile` shifted by `logit_shift` in logit space (the replay's
+// and the reference engine's per-request acceptance model; shift ~ N(0, sigma)).
+std::array<double, kMaxDraftLen> ShiftedProfile(const std::array<double, kMaxDraftLen>& profile,
+                                                double logit_shift);
 
 class AcceptanceEstimator {
  public:

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Regenerates every figure in docs/results.md and docs/cost-model.md (about 2 minutes on the
+# 2-core dev machine): the replay comparisons on both bundled traces, the calibration figures,
+# the reference engine and the planner benchmark. The plots need Debian's python3-matplotlib.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install_deps.sh
+cmake --preset release >/dev/null
+cmake --build --preset release
+B=build/release
+mkdir -p docs/generated
+$B/integration/dpbalance-replay --json docs/generated/replay_mooncake.json | tee docs/generated/replay_mooncake.txt
+$B/integration/dpbalance-replay --trace integration/replay/data/azure_conv_2023.csv \
+  --json docs/generated/replay_azure.json | tee docs/generated/replay_azure.txt
+$B/integration/dpbalance-replay --eval_cost v1 --compare=false --routing D --k 1 \
+  --json docs/generated/replay_mooncake_eval_v1.json > /dev/null
+for v in gqa packed; do
+  $B/integration/dpbalance-calibrate --train integration/calibrate/data/attention_fa2_$v.train.jsonl \
+    --cv 5 --json docs/generated/calibrate_$v.json --out docs/generated/model_$v.json \
+    | tee docs/generated/calibrate_$v.txt
+  $B/integration/dpbalance-calibrate --train integration/calibrate/data/attention_fa2_$v.train.jsonl \
+    --cv 5 --target step | tee docs/generated/calibrate_${v}_step.txt
+done
+$B/integration/dpbalance-calibrate --gemm integration/calibrate/data/projection_gemm_sweep.jsonl \
+  | tee docs/generated/calibrate_gemm.txt
+# Truth from the real H200 kernel: the packed-attention fit, 61 attention layers per step.
+$B/integration/dpbalance-replay --truth docs/generated/model_packed.json --truth_layers 61 \
+  --json docs/generated/replay_h200truth.json | tee docs/generated/replay_h200truth.txt
+$B/integration/dpbalance-replay --truth docs/generated/model_packed.json --truth_layers 61 \
+  --planner_model online --json docs/generated/replay_h200truth_online.json \
+  | tee docs/generated/replay_h200truth_online.txt
+$B/integration/dpbalance-replay --truth docs/generated/model_packed.json --truth_layers 61 \
+  --planner_model v2 --json docs/generated/replay_h200truth_v2planner.json \
+  | tee docs/generated/replay_h200truth_v2planner.txt
+$B/tests/runtime/calibration_test --gtest_filter='Online*' | tee docs/generated/online_calibration.txt
+$B/integration/dpbalance-reference-engine --json docs/generated/reference_engine.json \
+  2>/dev/null | tee docs/generated/reference_engine.txt
+$B/bench/dpbalance_planner_bench --benchmark_repetitions=5 --benchmark_report_aggregates_only=true \
+  | tee docs/generated/planner_bench.txt
+PY=python3
+command -v /usr/bin/python3 >/dev/null && PY=/usr/bin/python3
+$PY scripts/plot_results.py docs/generated/replay_mooncake.json docs/results_mooncake.png \
+  "Mooncake conversation trace, DP64, closed loop 2048, truth V2"
+$PY scripts/plot_results.py docs/generated/replay_azure.json docs/results_azure.png \
+  "Azure conversation trace 2023, DP64, closed loop 2048, truth V2"
+$PY scripts/plot_results.py docs/generated/replay_h200truth.json docs/results_h200truth.png \
+  "Mooncake trace, DP64, truth = H200 packed-attention fit x 61 layers"
+# The per-request TPOT floor trade-off (docs/results.md section 2).
+for t in integration/replay/data/mooncake_conversation.jsonl integration/replay/data/azure_conv_2023.csv; do
+  n=$(basename $t | cut -d_ -f1)
+  $B/integration/dpbalance-replay --trace $t --compare=false --routing D --k 1 \
+    --json docs/generated/floor_${n}_static.json > /dev/null
+  $B/integration/dpbalance-replay --trace $t --compare=false --routing D --k 1 --verify goodput \
+    --floor_at_default=true --json docs/generated/floor_${n}_goodput.json > /dev/null
+done

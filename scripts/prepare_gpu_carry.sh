@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Prepares .gpu/ (git-ignored) for the device tool: the Release build's GPU-relevant binaries and
+# the shared libraries they need that the GPU machine lacks (Abseil, spdlog, fmt, GoogleTest).
+# Then, with the device tool: run `bash scripts/gpu_check.sh`, carry [".gpu"], timeout ~300 s.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cmake --preset release >/dev/null
+cmake --build --preset release
+rm -rf .gpu && mkdir -p .gpu/bin .gpu/lib
+cp build/release/tests/collectives/allgather_test build/release/bench/dpbalance-nccl-bench \
+   build/release/tests/plugin/plugin_abi_test .gpu/bin/
+cp build/release/plugin/libdpbalance.so .gpu/lib/
+for b in .gpu/bin/* .gpu/lib/libdpbalance.so; do
+  ldd "$b" | awk '/=> \// {print $3}' | grep -E 'libabsl|libspdlog|libfmt|libgtest|libgmock' || true
+done | sort -u | xargs -r -I{} cp -L {} .gpu/lib/
+grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+du -sh .gpu
