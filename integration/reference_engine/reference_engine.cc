@@ -231,7 +231,7 @@ int Main() {
   if (path.find('/') == std::string::npos && path.find(".so") == std::string::npos) {
     path = absl::StrCat("lib", path, ".so");
   }
-  void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
   if (!lib) {
     std::fprintf(stderr, "reference engine: cannot load plugin '%s': %s\n", path.c_str(), dlerror());
     return 1;

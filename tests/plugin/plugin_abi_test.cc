@@ -16,7 +16,9 @@ namespace {
 class PluginAbi : public ::testing::Test {
  protected:
   void SetUp() override {
-    lib_ = dlopen(DPB_PLUGIN_PATH, RTLD_NOW | RTLD_LOCAL);
+    // RTLD_NODELETE: hosts keep plugins loaded for the process lifetime (NCCL never unloads
+    // one); the plugin's process-lifetime statics must stay reachable.
+    lib_ = dlopen(DPB_PLUGIN_PATH, RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
     ASSERT_NE(lib_, nullptr) << dlerror();
     plugin_ = static_cast<const dpbalancePlugin_t*>(dlsym(lib_, DPB_PLUGIN_SYMBOL));
     ASSERT_NE(plugin_, nullptr);
