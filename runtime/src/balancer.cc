@@ -200,6 +200,10 @@ PlanOutcome Balancer::Plan(absl::Span<const BalancerRequest> batch, int64_t kv_f
 
   predicted_attention_us_ = -1;
   if (!local.ok()) {
+    // This rank runs its defaults, but must draft as deep as every other rank agrees to.
+    if (arm_on) {
+      if (absl::StatusOr<GlobalDecision> d = planner_.Decide(gathered_); d.ok()) out.draft_depth = d->draft_depth;
+    }
     Fail(local);
     out.status = local;
     return out;

@@ -556,6 +556,12 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
     }
   }
   best.num_planned_ranks = num_valid;
+  // A rank that sent no usable summary runs the engine's default lengths; every rank sees that
+  // in the same bytes, so all agree to draft deep enough for it (an MTP draft has MoE layers:
+  // one depth for the whole instance).
+  if (!local && num_valid < static_cast<int>(summaries.size())) {
+    best.draft_depth = std::max(best.draft_depth, c.default_k);
+  }
   return best;
 }
 
