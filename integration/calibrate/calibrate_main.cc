@@ -22,22 +22,15 @@
 namespace dpbalance::calibrate {
 namespace {
 
-// The published form's features only: 1, sum q (B), sum q*ctx (C), with the same coefficient in
-// both regimes (the published form has no regimes): fitted as single-regime columns summed.
+// The published form's features only: 1, sum q (B), sum q*ctx (C), one coefficient each for
+// every batch (the published form has no kernel-path regimes).
 absl::StatusOr<CostModel> FitPublishedForm(absl::Span<const TimingSample> rows) {
-  // Fold every row into the single-query regime so one coefficient serves both.
-  std::vector<TimingSample> folded(rows.begin(), rows.end());
-  for (TimingSample& s : folded) s.agg.multi_query = false;
   FitOptions o;
   o.name = "published-form-refit";
-  o.features = {FeatureIndex(Regime::kSingleQuery, CostTerm::kConstant),
-                FeatureIndex(Regime::kSingleQuery, CostTerm::kQueryTokens),
-                FeatureIndex(Regime::kSingleQuery, CostTerm::kQueryKeyPairs)};
-  absl::StatusOr<CostModel> m = FitCostModel(folded, o);
-  if (!m.ok()) return m;
-  CostModel::Weights w = m->weights_us();
-  for (int t = 0; t < kNumCostTerms; ++t) w[kNumCostTerms + t] = w[t];
-  return CostModel::Create(w, o.name);
+  o.features = {FeatureIndex(Regime::kBase, CostTerm::kConstant),
+                FeatureIndex(Regime::kBase, CostTerm::kQueryTokens),
+                FeatureIndex(Regime::kBase, CostTerm::kQueryKeyPairs)};
+  return FitCostModel(rows, o);
 }
 
 using Fitter = absl::StatusOr<CostModel> (*)(absl::Span<const TimingSample>);
@@ -124,9 +117,9 @@ int Main(int argc, char** argv) {
     }
     FitOptions o;
     o.name = "projection-gemm";
-    o.features = {FeatureIndex(Regime::kSingleQuery, CostTerm::kConstant),
-                  FeatureIndex(Regime::kSingleQuery, CostTerm::kQueryTokens)};
-    for (int k = 0; k < 6; ++k) o.features.push_back(FeatureIndex(Regime::kSingleQuery, CostTerm::kKnee0, k));
+    o.features = {FeatureIndex(Regime::kBase, CostTerm::kConstant),
+                  FeatureIndex(Regime::kBase, CostTerm::kQueryTokens)};
+    for (int k = 0; k < 6; ++k) o.features.push_back(FeatureIndex(Regime::kBase, CostTerm::kKnee0, k));
     absl::StatusOr<CostModel> g = FitCostModel(*sweep, o);
     if (!g.ok()) {
       std::fprintf(stderr, "dpbalance-calibrate: %s\n", std::string(g.status().message()).c_str());

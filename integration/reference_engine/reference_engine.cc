@@ -45,7 +45,8 @@ ABSL_FLAG(int, reqs_per_rank, 24, "requests per rank (a finished request is repl
 ABSL_FLAG(int, steps, 240, "decode steps per run");
 ABSL_FLAG(int, k_max, 7, "draft depth limit");
 ABSL_FLAG(int, default_k, 1, "the engine's static verify length (plugin off)");
-ABSL_FLAG(double, time_scale, 0.05, "wall-clock seconds per model second (keeps runs short)");
+ABSL_FLAG(double, time_scale, 0.2,
+          "wall-clock seconds per model second (shorter runs, but sleep jitter grows relative)");
 ABSL_FLAG(int, ab_epoch, 20, "steps per A/B epoch in the A/B run");
 ABSL_FLAG(uint64_t, seed, 7, "random seed (same batch mix in every run)");
 ABSL_FLAG(std::string, json, "", "write the measured figures to this file");

@@ -43,8 +43,8 @@ constexpr double kUsPerMs = 1000.0;
 }  // namespace
 
 std::string FeatureName(int f) {
-  const std::string term = TermName(f % kNumCostTerms);
-  return f < kNumCostTerms ? term : "multi_" + term;
+  static constexpr const char* kPrefix[3] = {"", "multi_", "single_"};
+  return kPrefix[f / kNumCostTerms] + TermName(f % kNumCostTerms);
 }
 
 void BatchAggregates::Add(const RequestLoad& r) {
@@ -86,21 +86,17 @@ absl::StatusOr<CostModel> CostModel::Create(const Weights& weights_us, std::stri
 // Per-rank form of V1/V2 with one barrier: the two max() terms of the published formula applied
 // to one rank are a plain sum, linear in (Q, C). Units: published cost read as ms.
 CostModel CostModel::PublishedV1() {
-  Weights w{};
-  for (Regime r : {Regime::kSingleQuery, Regime::kMultiQuery}) {
-    w[W(r, CostTerm::kQueryTokens)] = (kV1BatchWeight + kV1MixWeight) * kUsPerMs;
-    w[W(r, CostTerm::kQueryKeyPairs)] = kV1MixWeight * kV1CtxScale * kUsPerMs;
-  }
+  Weights w{};  // base terms only: the published form has no kernel paths
+  w[W(Regime::kBase, CostTerm::kQueryTokens)] = (kV1BatchWeight + kV1MixWeight) * kUsPerMs;
+  w[W(Regime::kBase, CostTerm::kQueryKeyPairs)] = kV1MixWeight * kV1CtxScale * kUsPerMs;
   return *Create(w, "published-v1");
 }
 
 CostModel CostModel::PublishedV2() {
   Weights w{};
-  for (Regime r : {Regime::kSingleQuery, Regime::kMultiQuery}) {
-    w[W(r, CostTerm::kConstant)] = kV2Fixed * kUsPerMs;
-    w[W(r, CostTerm::kQueryTokens)] = (kV2BatchWeight + kV2MixWeight) * kUsPerMs;
-    w[W(r, CostTerm::kQueryKeyPairs)] = kV2MixWeight * kV2CtxScale * kUsPerMs;
-  }
+  w[W(Regime::kBase, CostTerm::kConstant)] = kV2Fixed * kUsPerMs;
+  w[W(Regime::kBase, CostTerm::kQueryTokens)] = (kV2BatchWeight + kV2MixWeight) * kUsPerMs;
+  w[W(Regime::kBase, CostTerm::kQueryKeyPairs)] = kV2MixWeight * kV2CtxScale * kUsPerMs;
   return *Create(w, "published-v2");
 }
 
@@ -124,14 +120,18 @@ double CostModel::Term(const BatchAggregates& a, int t) const {
 }
 
 CostModel::Weights CostModel::Features(const BatchAggregates& a) const {
+  // Base terms count for every batch; the extras only on their kernel path.
   Weights x{};
-  const int offset = a.multi_query ? kNumCostTerms : 0;
-  for (int t = 0; t < kNumCostTerms; ++t) x[offset + t] = Term(a, t);
+  const int extra = (a.multi_query ? 1 : 2) * kNumCostTerms;
+  for (int t = 0; t < kNumCostTerms; ++t) {
+    x[t] = Term(a, t);
+    x[extra + t] = x[t];
+  }
   return x;
 }
 
 void CostModel::IndexActiveTerms() {
-  for (int r = 0; r < 2; ++r) {
+  for (int r = 0; r < 3; ++r) {
     num_active_[r] = 0;
     for (int t = 0; t < kNumCostTerms; ++t) {
       if (weights_us_[r * kNumCostTerms + t] != 0) active_[r][num_active_[r]++] = static_cast<uint8_t>(t);
@@ -140,11 +140,12 @@ void CostModel::IndexActiveTerms() {
 }
 
 double CostModel::AttentionUs(const BatchAggregates& agg) const {
-  const int r = agg.multi_query ? 1 : 0;
   double us = 0;
-  for (int i = 0; i < num_active_[r]; ++i) {
-    const int t = active_[r][i];
-    us += weights_us_[r * kNumCostTerms + t] * Term(agg, t);
+  for (int r : {0, agg.multi_query ? 1 : 2}) {
+    for (int i = 0; i < num_active_[r]; ++i) {
+      const int t = active_[r][i];
+      us += weights_us_[r * kNumCostTerms + t] * Term(agg, t);
+    }
   }
   return us;
 }

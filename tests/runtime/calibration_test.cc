@@ -94,11 +94,10 @@ TEST(Fit, BeatsThePublishedFormOnRealH200Rows) {
 }
 
 // The demonstration, on the real rows streamed in random order, starting from the
-// published form: (1) after 200 rows the online model's error on the rest is within 1.5x of an
-// offline fit on the same 200 rows, on average over three stream orders (the worst single order
-// is printed; gqa's few single-query rows make it the weak case, see docs/cost-model.md);
-// (2) after all times x1.3 midway, the error over a window of 20 steps is back within 1.5x of its
-// pre-change level within 100 steps, for every order.
+// published form, for each of three stream orders: (1) after 200 rows the online model's error
+// on the rest is within 1.5x of an offline fit on the same 200 rows; (2) after all times x1.3
+// midway, the error over a window of 20 steps is back within 1.5x of its pre-change level within
+// 100 steps.
 TEST(Online, LearnsFromStreamedRowsAndRecoversFromAStepChange) {
   for (const char* v : {"gqa", "packed"}) {
   double ratio_sum = 0, worst = 0;
@@ -112,6 +111,7 @@ TEST(Online, LearnsFromStreamedRowsAndRecoversFromAStepChange) {
     const double offline_err = EvaluateModel(*FitCostModel(first), rest).mape;
     std::printf("%s seed %d: after 200 rows online mape %.4f vs offline fit on the same rows %.4f (x%.2f)\n",
                 v, static_cast<int>(seed), online_err, offline_err, online_err / offline_err);
+    EXPECT_LE(online_err, 1.5 * offline_err) << v << " seed " << seed;
     ratio_sum += online_err / offline_err;
     worst = std::max(worst, online_err / offline_err);
 
@@ -139,7 +139,6 @@ TEST(Online, LearnsFromStreamedRowsAndRecoversFromAStepChange) {
     EXPECT_LE(recovered_at, 100);
   }
   std::printf("%s: online/offline error ratio after 200 rows: mean x%.2f, worst x%.2f\n", v, ratio_sum / 3, worst);
-  EXPECT_LE(ratio_sum / 3, 1.5);
   }
 }
 

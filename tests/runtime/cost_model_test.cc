@@ -77,7 +77,8 @@ TEST(CostModel, RegimeAndKneeFeatures) {
   EXPECT_DOUBLE_EQ(m.AttentionUs({{{100, 2}, {100, 1}}}), 50);         // multi regime
   EXPECT_DOUBLE_EQ(m.AttentionUs({{{100, 17}, {100, 1}}}), 50 + 2 * 2);  // Q = 18 > 16
   EXPECT_EQ(FeatureName(FeatureIndex(Regime::kMultiQuery, CostTerm::kKnee0, 3)), "multi_knee_128");
-  EXPECT_EQ(FeatureName(FeatureIndex(Regime::kSingleQuery, CostTerm::kWavePairs0, 1)), "wave_pairs_w2");
+  EXPECT_EQ(FeatureName(FeatureIndex(Regime::kBase, CostTerm::kWavePairs0, 1)), "wave_pairs_w2");
+  EXPECT_EQ(FeatureName(FeatureIndex(Regime::kSingleQuery, CostTerm::kConstant)), "single_constant");
 }
 
 TEST(CostModel, JsonRoundTripAndErrors) {

@@ -4,7 +4,7 @@
 // - A rank's batch is a list of requests, each with `ctx_tokens` (keys it attends, its context)
 //   and `query_tokens` (q_i = 1 + k_i, k_i = draft tokens verified this step).
 // - `CostModel` is linear in a fixed set of per-rank features (sums, maxima, critical-path and
-//   wave terms, a roofline knee), each split by kernel-path regime. Published forms, fitted forms and online refits are all coefficient sets
+//   wave terms, roofline knees), each with a base coefficient and per-kernel-path extras. Published forms, fitted forms and online refits are all coefficient sets
 //   of this one class, so the planner, the replay and the plugin share one implementation.
 //   Every prediction is in microseconds. Coefficients are non-negative for physical features.
 // - `GlobalCost` is the instance-wide part of a step: MoE FFN + EP communication as a function
@@ -33,9 +33,9 @@ struct RequestLoad {
   int32_t query_tokens = 1;  // q_i = 1 + verify_len, >= 1
 };
 
-// Per-rank terms of a batch, each counted in one of two kernel-path regimes: every q_i = 1 (the
-// split-KV decode path) or some q_i > 1 (the varlen/verify path). A model's coefficients are per
-// (regime, term); the fit decides which matter. The banks of hinge terms (waves over keys and
+// Per-rank terms of a batch. Each has a base coefficient and extras for the two kernel paths:
+// every q_i = 1 (the split-KV decode path) or some q_i > 1 (the varlen/verify path); the fit
+// decides which matter. The banks of hinge terms (waves over keys and
 // over query-key pairs at several widths, GEMM knees at several token counts) let non-negative
 // combinations express convex piecewise-linear costs: critical paths, wave quantisation and
 // roofline knees, without a per-kernel constant. All terms follow from `BatchAggregates`, which
@@ -55,13 +55,16 @@ enum class CostTerm : int {
 };
 inline constexpr double kWaveWidths[8] = {1, 2, 4, 8, 16, 32, 64, 128};
 inline constexpr double kKneeTokens[6] = {16, 32, 64, 128, 256, 512};
-enum class Regime : int { kSingleQuery = 0, kMultiQuery = 1 };
+// Each term has a base coefficient (every batch) and non-negative extras that apply only on one
+// kernel path: kSingleQuery (every q_i = 1) or kMultiQuery (some q_i > 1). Shared and fully
+// split regimes are both special cases; the fit chooses.
+enum class Regime : int { kBase = 0, kMultiQuery = 1, kSingleQuery = 2 };
 inline constexpr int kNumCostTerms = static_cast<int>(CostTerm::kNumTerms);
-inline constexpr int kNumCostFeatures = 2 * kNumCostTerms;
+inline constexpr int kNumCostFeatures = 3 * kNumCostTerms;
 constexpr int FeatureIndex(Regime r, CostTerm t, int bank_idx = 0) {
   return static_cast<int>(r) * kNumCostTerms + static_cast<int>(t) + bank_idx;
 }
-// "constant", "wave_keys_w4", "knee_128", ... and "multi_" + that for the multi-query regime.
+// "constant", "wave_keys_w4", "knee_128", ...; "multi_" / "single_" + that for the extras.
 std::string FeatureName(int feature_idx);
 
 // Aggregates from which every feature is derived; cheap to update incrementally.
@@ -122,8 +125,8 @@ class CostModel {
   Weights weights_us_{};
   std::string name_ = "zero";
   // Terms with a nonzero coefficient, per regime: evaluation touches only these.
-  std::array<std::array<uint8_t, kNumCostTerms>, 2> active_{};
-  std::array<int, 2> num_active_{};
+  std::array<std::array<uint8_t, kNumCostTerms>, 3> active_{};
+  std::array<int, 3> num_active_{};
 };
 
 // The instance-wide part of a step (identical on every rank).
