@@ -1,6 +1,8 @@
 #include "dpbalance/balancer.h"
 
 #include <atomic>
+#include <cstdio>
+#include <fstream>
 #include <functional>
 #include <random>
 #include <thread>
@@ -153,6 +155,41 @@ TEST(Balancer, BadArgumentsAtCreateAreErrors) {
   BalancerConfig c = Config(2);
   c.max_consecutive_failures = 0;
   EXPECT_FALSE(Balancer::Create(c, 1, *group->Join(1)).ok());
+}
+
+}  // namespace
+}  // namespace dpbalance
+
+namespace dpbalance {
+namespace {
+
+TEST(Balancer, WritesJsonLinesMetricsEveryLogPeriod) {
+  const std::string path = ::testing::TempDir() + "/dpb_metrics.jsonl";
+  std::remove(path.c_str());
+  auto group = *InProcessGroup::Create(1, sizeof(RankSummary));
+  BalancerConfig c = Config(1);
+  c.log_every_steps = 5;
+  c.metrics_file = path;
+  auto b = *Balancer::Create(c, 0, *group->Join(0));
+  std::mt19937_64 rng(2);
+  for (int s = 0; s < 12; ++s) {
+    auto batch = Batch(rng, 6, 0);
+    std::vector<int32_t> v(batch.size());
+    b->Plan(batch, -1, absl::MakeSpan(v));
+    std::vector<BalancerAccepted> acc;
+    for (size_t i = 0; i < batch.size(); ++i) acc.push_back({batch[i].request_id, v[i], 0, false});
+    ASSERT_TRUE(b->Report(30000, 60000, acc).ok());
+  }
+  std::ifstream in(path);
+  std::string line;
+  int lines = 0;
+  while (std::getline(in, line)) {
+    ++lines;
+    EXPECT_NE(line.find("\"bubble_fraction\""), std::string::npos) << line;
+    EXPECT_NE(line.find("\"goodput_tok_per_s\""), std::string::npos);
+    EXPECT_NE(line.find("\"ab\""), std::string::npos);
+  }
+  EXPECT_EQ(lines, 2);  // steps 5 and 10
 }
 
 }  // namespace
