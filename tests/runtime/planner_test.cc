@@ -1,5 +1,6 @@
 #include "dpbalance/planner.h"
 
+#include <cmath>
 #include <cstring>
 #include <random>
 
@@ -333,6 +334,54 @@ TEST(PlannerErrors, MismatchedVersionOrConfigIsRejectedAndGarbageExcluded) {
   EXPECT_EQ(d->num_planned_ranks, 1);
   v[0].flags = 0;
   EXPECT_EQ(p.Decide(v).status().code(), absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace dpbalance
+
+namespace dpbalance {
+namespace {
+
+// What an engine meets in serving: empty ranks, requests that may not verify at all (cap 0, the
+// last token), no drafting (k_max 0), default k 0, zero context, CUDA-graph padding.
+TEST(PlannerEdgeCases, DegenerateBatchesPlanWithoutErrors) {
+  PlanRequest r;
+  r.ctx_tokens = 1000;
+  r.k_cap = 3;
+  r.acceptance = *AcceptanceCurve::FromConditional(MtpK8ConditionalProfile());
+  PlanRequest capped = r;
+  capped.k_cap = 0;
+  PlanRequest empty_ctx = r;
+  empty_ctx.ctx_tokens = 0;
+  struct Case {
+    int k_max, default_k;
+    bool padded;
+    Batches batches;
+  };
+  const std::vector<Case> cases = {{7, 3, false, {{}, {r, r}}},         {7, 3, false, {{}, {}}},
+                                   {7, 3, false, {{capped, capped}, {capped}}}, {0, 0, false, {{capped}, {capped}}},
+                                   {7, 0, false, {{r}, {r, r, r}}},     {7, 3, true, {{r}, {r, r, r}}},
+                                   {7, 3, false, {{empty_ctx}, {r}}}};
+  for (const Case& k : cases) {
+    PlannerConfig c;
+    c.num_ranks = static_cast<int>(k.batches.size());
+    c.k_max = k.k_max;
+    c.default_k = k.default_k;
+    c.global.padded_tokens = k.padded;
+    if (k.padded) c.token_tiers = {8, 16};
+    Planner p = *Planner::Create(c, CostModel::PublishedV2());
+    std::vector<std::vector<int32_t>> v;
+    absl::StatusOr<GlobalDecision> d = p.PlanAll(k.batches, std::vector<int64_t>(k.batches.size(), -1), &v);
+    ASSERT_TRUE(d.ok()) << d.status();
+    EXPECT_TRUE(std::isfinite(d->tokens_per_us));
+    for (size_t q = 0; q < k.batches.size(); ++q) {
+      for (size_t i = 0; i < k.batches[q].size(); ++i) {
+        EXPECT_GE(v[q][i], 0);
+        EXPECT_LE(v[q][i], k.batches[q][i].k_cap);
+        EXPECT_LE(v[q][i], d->draft_depth);
+      }
+    }
+  }
 }
 
 }  // namespace
