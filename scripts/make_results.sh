@@ -45,6 +45,9 @@ $PY scripts/plot_results.py docs/generated/replay_azure.json docs/results_azure.
   "Azure conversation trace 2023, DP64, closed loop 2048, truth V2"
 $PY scripts/plot_results.py docs/generated/replay_h200truth.json docs/results_h200truth.png \
   "Mooncake trace, DP64, truth = H200 packed-attention fit x 61 layers"
+# A dense draft that each rank runs to its own depth (docs/results.md section 1).
+$B/integration/dpbalance-replay --draft per_rank --json docs/generated/replay_mooncake_per_rank_draft.json \
+  | tee docs/generated/replay_mooncake_per_rank_draft.txt
 # The per-request TPOT floor trade-off (docs/results.md section 2).
 for t in integration/replay/data/mooncake_conversation.jsonl integration/replay/data/azure_conv_2023.csv; do
   n=$(basename $t | cut -d_ -f1)

@@ -56,6 +56,9 @@ ABSL_FLAG(std::string, eval_cost, "v2", "published form the attention cost ratio
 ABSL_FLAG(double, ffn_fixed_ms, 20.0, "truth: MoE FFN + EP comm fixed time per step, ms");
 ABSL_FLAG(double, ffn_per_token_ms, 0.002, "truth: FFN + comm per instance query token, ms");
 ABSL_FLAG(double, draft_ms, 1.5, "truth: draft time per draft step, ms (depth agreed by all)");
+ABSL_FLAG(std::string, draft, "agreed",
+          "truth: 'agreed' (one draft depth for the instance, MTP with MoE layers) or 'per_rank' "
+          "(a dense draft each rank runs to its own deepest verify length, before the barrier)");
 ABSL_FLAG(double, noise, 0.0, "truth: multiplicative log-normal noise sigma on attention");
 ABSL_FLAG(double, acceptance_sigma, 1.0, "per-request acceptance shift, logit std-dev");
 ABSL_FLAG(uint64_t, seed, 1, "random seed");
@@ -223,6 +226,11 @@ int Main() {
   truth.global.ffn_per_token_us = absl::GetFlag(FLAGS_ffn_per_token_ms) * 1000;
   truth.global.draft_per_step_us = absl::GetFlag(FLAGS_draft_ms) * 1000;
   truth.noise_sigma = absl::GetFlag(FLAGS_noise);
+  if (const std::string d = absl::GetFlag(FLAGS_draft); d == "per_rank") {
+    truth.per_rank_draft = true;
+  } else if (d != "agreed") {
+    return fail(absl::InvalidArgumentError(absl::StrCat("--draft = '", d, "' must be agreed or per_rank")));
+  }
 
   SimConfig base;
   base.num_ranks = absl::GetFlag(FLAGS_dp);

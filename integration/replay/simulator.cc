@@ -64,6 +64,7 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
   pc.default_k = cfg.static_k;
   pc.global = truth.global;  // the global terms are instance facts every rank knows
   pc.max_step_slack = cfg.max_step_slack;
+  pc.agreed_draft_depth = !truth.per_rank_draft;
   pc.mode = cfg.verify == VerifyMode::kLocal  ? PlanMode::kLocal
             : cfg.verify == VerifyMode::kFill ? PlanMode::kFill
                                               : PlanMode::kGoodput;
@@ -189,6 +190,11 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
       for (size_t i = 0; i < ranks[r].size(); ++i) aggs[r].Add({ranks[r][i].ctx, 1 + verify[r][i]});
       double attn = truth.attention.AttentionUs(aggs[r]);
       if (truth.noise_sigma > 0) attn *= std::exp(truth.noise_sigma * noise(rng));
+      if (truth.per_rank_draft) {  // this rank's own draft steps run before the barrier
+        int rank_depth = 0;
+        for (int32_t v : verify[r]) rank_depth = std::max(rank_depth, static_cast<int>(v));
+        attn += truth.global.draft_per_step_us * rank_depth;
+      }
       if (online && aggs[r].num_requests > 0) {
         const double predicted = online->model().AttentionUs(aggs[r]);
         model_error_sum += std::abs(predicted - attn) / attn;
@@ -217,7 +223,7 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
     ideal.max_key_tokens = total.max_key_tokens;
     ideal.multi_query = total.query_tokens > total.num_requests;
     if (online) planner->set_model(online->model());
-    const double global_us = truth.global.StepUs(sum_q, depth);
+    const double global_us = truth.global.StepUs(sum_q, truth.per_rank_draft ? 0 : depth);
     const double step_us = max_attn + global_us;
     sum_mean_attn += sum_attn / R;
     sum_max_attn += max_attn;

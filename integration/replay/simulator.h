@@ -33,6 +33,8 @@ struct TruthModel {
   CostModel attention = CostModel::PublishedV2();  // per-rank attention time
   GlobalCost global;                                // FFN + EP comm, overhead, draft
   double noise_sigma = 0;                           // multiplicative log-normal noise per rank/step
+  bool per_rank_draft = false;  // dense draft: each rank drafts to its own deepest verify length,
+                                // before the barrier (default: one depth, MTP with MoE layers)
 };
 
 struct SimConfig {

@@ -237,6 +237,10 @@ PlanOutcome Balancer::Plan(absl::Span<const BalancerRequest> batch, int64_t kv_f
   ++balanced_steps_;
   out.balanced = true;
   out.draft_depth = d->draft_depth;
+  if (!config_.planner.agreed_draft_depth) {  // a dense draft: this rank drafts its own depth
+    out.draft_depth = 0;
+    for (int32_t v : verify_len) out.draft_depth = std::max(out.draft_depth, static_cast<int>(v));
+  }
   return out;
 }
 

@@ -89,6 +89,33 @@ bool SummaryUsable(const RankSummary& s, size_t idx) {
   return true;
 }
 
+// The best plan found so far. Within the TPOT guard the best goodput wins; if nothing fits the
+// guard, the shortest step.
+struct Incumbent {
+  double max_step_us;
+  GlobalDecision best;
+  double best_j = -1;
+  bool within_guard = false;
+
+  void Consider(int depth, double barrier, double gain, double step_us, double ffn_tokens,
+                int32_t padded_rank_tokens) {
+    const double j = gain / step_us;
+    const bool within = step_us <= max_step_us;
+    const bool better = within ? (!within_guard || j > best_j)
+                               : (!within_guard && (best_j < 0 || step_us < best.step_us));
+    if (!better) return;
+    within_guard = within;
+    best_j = j;
+    best.draft_depth = depth;
+    best.barrier_us = barrier;
+    best.step_us = step_us;
+    best.expected_tokens = gain;
+    best.tokens_per_us = j;
+    best.ffn_tokens = std::llround(ffn_tokens);
+    best.padded_rank_tokens = padded_rank_tokens;
+  }
+};
+
 }  // namespace
 
 std::string_view PlanModeName(PlanMode m) {
@@ -143,6 +170,7 @@ uint64_t PlannerConfig::Hash() const {
   h.Value(global.Hash());
   for (int32_t t : token_tiers) h.Value(t);
   h.Value(max_step_slack);
+  h.Value(agreed_draft_depth);
   h.Value(kSummaryVersion);
   return h.digest();
 }
@@ -212,13 +240,18 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
     min_depth = std::max(min_depth, k);
     max_depth = std::max(max_depth, static_cast<int>(batch[i].k_cap));
   }
-  st.base_attention_us = model_.AttentionUs(st.base_agg);
+  // A dense draft run to this rank's own depth is part of its time before the barrier.
+  const double rank_draft_us = config_.agreed_draft_depth ? 0.0 : config_.global.draft_per_step_us;
+  st.min_depth = min_depth;
+  st.base_attention_us = model_.AttentionUs(st.base_agg) + rank_draft_us * min_depth;
   BatchAggregates default_agg;
   double default_gain = 0;
+  int default_depth = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     const int32_t k = std::min(config_.default_k, batch[i].k_cap);
     default_agg.Add(RequestLoad{batch[i].ctx_tokens, 1 + k});
     default_gain += batch[i].acceptance.ExpectedTokens(k);
+    default_depth = std::max(default_depth, static_cast<int>(k));
   }
 
   // Step 2: extra-token items ordered by expected tokens per marginal microsecond. An item whose
@@ -254,7 +287,8 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
   s.base_gain = static_cast<float>(base_gain);
   s.base_tokens = static_cast<uint32_t>(st.base_agg.query_tokens);
   s.num_requests = static_cast<uint16_t>(batch.size());
-  s.default_attention_us = static_cast<float>(model_.AttentionUs(default_agg));
+  s.default_attention_us =
+      static_cast<float>(model_.AttentionUs(default_agg) + rank_draft_us * default_depth);
   s.default_gain = static_cast<float>(default_gain);
   s.default_tokens = static_cast<uint32_t>(default_agg.query_tokens);
   s.min_depth = static_cast<uint8_t>(min_depth);
@@ -305,14 +339,16 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
     // A fitted model may price the multi-query kernel path below the single-query one; more
     // verify work is never really faster, so knot costs follow the running maximum.
     double cost = st.base_attention_us;
+    int deepest = min_depth;
     for (const Item& it : st.items) {
       if (it.pos() > d) continue;
       agg.AddQueryToken(RequestLoad{batch[it.req_idx()].ctx_tokens, it.pos()});
       gain += it.gain;
+      deepest = std::max(deepest, it.pos());
       ++taken;
       const int64_t at = (n * (knot + 1) + knots - 1) / knots;  // ceil(n * (knot+1) / knots)
       if (taken == at) {
-        cost = std::max(cost, model_.AttentionUs(agg));
+        cost = std::max(cost, model_.AttentionUs(agg) + rank_draft_us * deepest);
         s.knot_attention_us[next_knot + knot] = static_cast<float>(cost);
         s.knot_gain[next_knot + knot] = static_cast<float>(gain);
         s.knot_tokens[next_knot + knot] = static_cast<uint16_t>(taken);
@@ -376,35 +412,73 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
     return slot > 0 ? static_cast<int>(s.num_knots[slot - 1]) : 0;
   };
 
+  // With per-rank draft depths the draft time is already inside each rank's costs.
+  const int global_draft_depth = c.agreed_draft_depth ? c.default_k : 0;
   const double default_step =
-      default_barrier + g.StepUs(ffn_tokens(default_tokens, max_default_tokens), c.default_k);
+      default_barrier + g.StepUs(ffn_tokens(default_tokens, max_default_tokens), global_draft_depth);
   const double max_step =
       c.max_step_slack < 0 ? std::numeric_limits<double>::infinity()
                            : default_step * (1 + c.max_step_slack);
   best.default_step_us = default_step;
-  double best_j = -1;
-  bool best_within_guard = false;
+  Incumbent inc{max_step, best};
+  // Aliases keep the sweep below readable.
+  double& best_j = inc.best_j;
+  bool& best_within_guard = inc.within_guard;
   auto consider = [&](int d, double barrier, double gain, double sum_tok, double max_tok) {
     const double ffn = ffn_tokens(sum_tok, max_tok);
-    const double step = barrier + g.StepUs(ffn, d);
-    const double j = gain / step;
-    // Within the TPOT guard the best goodput wins; if nothing fits the guard, the shortest step.
-    const bool within = step <= max_step;
-    const bool better = within ? (!best_within_guard || j > best_j)
-                               : (!best_within_guard && (best_j < 0 || step < best.step_us));
-    if (better) {
-      best_within_guard = within;
-      best_j = j;
-      best.draft_depth = d;
-      best.barrier_us = barrier;
-      best.step_us = step;
-      best.expected_tokens = gain;
-      best.tokens_per_us = j;
-      best.ffn_tokens = std::llround(ffn);
-      best.padded_rank_tokens =
-          g.padded_tokens ? TierFor(c.token_tiers, std::llround(max_tok)) : 0;
-    }
+    inc.Consider(d, barrier, gain, barrier + g.StepUs(ffn, d), ffn,
+                 g.padded_tokens ? TierFor(c.token_tiers, std::llround(max_tok)) : 0);
   };
+
+  if (!c.agreed_draft_depth) {
+    // Per-rank draft depths: every knot of every depth is a candidate for its rank, whose cost
+    // already holds its own draft time. At barrier T each rank takes its best-gain knot with
+    // cost <= T (not a prefix across depths, so gains are steps, without chords).
+    events_.clear();
+    seg_.assign(summaries.size(), Segment{});
+    for (uint32_t r : valid_) {
+      const RankSummary& s = summaries[r];
+      seg_[r].a_gain = s.base_gain;  // the rank's current gain; a_tok: its current extra tokens
+      for (int d = 0; d < kMaxDraftLen; ++d) {
+        for (int k = s.knot_begin[d]; k < s.knot_begin[d] + s.num_knots[d]; ++k) {
+          events_.push_back((uint64_t{FloatKey(s.knot_attention_us[k])} << 32) | (uint64_t{r} << 8) |
+                            static_cast<uint64_t>(k));
+        }
+      }
+    }
+    SortByCost(events_, sort_tmp_);
+    double gain = base_gain, sum_tok = base_tokens, max_tok = max_base_tokens;
+    auto apply = [&](uint64_t ev) {
+      const uint32_t r = static_cast<uint32_t>((ev >> 8) & 0xffffffu);
+      const int k = static_cast<int>(ev & 0xff);
+      const RankSummary& s = summaries[r];
+      if (s.knot_gain[k] <= seg_[r].a_gain) return;
+      gain += s.knot_gain[k] - seg_[r].a_gain;
+      sum_tok += s.knot_tokens[k] - seg_[r].a_tok;
+      seg_[r].a_gain = s.knot_gain[k];
+      seg_[r].a_tok = s.knot_tokens[k];
+      max_tok = std::max<double>(max_tok, s.base_tokens + s.knot_tokens[k]);
+    };
+    auto consider_rank_depths = [&](double barrier) {
+      const double ffn = ffn_tokens(sum_tok, max_tok);
+      inc.Consider(c.k_max, barrier, gain, barrier + g.StepUs(ffn, 0), ffn,
+                   g.padded_tokens ? TierFor(c.token_tiers, std::llround(max_tok)) : 0);
+    };
+    size_t e = 0;
+    for (; e < events_.size() && std::bit_cast<float>(static_cast<uint32_t>(events_[e] >> 32)) <= floor_us; ++e) {
+      apply(events_[e]);
+    }
+    consider_rank_depths(floor_us);
+    while (e < events_.size()) {
+      const uint32_t key = static_cast<uint32_t>(events_[e] >> 32);
+      for (; e < events_.size() && static_cast<uint32_t>(events_[e] >> 32) == key; ++e) apply(events_[e]);
+      consider_rank_depths(std::bit_cast<float>(key));
+    }
+    best = inc.best;
+    best.draft_depth = c.k_max;  // a cap: each rank drafts to its deepest assigned length
+    best.num_planned_ranks = num_valid;
+    return best;
+  }
 
   // Upper bound on goodput for any barrier >= `barrier` when the gain can still grow from `gain`
   // to `ub_gain`: every extra token adds at most one expected token (P_j <= 1), so x more gain
@@ -555,6 +629,7 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
       }
     }
   }
+  best = inc.best;
   best.num_planned_ranks = num_valid;
   // A rank that sent no usable summary runs the engine's default lengths; every rank sees that
   // in the same bytes, so all agree to draft deep enough for it (an MTP draft has MoE layers:
@@ -587,31 +662,60 @@ absl::Status Planner::AssignFrom(const LocalState& st, const GlobalDecision& d,
           "planner: request %d needs verify length %d but the agreed draft depth is %d", i,
           st.base_len[i], d.draft_depth));
     }
-    verify_len[i] = st.base_len[i];
   }
-  // Greedy fill in gain-per-microsecond order, skipping items that do not fit: attention must
-  // stay under the agreed barrier, tokens under the padded tier (padded mode) or each item must
-  // pay for its FFN time at the planned goodput, and extra tokens within the KV budget.
+  if (config_.agreed_draft_depth) {
+    FillUnder(st, d, d.draft_depth, verify_len);
+    return absl::OkStatus();
+  }
+  // Per-rank draft depth: the rank picks the depth whose fill under the barrier gains most.
+  std::vector<int32_t> trial(n);
+  double best_gain = -1;
+  for (int cap = st.min_depth; cap <= d.draft_depth; ++cap) {
+    const double gain = FillUnder(st, d, cap, absl::MakeSpan(trial));
+    if (gain > best_gain) {
+      best_gain = gain;
+      std::copy(trial.begin(), trial.end(), verify_len.begin());
+    }
+  }
+  return absl::OkStatus();
+}
+
+double Planner::FillUnder(const LocalState& st, const GlobalDecision& d, int depth_cap,
+                          absl::Span<int32_t> verify_len) const {
+  // Greedy fill in gain-per-microsecond order, skipping items that do not fit: attention (plus,
+  // with per-rank draft depths, this rank's own draft time) must stay under the agreed barrier,
+  // tokens under the padded tier (padded mode) or each item must pay for its FFN time at the
+  // planned goodput, and extra tokens within the KV budget.
   const GlobalCost& g = config_.global;
+  const double rank_draft_us = config_.agreed_draft_depth ? 0.0 : g.draft_per_step_us;
   const double min_gain = g.padded_tokens ? 0.0 : d.tokens_per_us * g.ffn_per_token_us;
   const double barrier = d.barrier_us * (1 + kBarrierSlack) + kBarrierSlack;
   const int64_t kv_cap =
       st.kv_free_tokens < 0 ? std::numeric_limits<int64_t>::max() : st.kv_free_tokens;
+  double gain = 0;
+  for (size_t i = 0; i < st.batch.size(); ++i) {
+    verify_len[i] = st.base_len[i];
+    gain += st.batch[i].acceptance.ExpectedTokens(st.base_len[i]);
+  }
   BatchAggregates agg = st.base_agg;
   int64_t extra = 0;
+  int deepest = st.min_depth;
   for (const Item& it : st.items) {
     const int32_t i = it.req_idx(), pos = it.pos();
-    if (pos > d.draft_depth || verify_len[i] != pos - 1) continue;
+    if (pos > depth_cap || verify_len[i] != pos - 1) continue;
     if (it.gain < min_gain || extra >= kv_cap) continue;
     if (g.padded_tokens && agg.query_tokens + 1 > d.padded_rank_tokens) continue;
     BatchAggregates next = agg;
     next.AddQueryToken(RequestLoad{st.batch[i].ctx_tokens, pos});
-    if (model_.AttentionUs(next) > barrier) continue;
+    const int next_deepest = std::max(deepest, static_cast<int>(pos));
+    if (model_.AttentionUs(next) + rank_draft_us * next_deepest > barrier) continue;
     agg = next;
+    deepest = next_deepest;
     verify_len[i] = pos;
+    gain += it.gain;
     ++extra;
   }
-  return absl::OkStatus();
+  return gain;
 }
 
 absl::StatusOr<GlobalDecision> Planner::PlanAll(absl::Span<const std::vector<PlanRequest>> batches,

@@ -13,7 +13,7 @@ TEST(Flags, DefaultsEnvironmentAndConfigStringWhichWins) {
   EXPECT_DOUBLE_EQ(f->balancer.planner.max_step_slack, 0.05);
 
   f = ParseFlags({{"DPB_MODE", "fill"}, {"DPB_K_MAX", "5"}, {"DPB_TIERS", "8,16,32"}},
-                 "k_max=6; timeout_ms=20 ;ab_epoch=100;padded=1");
+                 "k_max=6; timeout_ms=20 ;ab_epoch=100;padded=1;agreed_depth=0");
   ASSERT_TRUE(f.ok()) << f.status();
   EXPECT_EQ(f->balancer.planner.mode, PlanMode::kFill);
   EXPECT_EQ(f->balancer.planner.k_max, 6);
@@ -21,6 +21,7 @@ TEST(Flags, DefaultsEnvironmentAndConfigStringWhichWins) {
   EXPECT_EQ(f->balancer.timeout, absl::Milliseconds(20));
   EXPECT_EQ(f->balancer.ab_epoch_steps, 100);
   EXPECT_TRUE(f->balancer.planner.global.padded_tokens);
+  EXPECT_FALSE(f->balancer.planner.agreed_draft_depth);
   // DPB_PLUGIN is the host's variable, not a flag.
   EXPECT_TRUE(ParseFlags({{"DPB_PLUGIN", "dpbalance"}}, "").ok());
 }

@@ -65,7 +65,8 @@ struct BalancerAccepted {
 
 struct PlanOutcome {
   bool balanced = false;  // false: the default lengths were returned
-  int draft_depth = 0;    // agreed draft depth (the default k when not balanced)
+  int draft_depth = 0;    // draft depth: the instance's agreed one, or with per-rank depths this
+                          // rank's own (its deepest verify length); the default k when not balanced
   absl::Status status;    // why not balanced, when it was a failure
 };
 

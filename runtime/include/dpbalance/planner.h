@@ -53,6 +53,11 @@ struct PlannerConfig {
   // engine's default plan (every request at default_k) for the same batches. < 0: no guard.
   // Requests that accept little get ~1 token a step, so their TPOT follows the step time.
   double max_step_slack = -1;
+  // true: one draft depth for the instance (an MTP draft has MoE layers, so every rank runs the
+  // same number of draft steps; its cost is global). false: a dense draft (e.g. EAGLE) that each
+  // rank runs to its own depth, the deepest verify length it assigns; the draft time is then part
+  // of that rank's time before the barrier.
+  bool agreed_draft_depth = true;
 
   absl::Status Validate() const;
   // Hash over everything that must agree across ranks (the cost model hash is mixed in by the
@@ -69,7 +74,8 @@ struct PlanRequest {
 };
 
 struct GlobalDecision {
-  int draft_depth = 0;             // agreed draft depth (every rank drafts this many steps)
+  int draft_depth = 0;             // agreed draft depth (every rank drafts this many steps);
+                                   // per-rank depths: the cap (each rank drafts max verify_len)
   double barrier_us = 0;           // planned max-rank attention time
   double step_us = 0;              // planned step time
   double expected_tokens = 0;      // planned instance tokens (sum over planned ranks)
@@ -130,9 +136,14 @@ class Planner {
     int64_t kv_free_tokens = -1;
     BatchAggregates base_agg;
     double base_attention_us = 0;
+    int min_depth = 0;  // the deepest floor
   };
   absl::Status SummarizeInto(LocalState& st, int rank_idx, absl::Span<const PlanRequest> batch,
                              int64_t kv_free_tokens, RankSummary* out) const;
+  absl::StatusOr<GlobalDecision> DecidePerRankDepth(absl::Span<const RankSummary> summaries) const;
+  // Greedy fill under the barrier with draft positions <= depth_cap; returns the expected gain.
+  double FillUnder(const LocalState& st, const GlobalDecision& d, int depth_cap,
+                   absl::Span<int32_t> verify_len) const;
   absl::Status AssignFrom(const LocalState& st, const GlobalDecision& decision,
                           absl::Span<int32_t> verify_len) const;
 
