@@ -36,36 +36,29 @@ absl::StatusOr<CostModel> FitPublishedForm(absl::Span<const TimingSample> rows) 
 using Fitter = absl::StatusOr<CostModel> (*)(absl::Span<const TimingSample>);
 absl::StatusOr<CostModel> FitOurs(absl::Span<const TimingSample> rows) { return FitCostModel(rows); }
 
-// K-fold cross-validation: errors of every row predicted by the model fitted without its fold.
+// K-fold cross-validation: every row predicted by the model fitted without its fold.
+// `out_of_fold` (optional) receives those predictions, in row order.
 absl::StatusOr<ErrorStats> CrossValidate(const std::vector<TimingSample>& rows, int k, uint64_t seed,
                                          Fitter fit, std::vector<double>* out_of_fold = nullptr) {
   std::vector<size_t> idx(rows.size());
   for (size_t i = 0; i < idx.size(); ++i) idx[i] = i;
   std::shuffle(idx.begin(), idx.end(), std::mt19937_64(seed));
-  std::vector<TimingSample> predicted;  // measured_us kept; model applied per fold below
-  std::vector<double> ape;
+  std::vector<double> predicted(rows.size());
   for (int f = 0; f < k; ++f) {
-    std::vector<TimingSample> train, test;
-    for (size_t i = 0; i < idx.size(); ++i) ((static_cast<int>(i % k) == f) ? test : train).push_back(rows[idx[i]]);
+    std::vector<TimingSample> train;
+    for (size_t i = 0; i < idx.size(); ++i) {
+      if (static_cast<int>(i % k) != f) train.push_back(rows[idx[i]]);
+    }
     absl::StatusOr<CostModel> m = fit(train);
     if (!m.ok()) return m.status();
-    for (const TimingSample& s : test) ape.push_back(std::abs(m->AttentionUs(s.agg) - s.measured_us) / s.measured_us);
-    if (out_of_fold) {
-      out_of_fold->resize(rows.size());
-      for (size_t i = 0; i < idx.size(); ++i) {
-        if (static_cast<int>(i % k) == f) (*out_of_fold)[idx[i]] = m->AttentionUs(rows[idx[i]].agg);
-      }
-    }
+    for (size_t i = f; i < idx.size(); i += k) predicted[idx[i]] = m->AttentionUs(rows[idx[i]].agg);
   }
-  ErrorStats e;
-  e.rows = ape.size();
-  double sum = 0;
-  for (double a : ape) sum += a;
-  e.mape = sum / ape.size();
-  std::sort(ape.begin(), ape.end());
-  e.p90_ape = ape[static_cast<size_t>(0.9 * (ape.size() - 1) + 0.5)];
-  e.max_ape = ape.back();
-  return e;
+  std::vector<double> ape(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    ape[i] = std::abs(predicted[i] - rows[i].measured_us) / rows[i].measured_us;
+  }
+  if (out_of_fold) *out_of_fold = std::move(predicted);
+  return SummarizeErrors(std::move(ape));
 }
 
 nlohmann::json ToJson(const ErrorStats& e) {

@@ -100,16 +100,17 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
   int64_t blocked_steps = 0;
   double model_error_sum = 0, model_error_n = 0;
 
+  auto add_to_load = [&](RankLoad& l, const Active& a) {
+    l.num_requests += 1;
+    l.ctx_tokens += a.ctx;
+    l.reserved_tokens += a.ctx + a.remaining;
+    l.agg.Add({a.ctx, static_cast<int32_t>(cfg.routing.query_tokens_per_request)});
+  };
   auto rank_load = [&](int r) {
     RankLoad l;
     l.capacity_tokens = cfg.rank_capacity_tokens;
     l.max_requests = cfg.max_batch_per_rank;
-    for (const Active& a : ranks[r]) {
-      l.num_requests += 1;
-      l.ctx_tokens += a.ctx;
-      l.reserved_tokens += a.ctx + a.remaining;
-      l.agg.Add({a.ctx, static_cast<int32_t>(cfg.routing.query_tokens_per_request)});
-    }
+    for (const Active& a : ranks[r]) add_to_load(l, a);
     return l;
   };
 
@@ -140,11 +141,7 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
       a.rates = ShiftedProfile(profile, shift(rng));
       a.truth_curve = *AcceptanceCurve::FromConditional(a.rates);
       ranks[*r].push_back(a);
-      RankLoad& l = loads[*r];
-      l.num_requests += 1;
-      l.ctx_tokens += a.ctx;
-      l.reserved_tokens += a.ctx + a.remaining;
-      l.agg.Add({a.ctx, static_cast<int32_t>(cfg.routing.query_tokens_per_request)});
+      add_to_load(loads[*r], a);
       ++active;
       ++next;
     }
@@ -168,9 +165,9 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
         PlanRequest& p = batches[r][i];
         p.ctx_tokens = a.ctx;
         p.k_cap = static_cast<int32_t>(std::min<int64_t>(cfg.k_max, a.remaining - 1));
-        p.k_min = cfg.floor_at_default ? std::min(cfg.static_k, p.k_cap) : 0;
+        p.k_min = cfg.floor_at_default ? DefaultVerifyLen(cfg.static_k, p.k_cap) : 0;
         if (!planned) {
-          verify[r][i] = std::min(cfg.static_k, p.k_cap);
+          verify[r][i] = DefaultVerifyLen(cfg.static_k, p.k_cap);
           continue;
         }
         p.acceptance = cfg.verify == VerifyMode::kOracle ? a.truth_curve : estimators[r].Curve(a.id);

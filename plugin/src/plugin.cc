@@ -24,7 +24,7 @@ struct Context {
 };
 
 void DefaultLengths(const dpbRequest_v1_t* req, int32_t n, int32_t default_k, int32_t* out) {
-  for (int32_t i = 0; i < n; ++i) out[i] = std::max(0, std::min(default_k, req[i].k_cap));
+  for (int32_t i = 0; i < n; ++i) out[i] = DefaultVerifyLen(default_k, req[i].k_cap);
 }
 
 absl::StatusOr<std::unique_ptr<AllGather>> MakeBackend(const dpbInitArgs_v1_t& a, const PluginFlags& f) {
@@ -98,12 +98,10 @@ dpbResult_t Init(const dpbInitArgs_v1_t* args, void** context) {
 dpbResult_t Plan(void* context, const dpbRequest_v1_t* req, int32_t n, int64_t kv_free_tokens,
                  int32_t* verify_len, int32_t* draft_depth) {
   auto* ctx = static_cast<Context*>(context);
-  if (n < 0 || (n > 0 && (req == nullptr || verify_len == nullptr))) return dpbInvalidArgument;
-  if (ctx == nullptr) {
+  if (ctx == nullptr || n < 0 || (n > 0 && (req == nullptr || verify_len == nullptr))) {
     return dpbInvalidArgument;
   }
-  DefaultLengths(req, n, ctx->default_k, verify_len);
-  if (draft_depth) *draft_depth = ctx->default_k;
+  // Balancer::Plan fills the default lengths first thing; the catch below covers a throw.
   try {
     ctx->requests.resize(n);
     for (int32_t i = 0; i < n; ++i) {

@@ -119,7 +119,7 @@ void Balancer::Fail(const absl::Status& s) {
 void Balancer::Fallback(absl::Span<const BalancerRequest> batch, absl::Span<int32_t> verify_len) const {
   const size_t n = std::min(batch.size(), verify_len.size());
   for (size_t i = 0; i < n; ++i) {
-    verify_len[i] = std::max(0, std::min(config_.planner.default_k, batch[i].k_cap));
+    verify_len[i] = DefaultVerifyLen(config_.planner.default_k, batch[i].k_cap);
   }
 }
 

@@ -11,21 +11,19 @@ namespace {
 
 constexpr int kF = kNumCostFeatures;
 
-double Predict(const CostModel::Weights& w, const CostModel::Weights& x) {
-  double y = 0;
-  for (int f = 0; f < kF; ++f) y += w[f] * x[f];
-  return y;
-}
-
 }  // namespace
 
 ErrorStats EvaluateModel(const CostModel& model, absl::Span<const TimingSample> samples) {
-  ErrorStats e;
   std::vector<double> ape;
   for (const TimingSample& s : samples) {
     if (!(s.measured_us > 0)) continue;
     ape.push_back(std::abs(model.AttentionUs(s.agg) - s.measured_us) / s.measured_us);
   }
+  return SummarizeErrors(std::move(ape));
+}
+
+ErrorStats SummarizeErrors(std::vector<double> ape) {
+  ErrorStats e;
   e.rows = ape.size();
   if (ape.empty()) return e;
   double sum = 0;

@@ -184,7 +184,7 @@ absl::StatusOr<Planner> Planner::Create(PlannerConfig config, CostModel model) {
 }
 
 int32_t Planner::Floor(const PlanRequest& r) const {
-  if (config_.mode == PlanMode::kFill) return std::max(r.k_min, std::min(config_.default_k, r.k_cap));
+  if (config_.mode == PlanMode::kFill) return std::max(r.k_min, DefaultVerifyLen(config_.default_k, r.k_cap));
   return r.k_min;
 }
 
@@ -248,7 +248,7 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
   double default_gain = 0;
   int default_depth = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
-    const int32_t k = std::min(config_.default_k, batch[i].k_cap);
+    const int32_t k = DefaultVerifyLen(config_.default_k, batch[i].k_cap);
     default_agg.Add(RequestLoad{batch[i].ctx_tokens, 1 + k});
     default_gain += batch[i].acceptance.ExpectedTokens(k);
     default_depth = std::max(default_depth, static_cast<int>(k));
@@ -424,9 +424,10 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
   // Aliases keep the sweep below readable.
   double& best_j = inc.best_j;
   bool& best_within_guard = inc.within_guard;
+  // `d` is the decision's depth; the step pays for it globally only when the depth is agreed.
   auto consider = [&](int d, double barrier, double gain, double sum_tok, double max_tok) {
     const double ffn = ffn_tokens(sum_tok, max_tok);
-    inc.Consider(d, barrier, gain, barrier + g.StepUs(ffn, d), ffn,
+    inc.Consider(d, barrier, gain, barrier + g.StepUs(ffn, c.agreed_draft_depth ? d : 0), ffn,
                  g.padded_tokens ? TierFor(c.token_tiers, std::llround(max_tok)) : 0);
   };
 
@@ -459,20 +460,15 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
       seg_[r].a_tok = s.knot_tokens[k];
       max_tok = std::max<double>(max_tok, s.base_tokens + s.knot_tokens[k]);
     };
-    auto consider_rank_depths = [&](double barrier) {
-      const double ffn = ffn_tokens(sum_tok, max_tok);
-      inc.Consider(c.k_max, barrier, gain, barrier + g.StepUs(ffn, 0), ffn,
-                   g.padded_tokens ? TierFor(c.token_tiers, std::llround(max_tok)) : 0);
-    };
     size_t e = 0;
     for (; e < events_.size() && std::bit_cast<float>(static_cast<uint32_t>(events_[e] >> 32)) <= floor_us; ++e) {
       apply(events_[e]);
     }
-    consider_rank_depths(floor_us);
+    consider(c.k_max, floor_us, gain, sum_tok, max_tok);
     while (e < events_.size()) {
       const uint32_t key = static_cast<uint32_t>(events_[e] >> 32);
       for (; e < events_.size() && static_cast<uint32_t>(events_[e] >> 32) == key; ++e) apply(events_[e]);
-      consider_rank_depths(std::bit_cast<float>(key));
+      consider(c.k_max, std::bit_cast<float>(key), gain, sum_tok, max_tok);
     }
     best = inc.best;
     best.draft_depth = c.k_max;  // a cap: each rank drafts to its deepest assigned length
@@ -490,23 +486,11 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
     return std::max(gain / b, ub_gain / (b + ffn_slope * (ub_gain - gain)));
   };
 
-  // Step 2: an upper bound on each depth's goodput (every rank at its last knot, the barrier at
-  // the floor, the FFN at the base tokens); depths are tried best bound first and skipped once
-  // their bound cannot beat what was found.
+  // Step 2: the feasible depths. Pass 0 below visits them all; pass 1 orders them by bound.
   const int depth_hi = std::max(depth_lo, c.k_max);
   std::array<std::pair<double, int>, kMaxDraftLen + 1> order{};
   int num_depths = 0;
-  const double min_ffn = ffn_tokens(base_tokens, max_base_tokens);
-  for (int d = depth_lo; d <= depth_hi; ++d) {
-    double ub_gain = 0;
-    for (uint32_t r : valid_) {
-      int first;
-      const int n = depth_knots(summaries[r], d, &first);
-      ub_gain += n > 0 ? summaries[r].knot_gain[first + n - 1] : summaries[r].base_gain;
-    }
-    order[num_depths++] = {-bound(base_gain, ub_gain, floor_us, min_ffn, d), d};
-  }
-  std::sort(order.begin(), order.begin() + num_depths);
+  for (int d = depth_lo; d <= depth_hi; ++d) order[num_depths++] = {0.0, d};
 
   // Step 3: for each depth, sweep the barrier T upwards over the knot costs. Every rank sits on
   // the segment of its frontier that contains T: between knots that are single items its gain is
@@ -653,7 +637,7 @@ absl::Status Planner::AssignFrom(const LocalState& st, const GlobalDecision& d,
         "planner: verify_len has %d slots for a batch of %d", verify_len.size(), n));
   }
   if (config_.mode == PlanMode::kOff) {
-    for (size_t i = 0; i < n; ++i) verify_len[i] = std::min(config_.default_k, st.batch[i].k_cap);
+    for (size_t i = 0; i < n; ++i) verify_len[i] = DefaultVerifyLen(config_.default_k, st.batch[i].k_cap);
     return absl::OkStatus();
   }
   for (size_t i = 0; i < n; ++i) {

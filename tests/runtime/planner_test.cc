@@ -11,24 +11,34 @@ namespace {
 
 using Batches = std::vector<std::vector<PlanRequest>>;
 
-// Instance objective of an assignment: expected tokens per microsecond with drafting `depth`.
+// Draft depth argument of Objective: each rank drafts to its own deepest verify length before
+// the barrier (a dense draft), instead of one depth paid globally.
+constexpr int kPerRankDepth = -1;
+
+// Instance objective of an assignment: expected tokens per microsecond with drafting `depth`
+// (agreed by the instance), or kPerRankDepth.
 double Objective(const Batches& b, const std::vector<std::vector<int32_t>>& k, int depth,
                  const CostModel& m, const GlobalCost& g) {
   double gain = 0, tokens = 0, barrier = 0;
   for (size_t r = 0; r < b.size(); ++r) {
     BatchAggregates a;
+    int rank_depth = 0;
     for (size_t i = 0; i < b[r].size(); ++i) {
       a.Add({b[r][i].ctx_tokens, 1 + k[r][i]});
       gain += b[r][i].acceptance.ExpectedTokens(k[r][i]);
+      rank_depth = std::max(rank_depth, static_cast<int>(k[r][i]));
     }
     tokens += a.query_tokens;
-    barrier = std::max(barrier, m.AttentionUs(a));
+    const double rank_draft = depth == kPerRankDepth ? g.draft_per_step_us * rank_depth : 0.0;
+    barrier = std::max(barrier, m.AttentionUs(a) + rank_draft);
   }
-  return gain / (barrier + g.StepUs(tokens, depth));
+  return gain / (barrier + g.StepUs(tokens, depth == kPerRankDepth ? 0 : depth));
 }
 
-// Exhaustive search over every request's verify length; depth = the largest length used.
-double BruteForce(const Batches& b, const CostModel& m, const GlobalCost& g) {
+// Exhaustive search over every request's verify length; an agreed depth is the largest length
+// used (per_rank_depth: each rank's own).
+double BruteForce(const Batches& b, const CostModel& m, const GlobalCost& g,
+                  bool per_rank_depth = false) {
   std::vector<std::pair<int, int>> idx;
   for (size_t r = 0; r < b.size(); ++r)
     for (size_t i = 0; i < b[r].size(); ++i) idx.push_back({static_cast<int>(r), static_cast<int>(i)});
@@ -42,7 +52,7 @@ double BruteForce(const Batches& b, const CostModel& m, const GlobalCost& g) {
     int depth = 0;
     for (const auto& row : k)
       for (int32_t v : row) depth = std::max(depth, v);
-    best = std::max(best, Objective(b, k, depth, m, g));
+    best = std::max(best, Objective(b, k, per_rank_depth ? kPerRankDepth : depth, m, g));
     size_t p = 0;
     for (; p < idx.size(); ++p) {
       auto [r, i] = idx[p];
@@ -390,50 +400,6 @@ TEST(PlannerEdgeCases, DegenerateBatchesPlanWithoutErrors) {
 namespace dpbalance {
 namespace {
 
-// Per-rank draft depths (a dense draft): rank r's time is attention + draft * (its deepest
-// verify length); no global draft term.
-double ObjectivePerRankDepth(const Batches& b, const std::vector<std::vector<int32_t>>& k,
-                             const CostModel& m, const GlobalCost& g) {
-  double gain = 0, tokens = 0, barrier = 0;
-  for (size_t r = 0; r < b.size(); ++r) {
-    BatchAggregates a;
-    int depth = 0;
-    for (size_t i = 0; i < b[r].size(); ++i) {
-      a.Add({b[r][i].ctx_tokens, 1 + k[r][i]});
-      gain += b[r][i].acceptance.ExpectedTokens(k[r][i]);
-      depth = std::max(depth, static_cast<int>(k[r][i]));
-    }
-    tokens += a.query_tokens;
-    barrier = std::max(barrier, m.AttentionUs(a) + g.draft_per_step_us * depth);
-  }
-  return gain / (barrier + g.StepUs(tokens, 0));
-}
-
-double BruteForcePerRankDepth(const Batches& b, const CostModel& m, const GlobalCost& g) {
-  std::vector<std::pair<int, int>> idx;
-  for (size_t r = 0; r < b.size(); ++r)
-    for (size_t i = 0; i < b[r].size(); ++i) idx.push_back({static_cast<int>(r), static_cast<int>(i)});
-  std::vector<std::vector<int32_t>> k(b.size());
-  for (size_t r = 0; r < b.size(); ++r) {
-    for (size_t i = 0; i < b[r].size(); ++i) k[r].push_back(b[r][i].k_min);
-  }
-  double best = 0;
-  while (true) {
-    best = std::max(best, ObjectivePerRankDepth(b, k, m, g));
-    size_t p = 0;
-    for (; p < idx.size(); ++p) {
-      auto [r, i] = idx[p];
-      if (k[r][i] < b[r][i].k_cap) {
-        ++k[r][i];
-        break;
-      }
-      k[r][i] = b[r][i].k_min;
-    }
-    if (p == idx.size()) break;
-  }
-  return best;
-}
-
 TEST(PlannerPerRankDepth, WithinOnePercentOfExhaustiveAndDeterministic) {
   for (int model_idx = 0; model_idx < 2; ++model_idx) {
     const CostModel model = model_idx == 0 ? CostModel::PublishedV2() : RegimeModel();
@@ -459,8 +425,8 @@ TEST(PlannerPerRankDepth, WithinOnePercentOfExhaustiveAndDeterministic) {
       Planner p = *Planner::Create(c, model);
       std::vector<std::vector<int32_t>> k;
       ASSERT_TRUE(p.PlanAll(b, kv, &k).ok());
-      const double got = ObjectivePerRankDepth(b, k, model, c.global);
-      const double best = BruteForcePerRankDepth(b, model, c.global);
+      const double got = Objective(b, k, kPerRankDepth, model, c.global);
+      const double best = BruteForce(b, model, c.global, /*per_rank_depth=*/true);
       ASSERT_GE(got, 0.99 * best) << "model " << model_idx << " trial " << trials;
       worst = std::min(worst, got / best);
       // The phases run as separate ranks reach the same verify lengths.

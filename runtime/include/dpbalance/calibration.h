@@ -40,6 +40,8 @@ struct ErrorStats {
   double max_ape = 0;
 };
 ErrorStats EvaluateModel(const CostModel& model, absl::Span<const TimingSample> samples);
+// The statistics of absolute percentage errors given as fractions (consumes the vector).
+ErrorStats SummarizeErrors(std::vector<double> ape);
 
 struct FitOptions {
   std::string name = "fitted";

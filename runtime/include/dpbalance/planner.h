@@ -39,6 +39,12 @@ enum class PlanMode {
   kLocal,    // each rank maximises its own goodput, no coordination (ignores other summaries)
 };
 std::string_view PlanModeName(PlanMode m);
+
+// The engine's default verify length for a request: min(default_k, k_cap), never negative (an
+// engine may pass any k_cap; the fallback must still be a valid length).
+inline int32_t DefaultVerifyLen(int default_k, int32_t k_cap) {
+  return k_cap < default_k ? (k_cap < 0 ? 0 : k_cap) : default_k;
+}
 absl::StatusOr<PlanMode> ParsePlanMode(std::string_view name);
 
 struct PlannerConfig {
