@@ -120,6 +120,26 @@ struct BruteCase {
   CostModel model;
 };
 
+// A random instance small enough for exhaustive search (2-4 ranks, 1-4 requests, k_max <= 4,
+// at most 3e5 assignments) and its config; every third trial has floors.
+std::pair<Batches, PlannerConfig> SmallCase(std::mt19937_64& rng, int trial) {
+  while (true) {
+    const int ranks = 2 + static_cast<int>(rng() % 3);
+    const int k_max = 1 + static_cast<int>(rng() % 4);
+    Batches b = RandomInstance(rng, ranks, 4, k_max, /*floors=*/trial % 3 == 0);
+    double space = 1;
+    for (auto& rank : b)
+      for (auto& r : rank) space *= r.k_cap - r.k_min + 1;
+    if (space > 3e5) continue;
+    PlannerConfig c;
+    c.num_ranks = ranks;
+    c.k_max = k_max;
+    c.default_k = std::min(3, k_max);
+    c.global = RandomGlobal(rng);
+    return {std::move(b), c};
+  }
+}
+
 class PlannerBruteForce : public ::testing::TestWithParam<int> {};
 
 // The planner's objective is within 1% of an exhaustive search on small instances.
@@ -129,27 +149,15 @@ TEST_P(PlannerBruteForce, WithinOnePercentOfExhaustive) {
   int trials = 0;
   double worst = 1.0;
   while (trials < 60) {
-    const int ranks = 2 + static_cast<int>(rng() % 3);
-    const int k_max = 1 + static_cast<int>(rng() % 4);
-    Batches b = RandomInstance(rng, ranks, 4, k_max, /*floors=*/trials % 3 == 0);
-    double space = 1;
-    for (auto& rank : b)
-      for (auto& r : rank) space *= r.k_cap - r.k_min + 1;
-    if (space > 3e5) continue;
-    ++trials;
-    PlannerConfig c;
-    c.num_ranks = ranks;
-    c.k_max = k_max;
-    c.default_k = std::min(3, k_max);
-    c.global = RandomGlobal(rng);
+    auto [b, c] = SmallCase(rng, trials++);
     Planner p = *Planner::Create(c, model);
-    std::vector<int64_t> kv(ranks, -1);
+    std::vector<int64_t> kv(c.num_ranks, -1);
     std::vector<std::vector<int32_t>> k;
     absl::StatusOr<GlobalDecision> d = p.PlanAll(b, kv, &k);
     ASSERT_TRUE(d.ok()) << d.status();
     const double got = Objective(b, k, d->draft_depth, model, c.global);
     const double best = BruteForce(b, model, c.global);
-    ASSERT_GE(got, 0.99 * best) << "trial " << trials << " ranks " << ranks << " k_max " << k_max;
+    ASSERT_GE(got, 0.99 * best) << "trial " << trials << " ranks " << c.num_ranks << " k_max " << c.k_max;
     worst = std::min(worst, got / best);
   }
   RecordProperty("worst_ratio_to_exhaustive", std::to_string(worst));
@@ -407,21 +415,9 @@ TEST(PlannerPerRankDepth, WithinOnePercentOfExhaustiveAndDeterministic) {
     int trials = 0;
     double worst = 1.0;
     while (trials < 60) {
-      const int ranks = 2 + static_cast<int>(rng() % 3);
-      const int k_max = 1 + static_cast<int>(rng() % 4);
-      Batches b = RandomInstance(rng, ranks, 4, k_max, trials % 3 == 0);
-      double space = 1;
-      for (auto& rank : b)
-        for (auto& r : rank) space *= r.k_cap - r.k_min + 1;
-      if (space > 3e5) continue;
-      ++trials;
-      PlannerConfig c;
-      c.num_ranks = ranks;
-      c.k_max = k_max;
-      c.default_k = std::min(3, k_max);
-      c.global = RandomGlobal(rng);
+      auto [b, c] = SmallCase(rng, trials++);
       c.agreed_draft_depth = false;
-      std::vector<int64_t> kv(ranks, -1);
+      std::vector<int64_t> kv(c.num_ranks, -1);
       Planner p = *Planner::Create(c, model);
       std::vector<std::vector<int32_t>> k;
       ASSERT_TRUE(p.PlanAll(b, kv, &k).ok());
