@@ -156,15 +156,6 @@ double CostModel::AttentionUs(absl::Span<const RequestLoad> batch) const {
   return AttentionUs(agg);
 }
 
-double CostModel::MarginalUs(const BatchAggregates& agg, int64_t ctx_tokens,
-                             int32_t query_tokens) const {
-  BatchAggregates base = agg;
-  base.multi_query = true;
-  BatchAggregates next = base;
-  next.AddQueryToken(RequestLoad{ctx_tokens, query_tokens});
-  return AttentionUs(next) - AttentionUs(base);
-}
-
 CostModel CostModel::Scaled(double factor) const {
   CostModel m = *this;
   for (double& w : m.weights_us_) w *= factor;

@@ -21,11 +21,6 @@ constexpr double kTinyUs = 1e-3;  // floor on a marginal cost, so ratios stay fi
 // model through float storage in the summary record.
 constexpr double kBarrierSlack = 1e-6;
 
-// Marginal cost (us) of one more query token for a request, at the base batch in the
-// multi-query regime. Used only to order items; knot costs are evaluated exactly.
-double MarginalUs(const CostModel& m, const BatchAggregates& base, int64_t ctx, int32_t q) {
-  return std::max(m.MarginalUs(base, ctx, q), kTinyUs);
-}
 
 int32_t TierFor(absl::Span<const int32_t> tiers, int64_t tokens) {
   for (int32_t t : tiers) {
@@ -33,6 +28,12 @@ int32_t TierFor(absl::Span<const int32_t> tiers, int64_t tokens) {
   }
   return static_cast<int32_t>(tokens);  // beyond the largest tier: no padding
 }
+
+// Knots one rank spends on its frontier. Decide's work grows with ranks x knots, and with many
+// ranks the instance's frontier already has hundreds of points per depth, so each sends fewer.
+// About 900 knots for the instance, at least 14 a rank (DP64 and DP256: 14, up to DP32: 28).
+// Fewer than 14 at DP64 made the chords between knots undervalue deeper drafts in the replay.
+int KnotBudget(int num_ranks) { return std::clamp(896 / num_ranks, 14, kKnotPool); }
 
 uint32_t FloatKey(float v) { return std::bit_cast<uint32_t>(v); }  // monotone for v >= 0
 
@@ -78,13 +79,17 @@ bool SummaryUsable(const RankSummary& s, size_t idx) {
   }
   for (int d = 0; d < kMaxDraftLen; ++d) {
     if (s.knot_begin[d] + s.num_knots[d] > kKnotPool) return false;
+    if (!(s.base_max_slope[d] >= 0)) return false;  // NaN too
+    // Knots must not fall (a NaN fails every comparison); then only the last can be infinite.
     float prev_cost = s.base_attention_us, prev_gain = s.base_gain;
-    for (int k = s.knot_begin[d]; k < s.knot_begin[d] + s.num_knots[d]; ++k) {
+    const int end = s.knot_begin[d] + s.num_knots[d];
+    for (int k = s.knot_begin[d]; k < end; ++k) {
       const float c = s.knot_attention_us[k], g = s.knot_gain[k];
-      if (!(std::isfinite(c) && std::isfinite(g) && c >= prev_cost && g >= prev_gain)) return false;
+      if (!(c >= prev_cost && g >= prev_gain && s.knot_max_slope[k] >= 0)) return false;
       prev_cost = c;
       prev_gain = g;
     }
+    if (!(std::isfinite(prev_cost) && std::isfinite(prev_gain))) return false;
   }
   return true;
 }
@@ -99,6 +104,8 @@ struct Incumbent {
 
   void Consider(int depth, double barrier, double gain, double step_us, double ffn_tokens,
                 int32_t padded_rank_tokens) {
+    // The common case in a sweep: within the guard and no better than the best.
+    if (within_guard && step_us <= max_step_us && gain <= best_j * step_us) return;
     const double j = gain / step_us;
     const bool within = step_us <= max_step_us;
     const bool better = within ? (!within_guard || j > best_j)
@@ -176,7 +183,10 @@ uint64_t PlannerConfig::Hash() const {
 }
 
 Planner::Planner(PlannerConfig config, CostModel model)
-    : config_(std::move(config)), model_(std::move(model)), config_hash_(config_.Hash()) {}
+    : config_(std::move(config)),
+      model_(std::move(model)),
+      config_hash_(config_.Hash()),
+      focus_depth_(config_.default_k) {}
 
 absl::StatusOr<Planner> Planner::Create(PlannerConfig config, CostModel model) {
   if (absl::Status s = config.Validate(); !s.ok()) return s;
@@ -259,9 +269,16 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
   const double min_gain = config_.global.padded_tokens
                               ? 0.0
                               : last_tokens_per_us_ * config_.global.ffn_per_token_us;
+  // Marginal cost (us) of one more query token for a request, at the base batch in the
+  // multi-query regime. It only orders the items; knot costs are evaluated exactly.
+  BatchAggregates multi = st.base_agg;
+  multi.multi_query = true;
+  const double multi_us = model_.AttentionUs(multi);
   st.items.clear();
   for (size_t i = 0; i < batch.size(); ++i) {
-    const double marginal = MarginalUs(model_, st.base_agg, batch[i].ctx_tokens, 1 + st.base_len[i]);
+    BatchAggregates next = multi;
+    next.AddQueryToken(RequestLoad{batch[i].ctx_tokens, 1 + st.base_len[i]});
+    const double marginal = std::max(model_.AttentionUs(next) - multi_us, kTinyUs);
     for (int j = st.base_len[i] + 1; j <= batch[i].k_cap; ++j) {
       const double gain = batch[i].acceptance.Accept(j);
       if (gain <= min_gain) break;  // gains fall with j
@@ -302,61 +319,106 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
     running += avail[d];
     avail[d] = std::min<int64_t>({running, kv_cap, 65535});
   }
-  // Water-fill the knot pool: a depth with few items gets one knot per item.
+  // Share the knot pool: every depth with items gets one knot, then rounds hand out the rest,
+  // most to the depths around the previous decision's (where the next one most likely lands:
+  // the chord between sparse knots undervalues a depth), never more than a depth has items.
+  // Small batches get one knot per item at every depth, so small cases are exact.
   std::array<int, kMaxDraftLen + 1> share{};
-  int depths_left = 0;
-  for (int d = std::max(1, min_depth); d <= s.max_depth; ++d) depths_left += avail[d] > 0;
-  int pool = kKnotPool;
-  for (bool changed = true; changed && depths_left > 0;) {
-    changed = false;
-    for (int d = std::max(1, min_depth); d <= s.max_depth; ++d) {
-      if (avail[d] == 0 || share[d] > 0) continue;
-      if (avail[d] <= pool / depths_left) {
-        share[d] = static_cast<int>(avail[d]);
-        pool -= share[d];
-        --depths_left;
-        changed = true;
+  int pool = KnotBudget(config_.num_ranks);
+  const int d_lo = std::max(1, min_depth), d_hi = s.max_depth;
+  for (int d = d_lo; d <= d_hi && pool > 0; ++d) {
+    share[d] = avail[d] > 0 ? 1 : 0;
+    pool -= share[d];
+  }
+  const int focus = std::clamp(focus_depth_, d_lo, std::max(d_lo, d_hi));
+  for (bool gave = true; gave && pool > 0;) {
+    gave = false;
+    for (int dist = 0; dist <= kMaxDraftLen && pool > 0; ++dist) {
+      for (int d : {focus - dist, focus + dist}) {
+        if (d < d_lo || d > d_hi || (dist == 0 && d != focus - dist)) continue;
+        const int more = std::min<int64_t>({std::max(1, 3 - dist), avail[d] - share[d], pool});
+        if (more <= 0) continue;
+        share[d] += more;
+        pool -= more;
+        gave = true;
       }
     }
   }
-  for (int d = std::max(1, min_depth); d <= s.max_depth && depths_left > 0; ++d) {
-    if (avail[d] > 0 && share[d] == 0) {
-      share[d] = pool / depths_left;
-      pool -= share[d];
-      --depths_left;
-    }
-  }
-  int next_knot = 0;
-  for (int d = std::max(1, min_depth); d <= s.max_depth; ++d) {
-    const int64_t n = avail[d];
-    const int knots = share[d];
+  // One walk down the item list serves every depth: items are summed per draft position, and
+  // depth d's totals are the base plus the sums of positions 1..d, formed only at its knots.
+  const int d_first = std::max(1, min_depth), d_last = s.max_depth;
+  struct PositionSums {
+    double tokens = 0, pairs = 0, max_pairs = 0, gain = 0;
+  };
+  std::array<PositionSums, kMaxDraftLen + 1> pos_sums{};
+  std::array<int64_t, kMaxDraftLen + 1> taken{}, next_at{};
+  std::array<int, kMaxDraftLen + 1> knot{};
+  // A fitted model may price the multi-query kernel path below the single-query one; more
+  // verify work is never really faster, so knot costs follow the running maximum.
+  std::array<double, kMaxDraftLen + 1> cost{};
+  constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
+  // Knot i of depth d sits after item ceil(n * (i + 1) / knots) of that depth's list.
+  auto knot_at = [&](int d, int i) {
+    return i < share[d] ? (avail[d] * (i + 1) + share[d] - 1) / share[d] : kNever;
+  };
+  int next_knot = 0, depths_open = 0;
+  for (int d = d_first; d <= d_last; ++d) {
     s.knot_begin[d - 1] = static_cast<uint8_t>(next_knot);
-    if (n == 0 || knots == 0) continue;
-    BatchAggregates agg = st.base_agg;
-    double gain = base_gain;
-    int64_t taken = 0;
-    int knot = 0;
-    // A fitted model may price the multi-query kernel path below the single-query one; more
-    // verify work is never really faster, so knot costs follow the running maximum.
-    double cost = st.base_attention_us;
-    int deepest = min_depth;
-    for (const Item& it : st.items) {
-      if (it.pos() > d) continue;
-      agg.AddQueryToken(RequestLoad{batch[it.req_idx()].ctx_tokens, it.pos()});
-      gain += it.gain;
-      deepest = std::max(deepest, it.pos());
-      ++taken;
-      const int64_t at = (n * (knot + 1) + knots - 1) / knots;  // ceil(n * (knot+1) / knots)
-      if (taken == at) {
-        cost = std::max(cost, model_.AttentionUs(agg) + rank_draft_us * deepest);
-        s.knot_attention_us[next_knot + knot] = static_cast<float>(cost);
-        s.knot_gain[next_knot + knot] = static_cast<float>(gain);
-        s.knot_tokens[next_knot + knot] = static_cast<uint16_t>(taken);
-        if (++knot == knots) break;
+    next_knot += avail[d] > 0 ? share[d] : 0;
+    next_at[d] = avail[d] > 0 ? knot_at(d, 0) : kNever;
+    cost[d] = st.base_attention_us;
+    depths_open += next_at[d] != kNever;
+  }
+  for (const Item& it : st.items) {
+    if (depths_open == 0) break;
+    const int p = it.pos();
+    const double ctx = static_cast<double>(batch[it.req_idx()].ctx_tokens);
+    PositionSums& ps = pos_sums[p];
+    ps.tokens += 1;
+    ps.pairs += ctx;
+    ps.max_pairs = std::max(ps.max_pairs, (p + 1.0) * ctx);
+    ps.gain += it.gain;
+    for (int d = std::max(p, d_first); d <= d_last; ++d) {
+      if (++taken[d] != next_at[d]) continue;
+      BatchAggregates agg = st.base_agg;
+      agg.multi_query = true;
+      double gain = base_gain;
+      int deepest = min_depth;
+      for (int q = 1; q <= d; ++q) {
+        const PositionSums& sum = pos_sums[q];
+        agg.query_tokens += sum.tokens;
+        agg.query_key_pairs += sum.pairs;
+        agg.max_query_key_pairs = std::max(agg.max_query_key_pairs, sum.max_pairs);
+        gain += sum.gain;
+        if (sum.tokens > 0) deepest = std::max(deepest, q);
       }
+      cost[d] = std::max(cost[d], model_.AttentionUs(agg) + rank_draft_us * deepest);
+      const int k = s.knot_begin[d - 1] + knot[d];
+      s.knot_attention_us[k] = static_cast<float>(cost[d]);
+      s.knot_gain[k] = static_cast<float>(gain);
+      s.knot_tokens[k] = static_cast<uint16_t>(taken[d]);
+      next_at[d] = knot_at(d, ++knot[d]);
+      depths_open -= next_at[d] == kNever;
     }
-    s.num_knots[d - 1] = static_cast<uint8_t>(knot);
-    next_knot += knot;
+  }
+  for (int d = d_first; d <= d_last; ++d) s.num_knots[d - 1] = static_cast<uint8_t>(knot[d]);
+  // Steepest slopes after each knot, from the stored (float) values Decide will read.
+  for (int d = 1; d <= kMaxDraftLen; ++d) {
+    const int first = s.knot_begin[d - 1], n = s.num_knots[d - 1];
+    double steepest = 0;
+    for (int i = n - 1; i >= -1; --i) {
+      if (i >= 0) {
+        s.knot_max_slope[first + i] = static_cast<float>(steepest);
+      } else {
+        s.base_max_slope[d - 1] = static_cast<float>(steepest);
+        break;
+      }
+      const double dc = s.knot_attention_us[first + i] -
+                        (i > 0 ? s.knot_attention_us[first + i - 1] : s.base_attention_us);
+      const double dg = s.knot_gain[first + i] - (i > 0 ? s.knot_gain[first + i - 1] : s.base_gain);
+      const double m = dg <= 0 ? 0.0 : dc > 0 ? dg / dc : std::numeric_limits<double>::infinity();
+      steepest = std::max(steepest, m);
+    }
   }
   return absl::OkStatus();
 }
@@ -476,137 +538,178 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
     return best;
   }
 
-  // Upper bound on goodput for any barrier >= `barrier` when the gain can still grow from `gain`
-  // to `ub_gain`: every extra token adds at most one expected token (P_j <= 1), so x more gain
-  // costs at least x more FFN tokens. (a + x) / (b + slope x) is monotone in x, so the bound is
-  // at one end of [0, ub_gain - gain].
+  // Upper bound on goodput at every barrier T' >= T of one depth. Each rank's gain from T on lies
+  // under the line a_ub + s_ub * T' (from its segment's left knot, with its steepest later
+  // slope), so the instance's gain G' <= min(A + S * T', G_max). The step is at least T' plus the
+  // global terms at today's tokens, plus the FFN time of G' - gain more tokens (an extra token
+  // adds at most one expected token). That ratio is monotone in T' between T and the T* where
+  // the line meets G_max and falls after, so the bound is its larger end value.
   const double ffn_slope = g.padded_tokens ? 0.0 : g.ffn_per_token_us * ffn_scale;
-  auto bound = [&](double gain, double ub_gain, double barrier, double ffn, int d) {
-    const double b = barrier + g.StepUs(ffn, d);
-    return std::max(gain / b, ub_gain / (b + ffn_slope * (ub_gain - gain)));
+  auto bound = [&](double barrier, double gain, double ub_a, double ub_s, bool unbounded,
+                   double ub_gain, double global_us) {
+    auto at = [&](double t, double g_hi) {
+      return g_hi / (t + global_us + ffn_slope * std::max(0.0, g_hi - gain));
+    };
+    if (unbounded) return at(barrier, ub_gain);
+    const double g_now = std::min(ub_a + ub_s * barrier, ub_gain);
+    double v = at(barrier, g_now);
+    if (ub_s > 0 && g_now < ub_gain) v = std::max(v, at((ub_gain - ub_a) / ub_s, ub_gain));
+    return v;
   };
+  // Near-ties with the best are not worth a sweep; the bound is exact arithmetic otherwise.
+  auto cannot_win = [&](double ub) { return best_within_guard && ub <= best_j * (1 - 1e-12); };
 
-  // Step 2: the feasible depths. Pass 0 below visits them all; pass 1 orders them by bound.
+  // Step 2: for each feasible depth, sweep the barrier T upwards over the knot costs. Every rank
+  // sits on the segment of its frontier that contains T: between knots that are single items its
+  // gain is a step (exact: items are indivisible); between knots that skip items it is the chord
+  // (the frontier is concave, so the chord is a conservative estimate that Assign's fill
+  // achieves). Totals are linear in T between events, so goodput (linear-fractional) peaks at an
+  // event. The sweep stops once the bound says no higher barrier can win; knots above the barrier
+  // where even the largest gain cannot beat the best are never sorted.
   const int depth_hi = std::max(depth_lo, c.k_max);
-  std::array<std::pair<double, int>, kMaxDraftLen + 1> order{};
-  int num_depths = 0;
-  for (int d = depth_lo; d <= depth_hi; ++d) order[num_depths++] = {0.0, d};
-
-  // Step 3: for each depth, sweep the barrier T upwards over the knot costs. Every rank sits on
-  // the segment of its frontier that contains T: between knots that are single items its gain is
-  // a step (exact: items are indivisible); between knots that skip items it is the chord (the
-  // frontier is concave, so the chord is a conservative estimate that Assign's fill achieves).
-  // Totals are linear in T between events, so goodput (linear-fractional) peaks at an event.
-  seg_.assign(summaries.size(), Segment{});
-  auto knot = [](const RankSummary& s, int first, int k, double* c, double* gn, double* t) {
-    if (k < 0) {
-      *c = s.base_attention_us;
-      *gn = s.base_gain;
-      *t = 0;
-    } else {
-      *c = s.knot_attention_us[first + k];
-      *gn = s.knot_gain[first + k];
-      *t = s.knot_tokens[first + k];
-    }
-  };
-  auto segment = [&](const RankSummary& s, int first, int n, int k) {
-    double c0, g0, t0;
-    knot(s, first, k, &c0, &g0, &t0);
-    Segment sg{g0, 0, t0, 0};
+  seg_.resize(summaries.size());
+  constexpr uint32_t kProbe = 0xffffffu;  // an event that only evaluates a barrier
+  // Rank r's segment from knot k (-1: its base) at depth d, knots [first, first + n).
+  auto segment = [&](const RankSummary& s, int d, int first, int n, int k) {
+    const double c0 = k < 0 ? s.base_attention_us : s.knot_attention_us[first + k];
+    const double g0 = k < 0 ? s.base_gain : s.knot_gain[first + k];
+    const double t0 = k < 0 ? 0.0 : s.knot_tokens[first + k];
+    Segment sg{g0, 0, t0, 0, g0, 0, false};
     if (k + 1 < n) {
-      double c1, g1, t1;
-      knot(s, first, k + 1, &c1, &g1, &t1);
+      const double c1 = s.knot_attention_us[first + k + 1], t1 = s.knot_tokens[first + k + 1];
       if (t1 - t0 > 1 && c1 > c0) {
-        sg.s_gain = (g1 - g0) / (c1 - c0);
-        sg.s_tok = (t1 - t0) / (c1 - c0);
+        const double inv = 1.0 / (c1 - c0);
+        sg.s_gain = (s.knot_gain[first + k + 1] - g0) * inv;
+        sg.s_tok = (t1 - t0) * inv;
         sg.a_gain = g0 - sg.s_gain * c0;
         sg.a_tok = t0 - sg.s_tok * c0;
       }
     }
+    const int slot = std::min<int>(d, s.max_depth);  // as depth_knots
+    const double m =
+        k >= 0 ? s.knot_max_slope[first + k] : slot > 0 ? s.base_max_slope[slot - 1] : 0.0;
+    if (std::isinf(m)) {
+      sg.unbounded = true;
+    } else {
+      sg.s_ub = m;
+      sg.a_ub = g0 - m * c0;
+    }
     return sg;
   };
-  constexpr uint32_t kProbe = 0xffffffu;  // an event that only evaluates a barrier
 
-  // Pass 0 (cheap, every depth): the goodput at the floor barrier, and a bound for every barrier
-  // above it, evaluated at the lowest knot cost above the floor (the barrier's first possible
-  // jump). Pass 1 sweeps only the depths whose bound beats the best found, best bound first.
-  std::array<std::pair<double, int>, kMaxDraftLen + 1> refined{};
-  for (int pass = 0; pass < 2; ++pass) {
-    if (pass == 1) {
-      order = refined;
-      std::sort(order.begin(), order.begin() + num_depths);
+  for (int d = depth_lo; d <= depth_hi; ++d) {
+    double a_gain = 0, s_gain = 0, a_tok = 0, s_tok = 0, max_tok = max_base_tokens;
+    double ub_a = 0, ub_s = 0, ub_gain = base_gain, top_cost = floor_us;
+    int unbounded = 0;
+    events_.clear();
+    for (uint32_t r : valid_) {
+      const RankSummary& s = summaries[r];
+      int first;
+      const int n = depth_knots(s, d, &first);
+      int k = 0;
+      for (; k < n && s.knot_attention_us[first + k] <= floor_us; ++k) {}
+      // The rank sits on the segment starting at knot k-1 (k-1 = -1: its base).
+      const Segment sg = segment(s, d, first, n, k - 1);
+      seg_[r] = sg;
+      a_gain += sg.a_gain;
+      s_gain += sg.s_gain;
+      a_tok += sg.a_tok;
+      s_tok += sg.s_tok;
+      ub_a += sg.a_ub;
+      ub_s += sg.s_ub;
+      unbounded += sg.unbounded;
+      if (k > 0) max_tok = std::max<double>(max_tok, s.base_tokens + s.knot_tokens[first + k - 1]);
+      if (n > 0) ub_gain += s.knot_gain[first + n - 1] - s.base_gain;
+      if (c.mode == PlanMode::kFill || k == n) continue;  // fill: the barrier stays at the floor
+      top_cost = std::max<double>(top_cost, s.knot_attention_us[first + n - 1]);
+      for (int kk = k; kk < n; ++kk) {
+        events_.push_back((uint64_t{FloatKey(s.knot_attention_us[first + kk])} << 32) |
+                          (uint64_t{r} << 8) | static_cast<uint64_t>(kk));
+      }
     }
-    for (int oi = 0; oi < num_depths; ++oi) {
-      const int d = order[oi].second;
-      if (pass == 1 && best_within_guard && -order[oi].first <= best_j) break;
-      double a_gain = 0, s_gain = 0, a_tok = 0, s_tok = 0, max_tok = max_base_tokens, ub_gain = 0;
-      float first_jump = std::numeric_limits<float>::infinity();
-      events_.clear();
-      for (uint32_t r : valid_) {
-        const RankSummary& s = summaries[r];
-        int first;
-        const int n = depth_knots(s, d, &first);
-        int k = 0;
-        for (; k < n && s.knot_attention_us[first + k] <= floor_us; ++k) {}
-        // The rank sits on the segment starting at knot k-1 (k-1 = -1: its base).
-        const Segment sg = segment(s, first, n, k - 1);
-        seg_[r] = sg;
-        a_gain += sg.a_gain;
-        s_gain += sg.s_gain;
-        a_tok += sg.a_tok;
-        s_tok += sg.s_tok;
-        if (k > 0) max_tok = std::max<double>(max_tok, s.base_tokens + s.knot_tokens[first + k - 1]);
-        ub_gain += (n > 0 ? s.knot_gain[first + n - 1] : s.base_gain) - s.base_gain;
-        if (c.mode == PlanMode::kFill || k == n) continue;  // fill: the barrier stays at the floor
-        first_jump = std::min(first_jump, s.knot_attention_us[first + k]);
-        if (pass == 1) {
-          for (int kk = k; kk < n; ++kk) {
-            events_.push_back((uint64_t{FloatKey(s.knot_attention_us[first + kk])} << 32) |
-                              (uint64_t{r} << 8) | static_cast<uint64_t>(kk));
-          }
+    // Knot gains are totals (base included); knot tokens are extra over the base.
+    auto gain_at = [&](double t) { return a_gain + s_gain * t; };
+    auto tokens_at = [&](double t) { return base_tokens + a_tok + s_tok * t; };
+    consider(d, floor_us, gain_at(floor_us), tokens_at(floor_us), max_tok);
+    if (c.mode == PlanMode::kFill || events_.empty()) continue;
+    if (default_barrier > floor_us) {
+      events_.push_back((uint64_t{FloatKey(static_cast<float>(default_barrier))} << 32) |
+                        (uint64_t{kProbe} << 8));
+      top_cost = std::max(top_cost, default_barrier);
+    }
+    const double global_floor = g.StepUs(ffn_tokens(tokens_at(floor_us), max_tok), d);
+    if (cannot_win(bound(floor_us, gain_at(floor_us), ub_a, ub_s, unbounded > 0, ub_gain,
+                         global_floor))) {
+      continue;
+    }
+    // Goodput at barrier T is at most G_max / (T + global terms at the floor): knots above
+    // `top` can never win (nor can steps past the TPOT guard).
+    double top = top_cost;
+    if (best_within_guard) top = std::min({top, ub_gain / best_j - global_floor, max_step - global_floor});
+    // Bucket the events by cost between the floor and `top` (monotone in cost, so buckets in
+    // order are sorted up to the order inside each), and sort a bucket only when the sweep
+    // reaches it.
+    const int num_buckets = std::clamp<int>(static_cast<int>(events_.size() / 2), 1, 512);
+    const double scale = top > floor_us ? num_buckets / (top - floor_us) : 0.0;
+    auto bucket_of = [&](uint64_t ev) {
+      const double cost = std::bit_cast<float>(static_cast<uint32_t>(ev >> 32));
+      return cost > top ? num_buckets
+                        : std::min(num_buckets - 1, static_cast<int>((cost - floor_us) * scale));
+    };
+    bucket_start_.assign(num_buckets + 2, 0);
+    for (uint64_t ev : events_) ++bucket_start_[bucket_of(ev) + 1];
+    for (int b = 0; b < num_buckets; ++b) bucket_start_[b + 1] += bucket_start_[b];
+    sort_tmp_.resize(events_.size());
+    {
+      std::vector<uint32_t>& fill = bucket_start_;  // advanced while scattering, rebuilt below
+      for (uint64_t ev : events_) {
+        const int b = bucket_of(ev);
+        if (b < num_buckets) sort_tmp_[fill[b]++] = ev;
+      }
+      for (int b = num_buckets; b > 0; --b) fill[b] = fill[b - 1];
+      fill[0] = 0;
+    }
+    for (int b = 0; b < num_buckets; ++b) {
+      const auto lo = sort_tmp_.begin() + bucket_start_[b], hi = sort_tmp_.begin() + bucket_start_[b + 1];
+      if (hi - lo > 16) {  // costs cluster (many ranks end near the same cost)
+        std::sort(lo, hi);
+      } else {
+        for (auto it = lo + 1; it < hi; ++it) {  // insertion sort: most buckets hold a few
+          const uint64_t v = *it;
+          auto j = it;
+          for (; j > lo && *(j - 1) > v; --j) *j = *(j - 1);
+          *j = v;
         }
       }
-      ub_gain += base_gain;
-      // Knot gains are totals (base included); knot tokens are extra over the base.
-      auto gain_at = [&](double t) { return a_gain + s_gain * t; };
-      auto tokens_at = [&](double t) { return base_tokens + a_tok + s_tok * t; };
-      if (pass == 0) {
-        consider(d, floor_us, gain_at(floor_us), tokens_at(floor_us), max_tok);
-        const double above =
-            std::isfinite(first_jump)
-                ? bound(gain_at(floor_us), ub_gain, first_jump,
-                        ffn_tokens(tokens_at(floor_us), max_tok), d)
-                : 0.0;
-        refined[oi] = {-above, d};
-        continue;
-      }
-      if (c.mode != PlanMode::kFill && default_barrier > floor_us) {
-        events_.push_back((uint64_t{FloatKey(static_cast<float>(default_barrier))} << 32) |
-                          (uint64_t{kProbe} << 8));
-      }
-      SortByCost(events_, sort_tmp_);
-      for (size_t e = 0; e < events_.size();) {
-        const uint32_t key = static_cast<uint32_t>(events_[e] >> 32);
-        const double barrier = std::bit_cast<float>(key);
-        const double gain_now = gain_at(barrier), tok_now = tokens_at(barrier);
-        const double ffn_now = ffn_tokens(tok_now, max_tok);
-        if (best_within_guard && (bound(gain_now, ub_gain, barrier, ffn_now, d) <= best_j ||
-                                  barrier + g.StepUs(ffn_now, d) > max_step)) {
+      if (lo < hi && best_within_guard) {  // the bound, once a bucket
+        const double barrier = std::bit_cast<float>(static_cast<uint32_t>(*lo >> 32));
+        const double global_now = g.StepUs(ffn_tokens(tokens_at(barrier), max_tok), d);
+        if (barrier + global_now > max_step ||
+            cannot_win(bound(barrier, gain_at(barrier), ub_a, ub_s, unbounded > 0, ub_gain,
+                             global_now))) {
           break;  // no later barrier can win (steps only grow from here)
         }
-        for (; e < events_.size() && static_cast<uint32_t>(events_[e] >> 32) == key; ++e) {
-          const uint32_t r = static_cast<uint32_t>((events_[e] >> 8) & 0xffffffu);
+      }
+      for (auto e = lo; e < hi;) {
+        const uint32_t key = static_cast<uint32_t>(*e >> 32);
+        const double barrier = std::bit_cast<float>(key);
+        for (; e < hi && static_cast<uint32_t>(*e >> 32) == key; ++e) {
+          const uint32_t r = static_cast<uint32_t>((*e >> 8) & 0xffffffu);
           if (r == kProbe) continue;
-          const int k = static_cast<int>(events_[e] & 0xff);
+          const int k = static_cast<int>(*e & 0xff);
           const RankSummary& s = summaries[r];
           int first;
           const int n = depth_knots(s, d, &first);
-          const Segment sg = segment(s, first, n, k);
-          a_gain += sg.a_gain - seg_[r].a_gain;
-          s_gain += sg.s_gain - seg_[r].s_gain;
-          a_tok += sg.a_tok - seg_[r].a_tok;
-          s_tok += sg.s_tok - seg_[r].s_tok;
-          seg_[r] = sg;
+          const Segment sg = segment(s, d, first, n, k);
+          Segment& cur = seg_[r];
+          a_gain += sg.a_gain - cur.a_gain;
+          s_gain += sg.s_gain - cur.s_gain;
+          a_tok += sg.a_tok - cur.a_tok;
+          s_tok += sg.s_tok - cur.s_tok;
+          ub_a += sg.a_ub - cur.a_ub;
+          ub_s += sg.s_ub - cur.s_ub;
+          unbounded += static_cast<int>(sg.unbounded) - static_cast<int>(cur.unbounded);
+          cur = sg;
           max_tok = std::max<double>(max_tok, s.base_tokens + s.knot_tokens[first + k]);
         }
         consider(d, barrier, gain_at(barrier), tokens_at(barrier), max_tok);
@@ -626,6 +729,7 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
 
 absl::Status Planner::Assign(const GlobalDecision& decision, absl::Span<int32_t> verify_len) {
   last_tokens_per_us_ = decision.tokens_per_us;
+  focus_depth_ = config_.agreed_draft_depth ? decision.draft_depth : config_.default_k;
   return AssignFrom(local_, decision, verify_len);
 }
 
@@ -748,6 +852,7 @@ absl::StatusOr<GlobalDecision> Planner::PlanAll(absl::Span<const std::vector<Pla
     }
   }
   last_tokens_per_us_ = result.tokens_per_us;
+  focus_depth_ = config_.agreed_draft_depth ? result.draft_depth : config_.default_k;
   return result;
 }
 

@@ -241,6 +241,76 @@ TEST(PlannerProperties, DeterministicAndRespectsConstraintsOnRandomInstances) {
   }
 }
 
+// The planner's goodput at a barrier T of depth d, recomputed from the summaries alone: every rank
+// sits on its frontier segment containing T (a step between single-item knots, the chord
+// otherwise). Non-padded FFN, every summary usable.
+double SweepValueAt(const std::vector<RankSummary>& sums, const GlobalCost& g, int d, double t) {
+  double gain = 0, tokens = 0;
+  for (const RankSummary& s : sums) {
+    const int slot = std::min<int>(d, s.max_depth);
+    const int first = slot > 0 ? s.knot_begin[slot - 1] : 0;
+    const int n = slot > 0 ? s.num_knots[slot - 1] : 0;
+    int k = 0;
+    while (k < n && s.knot_attention_us[first + k] <= t) ++k;
+    double c0 = s.base_attention_us, g0 = s.base_gain, t0 = 0;
+    if (k > 0) {
+      c0 = s.knot_attention_us[first + k - 1];
+      g0 = s.knot_gain[first + k - 1];
+      t0 = s.knot_tokens[first + k - 1];
+    }
+    double gr = g0, tr = t0;
+    if (k < n && s.knot_tokens[first + k] - t0 > 1 && s.knot_attention_us[first + k] > c0) {
+      const double f = (t - c0) / (s.knot_attention_us[first + k] - c0);
+      gr += f * (s.knot_gain[first + k] - g0);
+      tr += f * (s.knot_tokens[first + k] - t0);
+    }
+    gain += gr;
+    tokens += s.base_tokens + tr;
+  }
+  return gain / (t + g.StepUs(tokens, d));
+}
+
+// Decide prunes its sweep with an upper bound and leaves unsorted the knots it proves useless.
+// On DP64-sized instances its answer must equal the best over every depth and every candidate
+// barrier (the floor, each knot cost above it), evaluated independently.
+TEST(PlannerProperties, PrunedSweepFindsTheBestBarrierOfAFullSweep) {
+  std::mt19937_64 rng(2024);
+  for (int trial = 0; trial < 24; ++trial) {
+    const int ranks = 16 + static_cast<int>(rng() % 49);
+    PlannerConfig c;
+    c.num_ranks = ranks;
+    c.k_max = 1 + static_cast<int>(rng() % kMaxDraftLen);
+    c.default_k = static_cast<int>(rng() % (c.k_max + 1));
+    c.global = RandomGlobal(rng);
+    const CostModel m = trial % 2 == 0 ? RegimeModel() : CostModel::PublishedV2();
+    const Batches b = RandomInstance(rng, ranks, 64, c.k_max, trial % 3 == 0);
+    const RankRun run = RunAsRanks(c, m, b, std::vector<int64_t>(ranks, -1));
+    double floor_us = 0, default_barrier = 0;
+    int depth_lo = 0;
+    for (const RankSummary& s : run.summaries) {
+      floor_us = std::max<double>(floor_us, s.base_attention_us);
+      default_barrier = std::max<double>(default_barrier, s.default_attention_us);
+      depth_lo = std::max<int>(depth_lo, s.min_depth);
+    }
+    double best = 0;
+    for (int d = depth_lo; d <= std::max(depth_lo, c.k_max); ++d) {
+      best = std::max(best, SweepValueAt(run.summaries, c.global, d, floor_us));
+      if (default_barrier > floor_us) {
+        best = std::max(best, SweepValueAt(run.summaries, c.global, d,
+                                           static_cast<float>(default_barrier)));
+      }
+      for (const RankSummary& s : run.summaries) {
+        const int slot = std::min<int>(d, s.max_depth);
+        for (int k = 0; slot > 0 && k < s.num_knots[slot - 1]; ++k) {
+          const double t = s.knot_attention_us[s.knot_begin[slot - 1] + k];
+          if (t > floor_us) best = std::max(best, SweepValueAt(run.summaries, c.global, d, t));
+        }
+      }
+    }
+    EXPECT_NEAR(run.decisions[0].tokens_per_us, best, best * 1e-9) << "trial " << trial;
+  }
+}
+
 TEST(PlannerProperties, OffReproducesDefault) {
   std::mt19937_64 rng(4);
   PlannerConfig c;
@@ -339,12 +409,16 @@ TEST(PlannerErrors, MismatchedVersionOrConfigIsRejectedAndGarbageExcluded) {
   ASSERT_TRUE(p.Decide(s).ok());
 
   std::vector<RankSummary> v = s;
-  v[1].version = 2;
+  v[1].version = kSummaryVersion + 1;
   EXPECT_EQ(p.Decide(v).status().code(), absl::StatusCode::kFailedPrecondition);
   v = s;
   v[1].config_hash ^= 1;
   EXPECT_NE(p.Decide(v).status().message().find("config hash"), std::string::npos);
 
+  v = s;
+  v[1].base_max_slope[0] = std::nanf("");  // a NaN slope bound is garbage too
+  ASSERT_TRUE(p.Decide(v).ok());
+  EXPECT_EQ(p.Decide(v)->num_planned_ranks, 1);
   v = s;
   v[1].base_attention_us = std::nanf("");  // garbage: excluded, the other rank still plans
   absl::StatusOr<GlobalDecision> d = p.Decide(v);

@@ -111,10 +111,6 @@ class CostModel {
   const std::string& name() const { return name_; }
   // Returns a copy with every coefficient multiplied by `factor` (> 0).
   CostModel Scaled(double factor) const;
-  // Predicted time of `agg` with one more query token for a request of context `ctx_tokens` that
-  // now has `query_tokens` queries, minus the time of `agg`, both in the multi-query regime
-  // (the planner's marginal cost; exact for every feature).
-  double MarginalUs(const BatchAggregates& agg, int64_t ctx_tokens, int32_t query_tokens) const;
   // 64-bit FNV-1a hash of the coefficients (configs must agree across ranks).
   uint64_t Hash() const;
 

@@ -133,6 +133,7 @@ class Planner {
   CostModel model_;
   uint64_t config_hash_ = 0;
   double last_tokens_per_us_ = 0;  // previous decision's goodput (filters unprofitable items)
+  int focus_depth_ = 0;            // previous decision's draft depth (knots cluster around it)
 
   // What Summarize keeps of one rank's batch for Assign.
   struct LocalState {
@@ -159,11 +160,15 @@ class Planner {
   mutable std::vector<uint64_t> events_;  // Decide scratch
   mutable std::vector<uint64_t> sort_tmp_;
   // Decide scratch: each rank's current frontier segment as gain(T) = a_gain + s_gain * T and
-  // extra_tokens(T) = a_tok + s_tok * T for barrier T.
+  // extra_tokens(T) = a_tok + s_tok * T for barrier T, and a_ub + s_ub * T, a line above its gain
+  // at every barrier from here on (unbounded: a later knot costs no more but gains more).
   struct Segment {
     double a_gain = 0, s_gain = 0, a_tok = 0, s_tok = 0;
+    double a_ub = 0, s_ub = 0;
+    bool unbounded = false;
   };
   mutable std::vector<Segment> seg_;
+  mutable std::vector<uint32_t> bucket_start_;
   mutable std::vector<uint32_t> valid_;   // Decide scratch
 };
 

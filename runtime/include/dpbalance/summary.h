@@ -6,7 +6,8 @@
 // - It describes one rank's cost-versus-gain trade-off for this step: the cost and expected
 //   tokens of its base assignment (every request at its floor) and, for each draft depth d, up to
 //   a share of kKnotPool points of its best extra-token frontier (greedy by gain per
-//   microsecond). Depths with few items get one knot per item (exact); the rest share the pool.
+//   microsecond). Depths with few items get one knot per item (exact); the rest share the pool
+//   (all of it up to 32 ranks, fewer knots per rank beyond: see Planner).
 // - `flags & kSummaryValid` is clear when the rank is in fallback this step; the other ranks
 //   then plan without it (its cost is unknown, so it cannot be the barrier they plan against).
 // - The previous step's measured times ride along, so every rank sees every rank's real bubble.
@@ -20,8 +21,8 @@
 namespace dpbalance {
 
 inline constexpr uint32_t kSummaryMagic = 0x31425044;  // "DPB1" read little-endian
-inline constexpr uint16_t kSummaryVersion = 1;
-inline constexpr int kKnotPool = 32;  // knots shared by all depths (water-filled)
+inline constexpr uint16_t kSummaryVersion = 2;
+inline constexpr int kKnotPool = 28;  // knots shared by all depths (water-filled)
 inline constexpr uint16_t kSummaryValid = 1u << 0;
 
 struct RankSummary {
@@ -43,15 +44,20 @@ struct RankSummary {
   uint8_t max_depth;           // largest draft depth this rank can use
   uint8_t knot_begin[kMaxDraftLen];  // first knot of depth d at index d-1
   uint8_t num_knots[kMaxDraftLen];   // knots of depth d at index d-1
-  // --- knots: 400 bytes. Cost and gain are totals (base included), in knot order. ---
+  // --- knots: 424 bytes. Cost and gain are totals (base included), in knot order. ---
   float knot_attention_us[kKnotPool];
   float knot_gain[kKnotPool];
-  uint16_t knot_tokens[kKnotPool];  // extra query tokens over the base
+  // The steepest gain-per-microsecond slope of the depth's frontier after this knot (0 at its
+  // last knot, +inf where a later knot costs no more). Decide bounds what a higher barrier can
+  // still gain with it; the sender computes it once instead of every receiver.
+  float knot_max_slope[kKnotPool];
+  uint16_t knot_tokens[kKnotPool];    // extra query tokens over the base
+  float base_max_slope[kMaxDraftLen];  // the same from the base, per depth
   // --- the engine's default plan (every request at min(default_k, cap)): 12 bytes ---
   float default_attention_us;       // predicted attention time at the default verify length
   float default_gain;               // expected emitted tokens at the default verify length
   uint32_t default_tokens;          // query tokens at the default verify length
-  uint8_t reserved[112];            // zero; room for v1-compatible additions
+  uint8_t reserved[8];              // zero
 };
 
 inline constexpr size_t kSummaryBytes = 512;
