@@ -43,7 +43,7 @@ ABSL_FLAG(std::string, k, "best", "static verify length (off mode; default k of 
 ABSL_FLAG(int, k_max, 7, "draft depth limit for the planner and the static sweep");
 ABSL_FLAG(bool, floor_at_default, false,
           "planner modes: never verify fewer than the default k (a per-request TPOT floor)");
-ABSL_FLAG(double, step_slack, 0.05,
+ABSL_FLAG(double, step_slack, 0.03,
           "planner TPOT guard: step time <= (1 + this) x the default-k step; < 0 disables");
 ABSL_FLAG(std::string, truth, "v2", "truth attention model: v2, v1 or a cost-model JSON file");
 ABSL_FLAG(std::string, planner_model, "truth",

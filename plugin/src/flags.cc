@@ -148,7 +148,7 @@ std::map<std::string, std::string> DpbEnvironment() {
 absl::StatusOr<PluginFlags> ParseFlags(const std::map<std::string, std::string>& env,
                                        const std::string& config) {
   PluginFlags f;
-  f.balancer.planner.max_step_slack = 0.05;
+  f.balancer.planner.max_step_slack = 0.03;
   for (const auto& [name, value] : env) {
     if (name.rfind("DPB_", 0) != 0 || name == "DPB_PLUGIN") continue;
     const std::string key = absl::AsciiStrToLower(name.substr(4));

@@ -10,7 +10,7 @@ TEST(Flags, DefaultsEnvironmentAndConfigStringWhichWins) {
   ASSERT_TRUE(f.ok());
   EXPECT_EQ(f->balancer.planner.mode, PlanMode::kGoodput);
   EXPECT_EQ(f->balancer.planner.k_max, 7);
-  EXPECT_DOUBLE_EQ(f->balancer.planner.max_step_slack, 0.05);
+  EXPECT_DOUBLE_EQ(f->balancer.planner.max_step_slack, 0.03);
 
   f = ParseFlags({{"DPB_MODE", "fill"}, {"DPB_K_MAX", "5"}, {"DPB_TIERS", "8,16,32"}},
                  "k_max=6; timeout_ms=20 ;ab_epoch=100;padded=1;agreed_depth=0");
