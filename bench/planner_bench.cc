@@ -23,55 +23,61 @@ std::vector<PlanRequest> RandomBatch(std::mt19937_64& rng, int n, int k_max) {
   return b;
 }
 
-void BM_PlanOneRank(benchmark::State& state) {
-  const int dp = static_cast<int>(state.range(0));
-  const int reqs = static_cast<int>(state.range(1));
-  PlannerConfig c;
-  c.num_ranks = dp;
-  c.k_max = 7;
-  Planner planner = *Planner::Create(c, CostModel::PublishedV2());
-  std::mt19937_64 rng(1);
-  std::vector<RankSummary> summaries(dp);
+// An instance of `dp` ranks with `reqs` requests each; every rank's summary built, as the
+// all-gather would deliver them to rank 0.
+struct Instance {
+  Planner planner;
   std::vector<std::vector<PlanRequest>> batches;
-  for (int r = 0; r < dp; ++r) {
-    batches.push_back(RandomBatch(rng, reqs, c.k_max));
-    if (!planner.Summarize(r, batches.back(), -1, &summaries[r]).ok()) state.SkipWithError("sum");
+  std::vector<RankSummary> summaries;
+
+  explicit Instance(benchmark::State& state)
+      : planner(*Planner::Create(Config(static_cast<int>(state.range(0))), CostModel::PublishedV2())) {
+    const int dp = static_cast<int>(state.range(0));
+    std::mt19937_64 rng(1);
+    summaries.resize(dp);
+    for (int r = 0; r < dp; ++r) {
+      batches.push_back(RandomBatch(rng, static_cast<int>(state.range(1)), 7));
+      if (!planner.Summarize(r, batches.back(), -1, &summaries[r]).ok()) state.SkipWithError("sum");
+    }
+    // Rank 0 is the one measured: its planner keeps its own batch's state.
+    if (!planner.Summarize(0, batches[0], -1, &summaries[0]).ok()) state.SkipWithError("sum");
   }
-  std::vector<int32_t> verify_len(reqs);
+  static PlannerConfig Config(int dp) {
+    PlannerConfig c;
+    c.num_ranks = dp;
+    c.k_max = 7;
+    return c;
+  }
+};
+
+void BM_PlanOneRank(benchmark::State& state) {
+  Instance in(state);
+  std::vector<int32_t> verify_len(in.batches[0].size());
   for (auto _ : state) {
-    if (!planner.Summarize(0, batches[0], -1, &summaries[0]).ok()) state.SkipWithError("summarize");
-    absl::StatusOr<GlobalDecision> d = planner.Decide(summaries);
+    if (!in.planner.Summarize(0, in.batches[0], -1, &in.summaries[0]).ok()) {
+      state.SkipWithError("summarize");
+    }
+    absl::StatusOr<GlobalDecision> d = in.planner.Decide(in.summaries);
     if (!d.ok()) state.SkipWithError("decide");
-    if (!planner.Assign(*d, absl::MakeSpan(verify_len)).ok()) state.SkipWithError("assign");
+    if (!in.planner.Assign(*d, absl::MakeSpan(verify_len)).ok()) state.SkipWithError("assign");
     benchmark::DoNotOptimize(verify_len.data());
   }
   state.counters["summary_bytes"] = sizeof(RankSummary);
 }
+
 // The phases alone, to see where the time goes.
 void BM_Phase(benchmark::State& state, int phase) {
-  const int dp = static_cast<int>(state.range(0));
-  const int reqs = static_cast<int>(state.range(1));
-  PlannerConfig c;
-  c.num_ranks = dp;
-  c.k_max = 7;
-  Planner planner = *Planner::Create(c, CostModel::PublishedV2());
-  std::mt19937_64 rng(1);
-  std::vector<RankSummary> summaries(dp);
-  std::vector<std::vector<PlanRequest>> batches;
-  for (int r = 0; r < dp; ++r) {
-    batches.push_back(RandomBatch(rng, reqs, c.k_max));
-    if (!planner.Summarize(r, batches.back(), -1, &summaries[r]).ok()) state.SkipWithError("sum");
-  }
-  if (!planner.Summarize(0, batches[0], -1, &summaries[0]).ok()) state.SkipWithError("summarize");
-  absl::StatusOr<GlobalDecision> d = planner.Decide(summaries);
-  std::vector<int32_t> verify_len(reqs);
+  Instance in(state);
+  absl::StatusOr<GlobalDecision> d = in.planner.Decide(in.summaries);
+  if (!d.ok()) state.SkipWithError("decide");
+  std::vector<int32_t> verify_len(in.batches[0].size());
   for (auto _ : state) {
     if (phase == 0) {
-      benchmark::DoNotOptimize(planner.Summarize(0, batches[0], -1, &summaries[0]).ok());
+      benchmark::DoNotOptimize(in.planner.Summarize(0, in.batches[0], -1, &in.summaries[0]).ok());
     } else if (phase == 1) {
-      benchmark::DoNotOptimize(planner.Decide(summaries).ok());
+      benchmark::DoNotOptimize(in.planner.Decide(in.summaries).ok());
     } else {
-      benchmark::DoNotOptimize(planner.Assign(*d, absl::MakeSpan(verify_len)).ok());
+      benchmark::DoNotOptimize(in.planner.Assign(*d, absl::MakeSpan(verify_len)).ok());
     }
   }
 }
