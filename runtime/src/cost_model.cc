@@ -47,26 +47,6 @@ std::string FeatureName(int f) {
   return kPrefix[f / kNumCostTerms] + TermName(f % kNumCostTerms);
 }
 
-void BatchAggregates::Add(const RequestLoad& r) {
-  const double q = r.query_tokens;
-  const double pairs = q * static_cast<double>(r.ctx_tokens);
-  num_requests += 1;
-  query_tokens += q;
-  query_key_pairs += pairs;
-  key_tokens += static_cast<double>(r.ctx_tokens);
-  max_query_key_pairs = std::max(max_query_key_pairs, pairs);
-  max_key_tokens = std::max(max_key_tokens, static_cast<double>(r.ctx_tokens));
-  multi_query = multi_query || r.query_tokens > 1;
-}
-
-void BatchAggregates::AddQueryToken(const RequestLoad& before) {
-  const double ctx = static_cast<double>(before.ctx_tokens);
-  query_tokens += 1;
-  query_key_pairs += ctx;
-  max_query_key_pairs = std::max(max_query_key_pairs, (before.query_tokens + 1.0) * ctx);
-  multi_query = true;
-}
-
 absl::StatusOr<CostModel> CostModel::Create(const Weights& weights_us, std::string name) {
   for (int f = 0; f < kNumCostFeatures; ++f) {
     const double w = weights_us[f];
@@ -131,22 +111,30 @@ CostModel::Weights CostModel::Features(const BatchAggregates& a) const {
 }
 
 void CostModel::IndexActiveTerms() {
-  for (int r = 0; r < 3; ++r) {
-    num_active_[r] = 0;
+  constexpr int kPlain = static_cast<int>(CostTerm::kWaveKeys0);
+  for (int multi = 0; multi < 2; ++multi) {
+    Path& p = paths_[multi];
+    p = Path{};
+    const int extra = static_cast<int>(multi ? Regime::kMultiQuery : Regime::kSingleQuery);
     for (int t = 0; t < kNumCostTerms; ++t) {
-      if (weights_us_[r * kNumCostTerms + t] != 0) active_[r][num_active_[r]++] = static_cast<uint8_t>(t);
+      const double w = weights_us_[t] + weights_us_[extra * kNumCostTerms + t];
+      if (t < kPlain) {
+        p.plain[t] = w;
+      } else if (w != 0) {
+        p.hinge[p.num_hinges] = static_cast<uint8_t>(t);
+        p.hinge_w[p.num_hinges++] = w;
+      }
     }
   }
 }
 
-double CostModel::AttentionUs(const BatchAggregates& agg) const {
-  double us = 0;
-  for (int r : {0, agg.multi_query ? 1 : 2}) {
-    for (int i = 0; i < num_active_[r]; ++i) {
-      const int t = active_[r][i];
-      us += weights_us_[r * kNumCostTerms + t] * Term(agg, t);
-    }
-  }
+double CostModel::AttentionUs(const BatchAggregates& a) const {
+  const Path& p = paths_[a.multi_query ? 1 : 0];
+  double us = p.plain[0] * (a.num_requests > 0 ? 1.0 : 0.0) + p.plain[1] * a.num_requests +
+              p.plain[2] * a.query_tokens + p.plain[3] * a.query_key_pairs +
+              p.plain[4] * a.key_tokens + p.plain[5] * a.max_query_key_pairs +
+              p.plain[6] * a.max_key_tokens;
+  for (int i = 0; i < p.num_hinges; ++i) us += p.hinge_w[i] * Term(a, p.hinge[i]);
   return us;
 }
 

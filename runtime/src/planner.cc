@@ -31,10 +31,10 @@ int32_t TierFor(absl::Span<const int32_t> tiers, int64_t tokens) {
 
 // Knots one rank spends on its frontier. Decide's work grows with ranks x knots, and with many
 // ranks the instance's frontier already has hundreds of points per depth, so each sends fewer.
-// About 1280 knots for the instance, at least 20 a rank (DP64 and DP256: 20, up to DP45: 28).
-// With 12-14 at DP64 the chords between sparse knots undervalued deeper drafts: the replay
-// lost 0.3% (Mooncake, V2) and 1.4% (H200 truth) goodput; 20 loses about 0.1-0.8% against 28.
-int KnotBudget(int num_ranks) { return std::clamp(1280 / num_ranks, 20, kKnotPool); }
+// About 1024 knots for the instance, at least 16 a rank (DP64 and DP256: 16, up to DP36: 28).
+// With 12-14 at DP64 the chords between sparse knots undervalued deeper drafts (the H200-truth
+// replay stuck at depth 6 and lost 1.4% goodput); 16 matched 20 and 28 on both traces.
+int KnotBudget(int num_ranks) { return std::clamp(1024 / num_ranks, 16, kKnotPool); }
 
 uint32_t FloatKey(float v) { return std::bit_cast<uint32_t>(v); }  // monotone for v >= 0
 
@@ -105,8 +105,6 @@ struct Incumbent {
 
   void Consider(int depth, double barrier, double gain, double step_us, double ffn_tokens,
                 int32_t padded_rank_tokens) {
-    // The common case in a sweep: within the guard and no better than the best.
-    if (within_guard && step_us <= max_step_us && gain <= best_j * step_us) return;
     const double j = gain / step_us;
     const bool within = step_us <= max_step_us;
     const bool better = within ? (!within_guard || j > best_j)
@@ -284,9 +282,8 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
       const double gain = batch[i].acceptance.Accept(j);
       if (gain <= min_gain) break;  // gains fall with j
       const uint32_t ratio_bits = FloatKey(static_cast<float>(gain / marginal));
-      st.items.push_back(Item{(uint64_t{~ratio_bits} << 32) | (uint64_t{static_cast<uint32_t>(i)} << 8) |
-                                  static_cast<uint64_t>(j),
-                              static_cast<float>(gain)});
+      st.items.push_back(Item{(uint64_t{~ratio_bits} << 32) |
+                              (uint64_t{static_cast<uint32_t>(i)} << 8) | static_cast<uint64_t>(j)});
     }
   }
   std::sort(st.items.begin(), st.items.end(),
@@ -378,7 +375,7 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
     ps.tokens += 1;
     ps.pairs += ctx;
     ps.max_pairs = std::max(ps.max_pairs, (p + 1.0) * ctx);
-    ps.gain += it.gain;
+    ps.gain += batch[it.req_idx()].acceptance.Accept(p);
     for (int d = std::max(p, d_first); d <= d_last; ++d) {
       if (++taken[d] != next_at[d]) continue;
       BatchAggregates agg = st.base_agg;
@@ -490,7 +487,10 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
   // `d` is the decision's depth; the step pays for it globally only when the depth is agreed.
   auto consider = [&](int d, double barrier, double gain, double sum_tok, double max_tok) {
     const double ffn = ffn_tokens(sum_tok, max_tok);
-    inc.Consider(d, barrier, gain, barrier + g.StepUs(ffn, c.agreed_draft_depth ? d : 0), ffn,
+    const double step = barrier + g.StepUs(ffn, c.agreed_draft_depth ? d : 0);
+    // Most barriers of a sweep lose to the best so far: decide that with one multiplication.
+    if (inc.within_guard && step <= max_step && gain <= inc.best_j * step) return;
+    inc.Consider(d, barrier, gain, step, ffn,
                  g.padded_tokens ? TierFor(c.token_tiers, std::llround(max_tok)) : 0);
   };
 
@@ -623,10 +623,9 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
       if (n > 0) ub_gain += s.knot_gain[first + n - 1] - s.base_gain;
       if (c.mode == PlanMode::kFill || k == n) continue;  // fill: the barrier stays at the floor
       top_cost = std::max<double>(top_cost, s.knot_attention_us[first + n - 1]);
-      for (int kk = k; kk < n; ++kk) {
-        events_.push_back((uint64_t{FloatKey(s.knot_attention_us[first + kk])} << 32) |
-                          (uint64_t{r} << 8) | static_cast<uint64_t>(kk));
-      }
+      // The rank's next knot; the merge below brings in the rest one by one.
+      events_.push_back((uint64_t{FloatKey(s.knot_attention_us[first + k])} << 32) |
+                        (uint64_t{r} << 8) | static_cast<uint64_t>(k));
     }
     // Knot gains are totals (base included); knot tokens are extra over the base.
     auto gain_at = [&](double t) { return a_gain + s_gain * t; };
@@ -647,43 +646,29 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
     // `top` can never win (nor can steps past the TPOT guard).
     double top = top_cost;
     if (best_within_guard) top = std::min({top, ub_gain / best_j - global_floor, max_step - global_floor});
-    // Bucket the events by cost between the floor and `top` (monotone in cost, so buckets in
-    // order are sorted up to the order inside each), and sort a bucket only when the sweep
-    // reaches it.
-    const int num_buckets = std::clamp<int>(static_cast<int>(events_.size() / 2), 1, 512);
-    const double scale = top > floor_us ? num_buckets / (top - floor_us) : 0.0;
-    auto bucket_of = [&](uint64_t ev) {
-      const double cost = std::bit_cast<float>(static_cast<uint32_t>(ev >> 32));
-      return cost > top ? num_buckets
-                        : std::min(num_buckets - 1, static_cast<int>((cost - floor_us) * scale));
+    // Merge the ranks' knot lists (each ascending in cost) with a min-heap holding each rank's
+    // next knot: only the knots the sweep reaches are ever ordered. Keys are unique (rank and
+    // knot in the low bits), so the order is deterministic.
+    const uint32_t top_key = FloatKey(static_cast<float>(top));
+    std::erase_if(events_, [&](uint64_t ev) { return static_cast<uint32_t>(ev >> 32) > top_key; });
+    auto sift_down = [&](size_t i) {  // restore the min-heap below i
+      const size_t n = events_.size();
+      const uint64_t v = events_[i];
+      for (size_t child = 2 * i + 1; child < n; child = 2 * i + 1) {
+        if (child + 1 < n && events_[child + 1] < events_[child]) ++child;
+        if (events_[child] >= v) break;
+        events_[i] = events_[child];
+        i = child;
+      }
+      events_[i] = v;
     };
-    bucket_start_.assign(num_buckets + 2, 0);
-    for (uint64_t ev : events_) ++bucket_start_[bucket_of(ev) + 1];
-    for (int b = 0; b < num_buckets; ++b) bucket_start_[b + 1] += bucket_start_[b];
-    sort_tmp_.resize(events_.size());
-    {
-      std::vector<uint32_t>& fill = bucket_start_;  // advanced while scattering, rebuilt below
-      for (uint64_t ev : events_) {
-        const int b = bucket_of(ev);
-        if (b < num_buckets) sort_tmp_[fill[b]++] = ev;
-      }
-      for (int b = num_buckets; b > 0; --b) fill[b] = fill[b - 1];
-      fill[0] = 0;
-    }
-    for (int b = 0; b < num_buckets; ++b) {
-      const auto lo = sort_tmp_.begin() + bucket_start_[b], hi = sort_tmp_.begin() + bucket_start_[b + 1];
-      if (hi - lo > 16) {  // costs cluster (many ranks end near the same cost)
-        std::sort(lo, hi);
-      } else {
-        for (auto it = lo + 1; it < hi; ++it) {  // insertion sort: most buckets hold a few
-          const uint64_t v = *it;
-          auto j = it;
-          for (; j > lo && *(j - 1) > v; --j) *j = *(j - 1);
-          *j = v;
-        }
-      }
-      if (lo < hi && best_within_guard) {  // the bound, once a bucket
-        const double barrier = std::bit_cast<float>(static_cast<uint32_t>(*lo >> 32));
+    for (size_t i = events_.size() / 2; i-- > 0;) sift_down(i);
+    int groups = 0;
+    while (!events_.empty()) {
+      const uint32_t key = static_cast<uint32_t>(events_[0] >> 32);
+      const double barrier = std::bit_cast<float>(key);
+      // The bound every other barrier: it costs a few divisions, an event a few additions.
+      if (best_within_guard && (groups++ & 1) == 0) {
         const double global_now = g.StepUs(ffn_tokens(tokens_at(barrier), max_tok), d);
         if (barrier + global_now > max_step ||
             cannot_win(bound(barrier, gain_at(barrier), ub_a, ub_s, unbounded > 0, ub_gain,
@@ -691,30 +676,42 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
           break;  // no later barrier can win (steps only grow from here)
         }
       }
-      for (auto e = lo; e < hi;) {
-        const uint32_t key = static_cast<uint32_t>(*e >> 32);
-        const double barrier = std::bit_cast<float>(key);
-        for (; e < hi && static_cast<uint32_t>(*e >> 32) == key; ++e) {
-          const uint32_t r = static_cast<uint32_t>((*e >> 8) & 0xffffffu);
-          if (r == kProbe) continue;
-          const int k = static_cast<int>(*e & 0xff);
-          const RankSummary& s = summaries[r];
-          int first;
-          const int n = depth_knots(s, d, &first);
-          const Segment sg = segment(s, d, first, n, k);
-          Segment& cur = seg_[r];
-          a_gain += sg.a_gain - cur.a_gain;
-          s_gain += sg.s_gain - cur.s_gain;
-          a_tok += sg.a_tok - cur.a_tok;
-          s_tok += sg.s_tok - cur.s_tok;
-          ub_a += sg.a_ub - cur.a_ub;
-          ub_s += sg.s_ub - cur.s_ub;
-          unbounded += static_cast<int>(sg.unbounded) - static_cast<int>(cur.unbounded);
-          cur = sg;
-          max_tok = std::max<double>(max_tok, s.base_tokens + s.knot_tokens[first + k]);
+      while (!events_.empty() && static_cast<uint32_t>(events_[0] >> 32) == key) {
+        const uint64_t ev = events_[0];
+        const uint32_t r = static_cast<uint32_t>((ev >> 8) & 0xffffffu);
+        if (r == kProbe) {
+          events_[0] = events_.back();
+          events_.pop_back();
+          if (!events_.empty()) sift_down(0);
+          continue;
         }
-        consider(d, barrier, gain_at(barrier), tokens_at(barrier), max_tok);
+        const int k = static_cast<int>(ev & 0xff);
+        const RankSummary& s = summaries[r];
+        int first;
+        const int n = depth_knots(s, d, &first);
+        const Segment sg = segment(s, d, first, n, k);
+        Segment& cur = seg_[r];
+        a_gain += sg.a_gain - cur.a_gain;
+        s_gain += sg.s_gain - cur.s_gain;
+        a_tok += sg.a_tok - cur.a_tok;
+        s_tok += sg.s_tok - cur.s_tok;
+        ub_a += sg.a_ub - cur.a_ub;
+        ub_s += sg.s_ub - cur.s_ub;
+        unbounded += static_cast<int>(sg.unbounded) - static_cast<int>(cur.unbounded);
+        cur = sg;
+        max_tok = std::max<double>(max_tok, s.base_tokens + s.knot_tokens[first + k]);
+        const uint32_t next_key =
+            k + 1 < n ? FloatKey(s.knot_attention_us[first + k + 1]) : top_key + 1;
+        if (next_key <= top_key) {
+          events_[0] = (uint64_t{next_key} << 32) | (uint64_t{r} << 8) | static_cast<uint64_t>(k + 1);
+        } else {
+          events_[0] = events_.back();
+          events_.pop_back();
+          if (events_.empty()) break;
+        }
+        sift_down(0);
       }
+      consider(d, barrier, gain_at(barrier), tokens_at(barrier), max_tok);
     }
   }
   best = inc.best;
@@ -791,8 +788,9 @@ double Planner::FillUnder(const LocalState& st, const GlobalDecision& d, int dep
   int deepest = st.min_depth;
   for (const Item& it : st.items) {
     const int32_t i = it.req_idx(), pos = it.pos();
+    const double item_gain = st.batch[i].acceptance.Accept(pos);
     if (pos > depth_cap || verify_len[i] != pos - 1) continue;
-    if (it.gain < min_gain || extra >= kv_cap) continue;
+    if (item_gain < min_gain || extra >= kv_cap) continue;
     if (g.padded_tokens && agg.query_tokens + 1 > d.padded_rank_tokens) continue;
     BatchAggregates next = agg;
     next.AddQueryToken(RequestLoad{st.batch[i].ctx_tokens, pos});
@@ -801,7 +799,7 @@ double Planner::FillUnder(const LocalState& st, const GlobalDecision& d, int dep
     agg = next;
     deepest = next_deepest;
     verify_len[i] = pos;
-    gain += it.gain;
+    gain += item_gain;
     ++extra;
   }
   return gain;

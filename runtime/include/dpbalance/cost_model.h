@@ -16,6 +16,7 @@
 // - Thread safety: all methods are const and thread-compatible.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <string>
@@ -77,9 +78,24 @@ struct BatchAggregates {
   double max_key_tokens = 0;
   bool multi_query = false;
 
-  void Add(const RequestLoad& r);
+  void Add(const RequestLoad& r) {
+    const double q = r.query_tokens, ctx = static_cast<double>(r.ctx_tokens);
+    num_requests += 1;
+    query_tokens += q;
+    query_key_pairs += q * ctx;
+    key_tokens += ctx;
+    max_query_key_pairs = std::max(max_query_key_pairs, q * ctx);
+    max_key_tokens = std::max(max_key_tokens, ctx);
+    multi_query = multi_query || r.query_tokens > 1;
+  }
   // One more query token for a request whose load was `before` (ctx unchanged).
-  void AddQueryToken(const RequestLoad& before);
+  void AddQueryToken(const RequestLoad& before) {
+    const double ctx = static_cast<double>(before.ctx_tokens);
+    query_tokens += 1;
+    query_key_pairs += ctx;
+    max_query_key_pairs = std::max(max_query_key_pairs, (before.query_tokens + 1.0) * ctx);
+    multi_query = true;
+  }
 };
 
 class CostModel {
@@ -120,9 +136,16 @@ class CostModel {
 
   Weights weights_us_{};
   std::string name_ = "zero";
-  // Terms with a nonzero coefficient, per regime: evaluation touches only these.
-  std::array<std::array<uint8_t, kNumCostTerms>, 3> active_{};
-  std::array<int, 3> num_active_{};
+  // Evaluation form, per kernel path (0: single query, 1: multi query): the base weights plus
+  // the path's extras. The seven plain terms are one dot product; of the hinge banks only the
+  // terms with a nonzero weight are evaluated. The planner calls this per knot and per item.
+  struct Path {
+    std::array<double, 7> plain{};
+    std::array<uint8_t, kNumCostTerms> hinge{};
+    std::array<double, kNumCostTerms> hinge_w{};
+    int num_hinges = 0;
+  };
+  std::array<Path, 2> paths_{};
 };
 
 // The instance-wide part of a step (identical on every rank).

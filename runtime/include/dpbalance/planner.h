@@ -121,8 +121,8 @@ class Planner {
   struct Item {
     // Sort key: ~bits(gain per marginal us) << 32 | req_idx << 8 | pos, so ascending keys are
     // descending ratios with ties broken by request then position.
+    // (8 bytes, so sorting moves little; the gain P_j is the request's Accept(pos)).
     uint64_t key;
-    float gain;  // P_j: expected extra tokens
     int32_t req_idx() const { return static_cast<int32_t>((key >> 8) & 0xffffffu); }
     int32_t pos() const { return static_cast<int32_t>(key & 0xff); }  // draft position j, 1-based
   };
@@ -168,7 +168,6 @@ class Planner {
     bool unbounded = false;
   };
   mutable std::vector<Segment> seg_;
-  mutable std::vector<uint32_t> bucket_start_;
   mutable std::vector<uint32_t> valid_;   // Decide scratch
 };
 
