@@ -646,6 +646,7 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
     // `top` can never win (nor can steps past the TPOT guard).
     double top = top_cost;
     if (best_within_guard) top = std::min({top, ub_gain / best_j - global_floor, max_step - global_floor});
+    if (!(top > floor_us)) continue;  // nothing above the floor can win (NaN-safe)
     // Merge the ranks' knot lists (each ascending in cost) with a min-heap holding each rank's
     // next knot: only the knots the sweep reaches are ever ordered. Keys are unique (rank and
     // knot in the low bits), so the order is deterministic.
