@@ -115,6 +115,15 @@ CostModel RegimeModel() {
   return *CostModel::Create(w, "regime");
 }
 
+CostModel CheaperVerifyPathModel() {
+  CostModel::Weights w{};
+  w[FeatureIndex(Regime::kSingleQuery, CostTerm::kConstant)] = 400;
+  w[FeatureIndex(Regime::kMultiQuery, CostTerm::kConstant)] = 30;
+  w[FeatureIndex(Regime::kBase, CostTerm::kQueryTokens)] = 4;
+  w[FeatureIndex(Regime::kBase, CostTerm::kQueryKeyPairs)] = 0.002;
+  return *CostModel::Create(w, "cheaper-verify-path");
+}
+
 struct BruteCase {
   const char* name;
   CostModel model;
@@ -275,6 +284,7 @@ double SweepValueAt(const std::vector<RankSummary>& sums, const GlobalCost& g, i
 // barrier (the floor, each knot cost above it), evaluated independently.
 TEST(PlannerProperties, PrunedSweepFindsTheBestBarrierOfAFullSweep) {
   std::mt19937_64 rng(2024);
+  int infinite_slopes = 0;
   for (int trial = 0; trial < 24; ++trial) {
     const int ranks = 16 + static_cast<int>(rng() % 49);
     PlannerConfig c;
@@ -282,8 +292,12 @@ TEST(PlannerProperties, PrunedSweepFindsTheBestBarrierOfAFullSweep) {
     c.k_max = 1 + static_cast<int>(rng() % kMaxDraftLen);
     c.default_k = static_cast<int>(rng() % (c.k_max + 1));
     c.global = RandomGlobal(rng);
-    const CostModel m = trial % 2 == 0 ? RegimeModel() : CostModel::PublishedV2();
-    const Batches b = RandomInstance(rng, ranks, 64, c.k_max, trial % 3 == 0);
+    // The third model prices the verify path below the decode path, so knot costs (a running
+    // maximum) stay flat over several items: slopes of +inf, the bound's unbounded case.
+    const CostModel m = trial % 3 == 0   ? RegimeModel()
+                        : trial % 3 == 1 ? CostModel::PublishedV2()
+                                         : CheaperVerifyPathModel();
+    const Batches b = RandomInstance(rng, ranks, 64, c.k_max, trial % 4 == 0);
     const RankRun run = RunAsRanks(c, m, b, std::vector<int64_t>(ranks, -1));
     double floor_us = 0, default_barrier = 0;
     int depth_lo = 0;
@@ -308,7 +322,11 @@ TEST(PlannerProperties, PrunedSweepFindsTheBestBarrierOfAFullSweep) {
       }
     }
     EXPECT_NEAR(run.decisions[0].tokens_per_us, best, best * 1e-9) << "trial " << trial;
+    for (const RankSummary& s : run.summaries) {
+      for (int k = 0; k < kKnotPool; ++k) infinite_slopes += std::isinf(s.knot_max_slope[k]);
+    }
   }
+  EXPECT_GT(infinite_slopes, 0) << "the unbounded case was never exercised";
 }
 
 TEST(PlannerProperties, OffReproducesDefault) {
