@@ -557,7 +557,8 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
     if (ub_s > 0 && g_now < ub_gain) v = std::max(v, at((ub_gain - ub_a) / ub_s, ub_gain));
     return v;
   };
-  // Near-ties with the best are not worth a sweep; the bound is exact arithmetic otherwise.
+  // Prune only clearly below the best, so rounding in the bound never drops a barrier that
+  // would tie or narrowly win.
   auto cannot_win = [&](double ub) { return best_within_guard && ub <= best_j * (1 - 1e-12); };
 
   // Step 2: for each feasible depth, sweep the barrier T upwards over the knot costs. Every rank
@@ -566,7 +567,7 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
   // (the frontier is concave, so the chord is a conservative estimate that Assign's fill
   // achieves). Totals are linear in T between events, so goodput (linear-fractional) peaks at an
   // event. The sweep stops once the bound says no higher barrier can win; knots above the barrier
-  // where even the largest gain cannot beat the best are never sorted.
+  // where even the largest gain cannot beat the best never enter the merge.
   const int depth_hi = std::max(depth_lo, c.k_max);
   seg_.resize(summaries.size());
   constexpr uint32_t kProbe = 0xffffffu;  // an event that only evaluates a barrier
