@@ -13,14 +13,25 @@
 namespace dpbalance {
 namespace {
 
-constexpr std::array<std::string_view, 7> kScalarTermNames = {
+constexpr std::array<std::string_view, kNumPlainTerms> kScalarTermNames = {
     "constant", "num_requests", "query_tokens", "query_key_pairs", "key_tokens",
     "max_query_key_pairs", "max_key_tokens"};
 
 int W(Regime r, CostTerm t) { return FeatureIndex(r, t); }
 
+// The terms read straight off the aggregates, in CostTerm order.
+std::array<double, kNumPlainTerms> PlainTerms(const BatchAggregates& a) {
+  return {a.num_requests > 0 ? 1.0 : 0.0,
+          a.num_requests,
+          a.query_tokens,
+          a.query_key_pairs,
+          a.key_tokens,
+          a.max_query_key_pairs,
+          a.max_key_tokens};
+}
+
 std::string TermName(int t) {
-  if (t < static_cast<int>(CostTerm::kWaveKeys0)) return std::string(kScalarTermNames[t]);
+  if (t < kNumPlainTerms) return std::string(kScalarTermNames[t]);
   if (t < static_cast<int>(CostTerm::kWavePairs0)) {
     return absl::StrCat("wave_keys_w", kWaveWidths[t - static_cast<int>(CostTerm::kWaveKeys0)]);
   }
@@ -84,16 +95,7 @@ double CostModel::Term(const BatchAggregates& a, int t) const {
   constexpr int kWaveKeys0 = static_cast<int>(CostTerm::kWaveKeys0);
   constexpr int kWavePairs0 = static_cast<int>(CostTerm::kWavePairs0);
   constexpr int kKnee0 = static_cast<int>(CostTerm::kKnee0);
-  switch (static_cast<CostTerm>(t)) {
-    case CostTerm::kConstant: return a.num_requests > 0 ? 1.0 : 0.0;
-    case CostTerm::kNumRequests: return a.num_requests;
-    case CostTerm::kQueryTokens: return a.query_tokens;
-    case CostTerm::kQueryKeyPairs: return a.query_key_pairs;
-    case CostTerm::kKeyTokens: return a.key_tokens;
-    case CostTerm::kMaxQueryKeyPairs: return a.max_query_key_pairs;
-    case CostTerm::kMaxKeyTokens: return a.max_key_tokens;
-    default: break;
-  }
+  if (t < kNumPlainTerms) return PlainTerms(a)[t];
   if (t < kWavePairs0) return std::max(a.key_tokens / kWaveWidths[t - kWaveKeys0], a.max_key_tokens);
   if (t < kKnee0) return std::max(a.query_key_pairs / kWaveWidths[t - kWavePairs0], a.max_key_tokens);
   return std::max(0.0, a.query_tokens - kKneeTokens[t - kKnee0]);
@@ -111,14 +113,13 @@ CostModel::Weights CostModel::Features(const BatchAggregates& a) const {
 }
 
 void CostModel::IndexActiveTerms() {
-  constexpr int kPlain = static_cast<int>(CostTerm::kWaveKeys0);
   for (int multi = 0; multi < 2; ++multi) {
     Path& p = paths_[multi];
     p = Path{};
     const int extra = static_cast<int>(multi ? Regime::kMultiQuery : Regime::kSingleQuery);
     for (int t = 0; t < kNumCostTerms; ++t) {
       const double w = weights_us_[t] + weights_us_[extra * kNumCostTerms + t];
-      if (t < kPlain) {
+      if (t < kNumPlainTerms) {
         p.plain[t] = w;
       } else if (w != 0) {
         p.hinge[p.num_hinges] = static_cast<uint8_t>(t);
@@ -130,10 +131,10 @@ void CostModel::IndexActiveTerms() {
 
 double CostModel::AttentionUs(const BatchAggregates& a) const {
   const Path& p = paths_[a.multi_query ? 1 : 0];
-  double us = p.plain[0] * (a.num_requests > 0 ? 1.0 : 0.0) + p.plain[1] * a.num_requests +
-              p.plain[2] * a.query_tokens + p.plain[3] * a.query_key_pairs +
-              p.plain[4] * a.key_tokens + p.plain[5] * a.max_query_key_pairs +
-              p.plain[6] * a.max_key_tokens;
+  const std::array<double, kNumPlainTerms> x = PlainTerms(a);
+  static_assert(kNumPlainTerms == 7);  // one expression: the planner calls this per item
+  double us = p.plain[0] * x[0] + p.plain[1] * x[1] + p.plain[2] * x[2] + p.plain[3] * x[3] +
+              p.plain[4] * x[4] + p.plain[5] * x[5] + p.plain[6] * x[6];
   for (int i = 0; i < p.num_hinges; ++i) us += p.hinge_w[i] * Term(a, p.hinge[i]);
   return us;
 }

@@ -54,6 +54,8 @@ enum class CostTerm : int {
   kKnee0 = kWavePairs0 + 8,      // max(0, Q - k) for k in kKneeTokens (a bank)
   kNumTerms = kKnee0 + 6
 };
+// Terms before the hinge banks are read straight off the aggregates.
+inline constexpr int kNumPlainTerms = static_cast<int>(CostTerm::kWaveKeys0);
 inline constexpr double kWaveWidths[8] = {1, 2, 4, 8, 16, 32, 64, 128};
 inline constexpr double kKneeTokens[6] = {16, 32, 64, 128, 256, 512};
 // Each term has a base coefficient (every batch) and non-negative extras that apply only on one
@@ -140,7 +142,7 @@ class CostModel {
   // the path's extras. The seven plain terms are one dot product; of the hinge banks only the
   // terms with a nonzero weight are evaluated. The planner calls this per knot and per item.
   struct Path {
-    std::array<double, 7> plain{};
+    std::array<double, kNumPlainTerms> plain{};
     std::array<uint8_t, kNumCostTerms> hinge{};
     std::array<double, kNumCostTerms> hinge_w{};
     int num_hinges = 0;
