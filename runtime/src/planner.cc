@@ -319,8 +319,9 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
   }
   // Share the knot pool: every depth with items gets one knot, then rounds hand out the rest,
   // most to the depths around the previous decision's (where the next one most likely lands:
-  // the chord between sparse knots undervalues a depth), never more than a depth has items.
-  // Small batches get one knot per item at every depth, so small cases are exact.
+  // the chord between sparse knots undervalues a depth): 6 knots a round to that depth, 2 to
+  // each neighbour, 1 to the others, never more than a depth has items. Small batches get one
+  // knot per item at every depth, so small cases are exact.
   std::array<int, kMaxDraftLen + 1> share{};
   int pool = KnotBudget(config_.num_ranks);
   const int d_lo = std::max(1, min_depth), d_hi = s.max_depth;
@@ -329,22 +330,24 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
     pool -= share[d];
   }
   const int focus = std::clamp(focus_depth_, d_lo, std::max(d_lo, d_hi));
+  auto give = [&](int d, int per_round) {
+    if (d < d_lo || d > d_hi) return false;
+    const int more = static_cast<int>(std::min<int64_t>({per_round, avail[d] - share[d], pool}));
+    if (more <= 0) return false;
+    share[d] += more;
+    pool -= more;
+    return true;
+  };
   for (bool gave = true; gave && pool > 0;) {
-    gave = false;
-    for (int dist = 0; dist <= kMaxDraftLen && pool > 0; ++dist) {
-      for (int d : {focus - dist, focus + dist}) {
-        if (d < d_lo || d > d_hi || (dist == 0 && d != focus - dist)) continue;
-        const int more = std::min<int64_t>({std::max(1, 3 - dist), avail[d] - share[d], pool});
-        if (more <= 0) continue;
-        share[d] += more;
-        pool -= more;
-        gave = true;
-      }
+    gave = give(focus, 6);
+    for (int dist = 1; dist <= kMaxDraftLen && pool > 0; ++dist) {
+      const int per_round = dist == 1 ? 2 : 1;
+      gave |= give(focus - dist, per_round);
+      gave |= give(focus + dist, per_round);
     }
   }
   // One walk down the item list serves every depth: items are summed per draft position, and
   // depth d's totals are the base plus the sums of positions 1..d, formed only at its knots.
-  const int d_first = std::max(1, min_depth), d_last = s.max_depth;
   struct PositionSums {
     double tokens = 0, pairs = 0, max_pairs = 0, gain = 0;
   };
@@ -360,7 +363,7 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
     return i < share[d] ? (avail[d] * (i + 1) + share[d] - 1) / share[d] : kNever;
   };
   int next_knot = 0, depths_open = 0;
-  for (int d = d_first; d <= d_last; ++d) {
+  for (int d = d_lo; d <= d_hi; ++d) {
     s.knot_begin[d - 1] = static_cast<uint8_t>(next_knot);
     next_knot += avail[d] > 0 ? share[d] : 0;
     next_at[d] = avail[d] > 0 ? knot_at(d, 0) : kNever;
@@ -376,7 +379,7 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
     ps.pairs += ctx;
     ps.max_pairs = std::max(ps.max_pairs, (p + 1.0) * ctx);
     ps.gain += batch[it.req_idx()].acceptance.Accept(p);
-    for (int d = std::max(p, d_first); d <= d_last; ++d) {
+    for (int d = std::max(p, d_lo); d <= d_hi; ++d) {
       if (++taken[d] != next_at[d]) continue;
       BatchAggregates agg = st.base_agg;
       agg.multi_query = true;
@@ -399,7 +402,7 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
       depths_open -= next_at[d] == kNever;
     }
   }
-  for (int d = d_first; d <= d_last; ++d) s.num_knots[d - 1] = static_cast<uint8_t>(knot[d]);
+  for (int d = d_lo; d <= d_hi; ++d) s.num_knots[d - 1] = static_cast<uint8_t>(knot[d]);
   // Steepest slopes after each knot, from the stored (float) values Decide will read.
   for (int d = 1; d <= kMaxDraftLen; ++d) {
     const int first = s.knot_begin[d - 1], n = s.num_knots[d - 1];
@@ -466,10 +469,14 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
                                                                          std::llround(max_tokens)));
     return sum_tokens * ffn_scale;
   };
-  auto depth_knots = [&](const RankSummary& s, int d, int* first) {
+  // A rank's knots at depth d: its frontier of the deepest depth it can use up to d.
+  struct DepthKnots {
+    int slot = 0, first = 0, n = 0;  // slot 0: none
+  };
+  auto depth_knots = [&](const RankSummary& s, int d) {
     const int slot = std::min<int>(d, s.max_depth);
-    *first = slot > 0 ? s.knot_begin[slot - 1] : 0;
-    return slot > 0 ? static_cast<int>(s.num_knots[slot - 1]) : 0;
+    if (slot <= 0) return DepthKnots{};
+    return DepthKnots{slot, s.knot_begin[slot - 1], s.num_knots[slot - 1]};
   };
 
   // With per-rank draft depths the draft time is already inside each rank's costs.
@@ -571,13 +578,14 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
   const int depth_hi = std::max(depth_lo, c.k_max);
   seg_.resize(summaries.size());
   constexpr uint32_t kProbe = 0xffffffu;  // an event that only evaluates a barrier
-  // Rank r's segment from knot k (-1: its base) at depth d, knots [first, first + n).
-  auto segment = [&](const RankSummary& s, int d, int first, int n, int k) {
+  // Rank r's segment from knot k (-1: its base) among its knots `dk` at the depth swept.
+  auto segment = [&](const RankSummary& s, const DepthKnots& dk, int k) {
+    const int first = dk.first;
     const double c0 = k < 0 ? s.base_attention_us : s.knot_attention_us[first + k];
     const double g0 = k < 0 ? s.base_gain : s.knot_gain[first + k];
     const double t0 = k < 0 ? 0.0 : s.knot_tokens[first + k];
     Segment sg{g0, 0, t0, 0, g0, 0, false};
-    if (k + 1 < n) {
+    if (k + 1 < dk.n) {
       const double c1 = s.knot_attention_us[first + k + 1], t1 = s.knot_tokens[first + k + 1];
       if (t1 - t0 > 1 && c1 > c0) {
         const double inv = 1.0 / (c1 - c0);
@@ -587,9 +595,9 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
         sg.a_tok = t0 - sg.s_tok * c0;
       }
     }
-    const int slot = std::min<int>(d, s.max_depth);  // as depth_knots
-    const double m =
-        k >= 0 ? s.knot_max_slope[first + k] : slot > 0 ? s.base_max_slope[slot - 1] : 0.0;
+    const double m = k >= 0        ? s.knot_max_slope[first + k]
+                     : dk.slot > 0 ? s.base_max_slope[dk.slot - 1]
+                                   : 0.0;
     if (std::isinf(m)) {
       sg.unbounded = true;
     } else {
@@ -599,27 +607,35 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
     return sg;
   };
 
-  for (int d = depth_lo; d <= depth_hi; ++d) {
-    double a_gain = 0, s_gain = 0, a_tok = 0, s_tok = 0, max_tok = max_base_tokens;
-    double ub_a = 0, ub_s = 0, ub_gain = base_gain, top_cost = floor_us;
+  // The instance's totals of the ranks' current segments; a rank moving from segment `from` to
+  // `to` shifts each total by the difference.
+  struct Totals {
+    double a_gain = 0, s_gain = 0, a_tok = 0, s_tok = 0, ub_a = 0, ub_s = 0;
     int unbounded = 0;
+    void Move(const Segment& from, const Segment& to) {
+      a_gain += to.a_gain - from.a_gain;
+      s_gain += to.s_gain - from.s_gain;
+      a_tok += to.a_tok - from.a_tok;
+      s_tok += to.s_tok - from.s_tok;
+      ub_a += to.a_ub - from.a_ub;
+      ub_s += to.s_ub - from.s_ub;
+      unbounded += static_cast<int>(to.unbounded) - static_cast<int>(from.unbounded);
+    }
+  };
+
+  for (int d = depth_lo; d <= depth_hi; ++d) {
+    Totals tot;
+    double max_tok = max_base_tokens, ub_gain = base_gain, top_cost = floor_us;
     events_.clear();
     for (uint32_t r : valid_) {
       const RankSummary& s = summaries[r];
-      int first;
-      const int n = depth_knots(s, d, &first);
+      const DepthKnots dk = depth_knots(s, d);
+      const int first = dk.first, n = dk.n;
       int k = 0;
       for (; k < n && s.knot_attention_us[first + k] <= floor_us; ++k) {}
       // The rank sits on the segment starting at knot k-1 (k-1 = -1: its base).
-      const Segment sg = segment(s, d, first, n, k - 1);
-      seg_[r] = sg;
-      a_gain += sg.a_gain;
-      s_gain += sg.s_gain;
-      a_tok += sg.a_tok;
-      s_tok += sg.s_tok;
-      ub_a += sg.a_ub;
-      ub_s += sg.s_ub;
-      unbounded += sg.unbounded;
+      seg_[r] = segment(s, dk, k - 1);
+      tot.Move(Segment{}, seg_[r]);
       if (k > 0) max_tok = std::max<double>(max_tok, s.base_tokens + s.knot_tokens[first + k - 1]);
       if (n > 0) ub_gain += s.knot_gain[first + n - 1] - s.base_gain;
       if (c.mode == PlanMode::kFill || k == n) continue;  // fill: the barrier stays at the floor
@@ -629,8 +645,8 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
                         (uint64_t{r} << 8) | static_cast<uint64_t>(k));
     }
     // Knot gains are totals (base included); knot tokens are extra over the base.
-    auto gain_at = [&](double t) { return a_gain + s_gain * t; };
-    auto tokens_at = [&](double t) { return base_tokens + a_tok + s_tok * t; };
+    auto gain_at = [&](double t) { return tot.a_gain + tot.s_gain * t; };
+    auto tokens_at = [&](double t) { return base_tokens + tot.a_tok + tot.s_tok * t; };
     consider(d, floor_us, gain_at(floor_us), tokens_at(floor_us), max_tok);
     if (c.mode == PlanMode::kFill || events_.empty()) continue;
     if (default_barrier > floor_us) {
@@ -639,8 +655,8 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
       top_cost = std::max(top_cost, default_barrier);
     }
     const double global_floor = g.StepUs(ffn_tokens(tokens_at(floor_us), max_tok), d);
-    if (cannot_win(bound(floor_us, gain_at(floor_us), ub_a, ub_s, unbounded > 0, ub_gain,
-                         global_floor))) {
+    if (cannot_win(bound(floor_us, gain_at(floor_us), tot.ub_a, tot.ub_s, tot.unbounded > 0,
+                         ub_gain, global_floor))) {
       continue;
     }
     // Goodput at barrier T is at most G_max / (T + global terms at the floor): knots above
@@ -664,6 +680,11 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
       }
       events_[i] = v;
     };
+    auto pop_top = [&] {
+      events_[0] = events_.back();
+      events_.pop_back();
+      if (!events_.empty()) sift_down(0);
+    };
     for (size_t i = events_.size() / 2; i-- > 0;) sift_down(i);
     int groups = 0;
     while (!events_.empty()) {
@@ -673,8 +694,8 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
       if (best_within_guard && (groups++ & 1) == 0) {
         const double global_now = g.StepUs(ffn_tokens(tokens_at(barrier), max_tok), d);
         if (barrier + global_now > max_step ||
-            cannot_win(bound(barrier, gain_at(barrier), ub_a, ub_s, unbounded > 0, ub_gain,
-                             global_now))) {
+            cannot_win(bound(barrier, gain_at(barrier), tot.ub_a, tot.ub_s, tot.unbounded > 0,
+                             ub_gain, global_now))) {
           break;  // no later barrier can win (steps only grow from here)
         }
       }
@@ -682,36 +703,25 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
         const uint64_t ev = events_[0];
         const uint32_t r = static_cast<uint32_t>((ev >> 8) & 0xffffffu);
         if (r == kProbe) {
-          events_[0] = events_.back();
-          events_.pop_back();
-          if (!events_.empty()) sift_down(0);
+          pop_top();
           continue;
         }
         const int k = static_cast<int>(ev & 0xff);
         const RankSummary& s = summaries[r];
-        int first;
-        const int n = depth_knots(s, d, &first);
-        const Segment sg = segment(s, d, first, n, k);
-        Segment& cur = seg_[r];
-        a_gain += sg.a_gain - cur.a_gain;
-        s_gain += sg.s_gain - cur.s_gain;
-        a_tok += sg.a_tok - cur.a_tok;
-        s_tok += sg.s_tok - cur.s_tok;
-        ub_a += sg.a_ub - cur.a_ub;
-        ub_s += sg.s_ub - cur.s_ub;
-        unbounded += static_cast<int>(sg.unbounded) - static_cast<int>(cur.unbounded);
-        cur = sg;
-        max_tok = std::max<double>(max_tok, s.base_tokens + s.knot_tokens[first + k]);
+        const DepthKnots dk = depth_knots(s, d);
+        const Segment sg = segment(s, dk, k);
+        tot.Move(seg_[r], sg);
+        seg_[r] = sg;
+        max_tok = std::max<double>(max_tok, s.base_tokens + s.knot_tokens[dk.first + k]);
+        // The rank's next knot takes its place in the heap, unless it lies past the cut-off.
         const uint32_t next_key =
-            k + 1 < n ? FloatKey(s.knot_attention_us[first + k + 1]) : top_key + 1;
+            k + 1 < dk.n ? FloatKey(s.knot_attention_us[dk.first + k + 1]) : top_key + 1;
         if (next_key <= top_key) {
           events_[0] = (uint64_t{next_key} << 32) | (uint64_t{r} << 8) | static_cast<uint64_t>(k + 1);
+          sift_down(0);
         } else {
-          events_[0] = events_.back();
-          events_.pop_back();
-          if (events_.empty()) break;
+          pop_top();
         }
-        sift_down(0);
       }
       consider(d, barrier, gain_at(barrier), tokens_at(barrier), max_tok);
     }

@@ -6,8 +6,8 @@
 // - It describes one rank's cost-versus-gain trade-off for this step: the cost and expected
 //   tokens of its base assignment (every request at its floor) and, for each draft depth d, up to
 //   a share of kKnotPool points of its best extra-token frontier (greedy by gain per
-//   microsecond). Depths with few items get one knot per item (exact); the rest share the pool
-//   (all of it up to 32 ranks, fewer knots per rank beyond: see Planner).
+//   microsecond). Depths with few items get one knot per item (exact); the rest share the
+//   rank's knot budget (the whole pool up to DP36, 1024/DP but at least 16 beyond: planner.cc).
 // - `flags & kSummaryValid` is clear when the rank is in fallback this step; the other ranks
 //   then plan without it (its cost is unknown, so it cannot be the barrier they plan against).
 // - The previous step's measured times ride along, so every rank sees every rank's real bubble.
@@ -22,7 +22,7 @@ namespace dpbalance {
 
 inline constexpr uint32_t kSummaryMagic = 0x31425044;  // "DPB1" read little-endian
 inline constexpr uint16_t kSummaryVersion = 2;
-inline constexpr int kKnotPool = 28;  // knots shared by all depths (water-filled)
+inline constexpr int kKnotPool = 28;  // most knots a rank sends, shared by all depths
 inline constexpr uint16_t kSummaryValid = 1u << 0;
 
 struct RankSummary {
