@@ -579,7 +579,7 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
   seg_.resize(summaries.size());
   constexpr uint32_t kProbe = 0xffffffu;  // an event that only evaluates a barrier
   // Rank r's segment from knot k (-1: its base) among its knots `dk` at the depth swept.
-  auto segment = [&](const RankSummary& s, const DepthKnots& dk, int k) {
+  auto segment = [&](const RankSummary& s, DepthKnots dk, int k) {
     const int first = dk.first;
     const double c0 = k < 0 ? s.base_attention_us : s.knot_attention_us[first + k];
     const double g0 = k < 0 ? s.base_gain : s.knot_gain[first + k];
@@ -607,24 +607,9 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
     return sg;
   };
 
-  // The instance's totals of the ranks' current segments; a rank moving from segment `from` to
-  // `to` shifts each total by the difference.
-  struct Totals {
+  for (int d = depth_lo; d <= depth_hi; ++d) {
     double a_gain = 0, s_gain = 0, a_tok = 0, s_tok = 0, ub_a = 0, ub_s = 0;
     int unbounded = 0;
-    void Move(const Segment& from, const Segment& to) {
-      a_gain += to.a_gain - from.a_gain;
-      s_gain += to.s_gain - from.s_gain;
-      a_tok += to.a_tok - from.a_tok;
-      s_tok += to.s_tok - from.s_tok;
-      ub_a += to.a_ub - from.a_ub;
-      ub_s += to.s_ub - from.s_ub;
-      unbounded += static_cast<int>(to.unbounded) - static_cast<int>(from.unbounded);
-    }
-  };
-
-  for (int d = depth_lo; d <= depth_hi; ++d) {
-    Totals tot;
     double max_tok = max_base_tokens, ub_gain = base_gain, top_cost = floor_us;
     events_.clear();
     for (uint32_t r : valid_) {
@@ -634,8 +619,15 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
       int k = 0;
       for (; k < n && s.knot_attention_us[first + k] <= floor_us; ++k) {}
       // The rank sits on the segment starting at knot k-1 (k-1 = -1: its base).
-      seg_[r] = segment(s, dk, k - 1);
-      tot.Move(Segment{}, seg_[r]);
+      const Segment sg = segment(s, dk, k - 1);
+      seg_[r] = sg;
+      a_gain += sg.a_gain;
+      s_gain += sg.s_gain;
+      a_tok += sg.a_tok;
+      s_tok += sg.s_tok;
+      ub_a += sg.a_ub;
+      ub_s += sg.s_ub;
+      unbounded += sg.unbounded;
       if (k > 0) max_tok = std::max<double>(max_tok, s.base_tokens + s.knot_tokens[first + k - 1]);
       if (n > 0) ub_gain += s.knot_gain[first + n - 1] - s.base_gain;
       if (c.mode == PlanMode::kFill || k == n) continue;  // fill: the barrier stays at the floor
@@ -645,8 +637,8 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
                         (uint64_t{r} << 8) | static_cast<uint64_t>(k));
     }
     // Knot gains are totals (base included); knot tokens are extra over the base.
-    auto gain_at = [&](double t) { return tot.a_gain + tot.s_gain * t; };
-    auto tokens_at = [&](double t) { return base_tokens + tot.a_tok + tot.s_tok * t; };
+    auto gain_at = [&](double t) { return a_gain + s_gain * t; };
+    auto tokens_at = [&](double t) { return base_tokens + a_tok + s_tok * t; };
     consider(d, floor_us, gain_at(floor_us), tokens_at(floor_us), max_tok);
     if (c.mode == PlanMode::kFill || events_.empty()) continue;
     if (default_barrier > floor_us) {
@@ -655,7 +647,7 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
       top_cost = std::max(top_cost, default_barrier);
     }
     const double global_floor = g.StepUs(ffn_tokens(tokens_at(floor_us), max_tok), d);
-    if (cannot_win(bound(floor_us, gain_at(floor_us), tot.ub_a, tot.ub_s, tot.unbounded > 0,
+    if (cannot_win(bound(floor_us, gain_at(floor_us), ub_a, ub_s, unbounded > 0,
                          ub_gain, global_floor))) {
       continue;
     }
@@ -694,7 +686,7 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
       if (best_within_guard && (groups++ & 1) == 0) {
         const double global_now = g.StepUs(ffn_tokens(tokens_at(barrier), max_tok), d);
         if (barrier + global_now > max_step ||
-            cannot_win(bound(barrier, gain_at(barrier), tot.ub_a, tot.ub_s, tot.unbounded > 0,
+            cannot_win(bound(barrier, gain_at(barrier), ub_a, ub_s, unbounded > 0,
                              ub_gain, global_now))) {
           break;  // no later barrier can win (steps only grow from here)
         }
@@ -710,8 +702,15 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
         const RankSummary& s = summaries[r];
         const DepthKnots dk = depth_knots(s, d);
         const Segment sg = segment(s, dk, k);
-        tot.Move(seg_[r], sg);
-        seg_[r] = sg;
+        Segment& cur = seg_[r];
+        a_gain += sg.a_gain - cur.a_gain;
+        s_gain += sg.s_gain - cur.s_gain;
+        a_tok += sg.a_tok - cur.a_tok;
+        s_tok += sg.s_tok - cur.s_tok;
+        ub_a += sg.a_ub - cur.a_ub;
+        ub_s += sg.s_ub - cur.s_ub;
+        unbounded += static_cast<int>(sg.unbounded) - static_cast<int>(cur.unbounded);
+        cur = sg;
         max_tok = std::max<double>(max_tok, s.base_tokens + s.knot_tokens[dk.first + k]);
         // The rank's next knot takes its place in the heap, unless it lies past the cut-off.
         const uint32_t next_key =
