@@ -2,18 +2,24 @@
 //
 //   dpbalance-calibrate --train FILE [--train FILE ...] [--test FILE ...] [--json OUT]
 //                       [--out MODEL] [--target attn|gemm|step] [--cv K] [--seed N]
+//                       [--kernel none|fa2-gqa-h200|fa2-packed-h200]
+//
+// --kernel names the measured kernel's launch (kernel_grid.h): its simulated grid terms join
+// the feature family, and the written model carries the name so the runtime simulates the same.
 //
 // Prints and (--json) writes {"rows":N,"mape":x,"p90_ape":x,"max_ape":x} for the test rows
 // (errors as fractions), plus K-fold cross-validated figures on the training rows for our model
 // and for the published (1, B, C) form refitted to the same rows.
 #include <algorithm>
 #include <cstdio>
+#include <functional>
 #include <fstream>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "dpbalance/calibration.h"
 #include "nlohmann/json.hpp"
@@ -33,8 +39,7 @@ absl::StatusOr<CostModel> FitPublishedForm(absl::Span<const TimingSample> rows) 
   return FitCostModel(rows, o);
 }
 
-using Fitter = absl::StatusOr<CostModel> (*)(absl::Span<const TimingSample>);
-absl::StatusOr<CostModel> FitOurs(absl::Span<const TimingSample> rows) { return FitCostModel(rows); }
+using Fitter = std::function<absl::StatusOr<CostModel>(absl::Span<const TimingSample>)>;
 
 // K-fold cross-validation: every row predicted by the model fitted without its fold.
 // `out_of_fold` (optional) receives those predictions, in row order.
@@ -68,14 +73,14 @@ nlohmann::json ToJson(const ErrorStats& e) {
 int Usage(const char* why) {
   std::fprintf(stderr,
                "dpbalance-calibrate: %s\nusage: dpbalance-calibrate --train FILE [--train FILE ...] "
-               "[--test FILE ...] [--json OUT] [--out MODEL] [--target attn|gemm|step] [--cv K] [--seed N] [--dump FILE] [--gemm SWEEP]\n",
+               "[--test FILE ...] [--json OUT] [--out MODEL] [--target attn|gemm|step] [--cv K] [--seed N] [--dump FILE] [--gemm SWEEP] [--kernel none|fa2-gqa-h200|fa2-packed-h200]\n",
                why);
   return 2;
 }
 
 int Main(int argc, char** argv) {
   std::vector<std::string> train_files, test_files;
-  std::string json_out, model_out, dump_out, gemm_file, target_name = "attn";
+  std::string json_out, model_out, dump_out, gemm_file, target_name = "attn", kernel_name = "none";
   int folds = 5;
   uint64_t seed = 1;
   for (int i = 1; i < argc; ++i) {
@@ -93,6 +98,7 @@ int Main(int argc, char** argv) {
     else if (a == "--dump") dump_out = v;
     else if (a == "--gemm") gemm_file = v;
     else if (a == "--target") target_name = v;
+    else if (a == "--kernel") kernel_name = v;
     else if (a == "--cv") {
       if (!absl::SimpleAtoi(v, &folds) || folds < 0 || folds == 1) return Usage("--cv must be 0 or >= 2");
     } else if (a == "--seed") {
@@ -129,6 +135,13 @@ int Main(int argc, char** argv) {
   if (train_files.empty()) return Usage("at least one --train FILE (or --gemm FILE) is required");
   absl::StatusOr<Target> target = ParseTarget(target_name);
   if (!target.ok()) return Usage(std::string(target.status().message()).c_str());
+  absl::StatusOr<KernelGrid> grid = KernelGrid::Named(kernel_name);
+  if (!grid.ok()) return Usage(absl::StrCat("--kernel: ", grid.status().message()).c_str());
+  FitOptions fit_options;
+  fit_options.grid = *grid;
+  const Fitter fit_ours = [&](absl::Span<const TimingSample> rows) {
+    return FitCostModel(rows, fit_options);
+  };
   auto load = [&](const std::vector<std::string>& files, std::vector<TimingSample>* out) -> bool {
     for (const std::string& f : files) {
       absl::StatusOr<std::vector<TimingRow>> rows = LoadTimingRows(f, *target);
@@ -136,14 +149,18 @@ int Main(int argc, char** argv) {
         std::fprintf(stderr, "dpbalance-calibrate: %s\n", std::string(rows.status().message()).c_str());
         return false;
       }
-      for (const TimingRow& r : *rows) out->push_back(r.sample);
+      for (TimingRow& r : *rows) {
+        // The row's own kernel path only: its features read no other.
+        FillGridState(*grid, r.batch, ~0u, r.sample.agg.multi_query ? 2u : 1u, &r.sample.agg);
+        out->push_back(r.sample);
+      }
     }
     return true;
   };
   std::vector<TimingSample> train, test;
   if (!load(train_files, &train) || !load(test_files, &test)) return 1;
 
-  absl::StatusOr<CostModel> model = FitCostModel(train);
+  absl::StatusOr<CostModel> model = fit_ours(train);
   if (!model.ok()) {
     std::fprintf(stderr, "dpbalance-calibrate: %s\n", std::string(model.status().message()).c_str());
     return 1;
@@ -159,7 +176,7 @@ int Main(int argc, char** argv) {
   std::printf("training rows: mape %.4f p90 %.4f max %.4f\n", fit_err.mape, fit_err.p90_ape, fit_err.max_ape);
   if (folds >= 2) {
     std::vector<double> oof;
-    absl::StatusOr<ErrorStats> ours = CrossValidate(train, folds, seed, FitOurs, &oof);
+    absl::StatusOr<ErrorStats> ours = CrossValidate(train, folds, seed, fit_ours, &oof);
     if (ours.ok() && !dump_out.empty()) {  // per-row out-of-fold predictions, for diagnosis
       std::ofstream f(dump_out);
       for (size_t i = 0; i < train.size(); ++i) {

@@ -44,6 +44,7 @@ absl::StatusOr<std::vector<TimingRow>> LoadTimingRows(const std::string& path, T
       const int64_t q = j["q"][i].get<int64_t>();
       if (ctx < 0 || q < 1) return err(absl::StrFormat("ctx[%d] = %d, q[%d] = %d out of range", i, ctx, i, q));
       r.sample.agg.Add({ctx, static_cast<int32_t>(q)});
+      r.batch.push_back({ctx, static_cast<int32_t>(q)});
     }
     auto ms = [&](const char* key) -> absl::StatusOr<double> {
       if (!j.contains(key) || !j[key].is_number()) return err(absl::StrCat("missing number '", key, "'"));

@@ -16,6 +16,7 @@ absl::StatusOr<Target> ParseTarget(const std::string& name);
 
 struct TimingRow {
   TimingSample sample;
+  std::vector<RequestLoad> batch;  // the row's requests, for the kernel-grid terms
   std::string variant, mode;
 };
 

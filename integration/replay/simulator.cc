@@ -90,6 +90,7 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
   std::vector<std::vector<int32_t>> verify(R);
   std::vector<int64_t> kv_free(R, -1);
   std::vector<BatchAggregates> aggs(R);
+  std::vector<RequestLoad> step_loads;
   std::vector<double> tpots;
   size_t next = 0;
   int64_t active = 0;
@@ -181,10 +182,12 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
 
     // Step 3: truth timing of the step.
     double max_attn = 0, sum_attn = 0, sum_q = 0, max_q = 0;
+    std::vector<RequestLoad>& loads = step_loads;
     BatchAggregates total;
     for (int r = 0; r < R; ++r) {
-      aggs[r] = BatchAggregates{};
-      for (size_t i = 0; i < ranks[r].size(); ++i) aggs[r].Add({ranks[r][i].ctx, 1 + verify[r][i]});
+      loads.clear();
+      for (size_t i = 0; i < ranks[r].size(); ++i) loads.push_back({ranks[r][i].ctx, 1 + verify[r][i]});
+      aggs[r] = truth.attention.Aggregate(loads);
       double attn = truth.attention.AttentionUs(aggs[r]);
       if (truth.noise_sigma > 0) attn *= std::exp(truth.noise_sigma * noise(rng));
       if (truth.per_rank_draft) {  // this rank's own draft steps run before the barrier
@@ -193,10 +196,13 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
         attn += truth.global.draft_per_step_us * rank_depth;
       }
       if (online && aggs[r].num_requests > 0) {
-        const double predicted = online->model().AttentionUs(aggs[r]);
+        BatchAggregates seen = aggs[r];  // the grid terms the online model itself weighs
+        seen.grid = GridState{};
+        online->model().FillGrid(loads, &seen);
+        const double predicted = online->model().AttentionUs(seen);
         model_error_sum += std::abs(predicted - attn) / attn;
         model_error_n += 1;
-        online->Observe(aggs[r], attn);
+        online->Observe(seen, attn);
       }
       max_attn = std::max(max_attn, attn);
       sum_attn += attn;
@@ -228,7 +234,11 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
     v2_act += PublishedInstanceCost(PublishedForm::kV2, aggs);
     v1_ideal += PublishedRankCost(PublishedForm::kV1, ideal);
     v2_ideal += PublishedRankCost(PublishedForm::kV2, ideal);
-    ideal_time_us += truth.attention.AttentionUs(ideal) + global_us;
+    // A grid truth needs a batch to simulate, which the averaged ideal rank is not: there the
+    // ideal attention is the ranks' mean (the bubble-free time of the same assignment).
+    const double ideal_attention_us =
+        truth.attention.uses_grid() ? sum_attn / R : truth.attention.AttentionUs(ideal);
+    ideal_time_us += ideal_attention_us + global_us;
     token_balance_sum += max_q > 0 ? (sum_q / R) / max_q : 1.0;
     depth_sum += depth;
     now_us += step_us;

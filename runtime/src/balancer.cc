@@ -230,8 +230,9 @@ PlanOutcome Balancer::Plan(absl::Span<const BalancerRequest> batch, int64_t kv_f
     Fallback(batch, verify_len);
     return out;
   }
-  planned_agg_ = BatchAggregates{};
-  for (size_t i = 0; i < batch.size(); ++i) planned_agg_.Add({batch[i].ctx_tokens, 1 + verify_len[i]});
+  planned_loads_.clear();
+  for (size_t i = 0; i < batch.size(); ++i) planned_loads_.push_back({batch[i].ctx_tokens, 1 + verify_len[i]});
+  planned_agg_ = planner_.model().Aggregate(planned_loads_);
   predicted_attention_us_ = planner_.model().AttentionUs(planned_agg_);
   consecutive_failures_ = 0;
   ++balanced_steps_;

@@ -117,7 +117,9 @@ absl::StatusOr<CostModel> FitCostModel(absl::Span<const TimingSample> samples,
     return absl::InvalidArgumentError(absl::StrFormat(
         "fit: %d usable timing rows for %d features", rows.size(), cols.size()));
   }
-  const CostModel shape;
+  absl::StatusOr<CostModel> shape_or = CostModel::Create(CostModel::Weights{}, "shape", options.grid);
+  if (!shape_or.ok()) return shape_or.status();
+  const CostModel& shape = *shape_or;
   // Relative-error rows: x / y against 1. Columns scaled to unit norm for conditioning.
   Eigen::MatrixXd a(rows.size(), cols.size());
   for (size_t i = 0; i < rows.size(); ++i) {
@@ -140,7 +142,7 @@ absl::StatusOr<CostModel> FitCostModel(absl::Span<const TimingSample> samples,
   }
   CostModel::Weights w{};
   for (size_t c = 0; c < cols.size(); ++c) w[cols[c]] += norm(c) > 0 ? sol(c) / norm(c) : 0.0;
-  return CostModel::Create(w, options.name);
+  return CostModel::Create(w, options.name, options.grid);
 }
 
 OnlineCostModel::OnlineCostModel(const CostModel& start, Options options)
@@ -165,7 +167,7 @@ void OnlineCostModel::Publish() {
   CostModel::Weights w{};
   const double level = std::exp(log_level_);
   for (int f = 0; f < kF; ++f) w[f] = level * (scale_(f) > 0 ? theta_(f) / scale_(f) : start_(f));
-  absl::StatusOr<CostModel> m = CostModel::Create(w, model_.name());
+  absl::StatusOr<CostModel> m = CostModel::Create(w, model_.name(), model_.kernel_grid());
   if (m.ok()) model_ = *m;
 }
 

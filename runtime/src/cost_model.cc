@@ -32,6 +32,9 @@ std::array<double, kNumPlainTerms> PlainTerms(const BatchAggregates& a) {
 
 std::string TermName(int t) {
   if (t < kNumPlainTerms) return std::string(kScalarTermNames[t]);
+  if (t >= static_cast<int>(CostTerm::kGrid0)) {
+    return GridTermName(t - static_cast<int>(CostTerm::kGrid0));
+  }
   if (t < static_cast<int>(CostTerm::kWavePairs0)) {
     return absl::StrCat("wave_keys_w", kWaveWidths[t - static_cast<int>(CostTerm::kWaveKeys0)]);
   }
@@ -40,6 +43,8 @@ std::string TermName(int t) {
   }
   return absl::StrCat("knee_", kKneeTokens[t - static_cast<int>(CostTerm::kKnee0)]);
 }
+
+constexpr int kGridBase = static_cast<int>(CostTerm::kGrid0);
 
 // Published coefficients: ../shared/docs/problem.md (restated in docs/cost-model.md).
 constexpr double kV1BatchWeight = 0.72482;
@@ -58,7 +63,8 @@ std::string FeatureName(int f) {
   return kPrefix[f / kNumCostTerms] + TermName(f % kNumCostTerms);
 }
 
-absl::StatusOr<CostModel> CostModel::Create(const Weights& weights_us, std::string name) {
+absl::StatusOr<CostModel> CostModel::Create(const Weights& weights_us, std::string name,
+                                            const KernelGrid& grid) {
   for (int f = 0; f < kNumCostFeatures; ++f) {
     const double w = weights_us[f];
     if (!std::isfinite(w) || w < 0) {
@@ -70,6 +76,8 @@ absl::StatusOr<CostModel> CostModel::Create(const Weights& weights_us, std::stri
   CostModel m;
   m.weights_us_ = weights_us;
   m.name_ = std::move(name);
+  m.grid_ = grid;
+  m.grid_slopes_ = VerifyGridSlopes(grid);
   m.IndexActiveTerms();
   return m;
 }
@@ -96,6 +104,13 @@ double CostModel::Term(const BatchAggregates& a, int t) const {
   constexpr int kWavePairs0 = static_cast<int>(CostTerm::kWavePairs0);
   constexpr int kKnee0 = static_cast<int>(CostTerm::kKnee0);
   if (t < kNumPlainTerms) return PlainTerms(a)[t];
+  if (t >= kGridBase) {
+    if (!a.grid.valid) return 0.0;
+    const int j = t - kGridBase;
+    if (!a.multi_query) return a.grid.at_ref[0][j];
+    return a.grid.at_ref[1][j] + (a.query_tokens - a.grid.ref_tokens) * grid_slopes_.per_token[j] +
+           (a.query_key_pairs - a.grid.ref_pairs) * grid_slopes_.per_pair[j];
+  }
   if (t < kWavePairs0) return std::max(a.key_tokens / kWaveWidths[t - kWaveKeys0], a.max_key_tokens);
   if (t < kKnee0) return std::max(a.query_key_pairs / kWaveWidths[t - kWavePairs0], a.max_key_tokens);
   return std::max(0.0, a.query_tokens - kKneeTokens[t - kKnee0]);
@@ -105,7 +120,10 @@ CostModel::Weights CostModel::Features(const BatchAggregates& a) const {
   // Base terms count for every batch; the extras only on their kernel path.
   Weights x{};
   const int extra = (a.multi_query ? 1 : 2) * kNumCostTerms;
-  for (int t = 0; t < kNumCostTerms; ++t) {
+  // Grid terms are features only of models that simulate a grid (an online refit of a model
+  // without one must not learn them: its planner never fills them).
+  const int terms = grid_.enabled() ? kNumCostTerms : kGridBase;
+  for (int t = 0; t < terms; ++t) {
     x[t] = Term(a, t);
     x[extra + t] = x[t];
   }
@@ -116,12 +134,14 @@ void CostModel::IndexActiveTerms() {
   for (int multi = 0; multi < 2; ++multi) {
     Path& p = paths_[multi];
     p = Path{};
+    grid_mask_[multi] = 0;
     const int extra = static_cast<int>(multi ? Regime::kMultiQuery : Regime::kSingleQuery);
     for (int t = 0; t < kNumCostTerms; ++t) {
       const double w = weights_us_[t] + weights_us_[extra * kNumCostTerms + t];
       if (t < kNumPlainTerms) {
         p.plain[t] = w;
       } else if (w != 0) {
+        if (t >= kGridBase) grid_mask_[multi] |= 1u << (t - kGridBase);
         p.hinge[p.num_hinges] = static_cast<uint8_t>(t);
         p.hinge_w[p.num_hinges++] = w;
       }
@@ -140,9 +160,32 @@ double CostModel::AttentionUs(const BatchAggregates& a) const {
 }
 
 double CostModel::AttentionUs(absl::Span<const RequestLoad> batch) const {
+  return AttentionUs(Aggregate(batch));
+}
+
+BatchAggregates CostModel::Aggregate(absl::Span<const RequestLoad> batch) const {
   BatchAggregates agg;
   for (const RequestLoad& r : batch) agg.Add(r);
-  return AttentionUs(agg);
+  FillGrid(batch, &agg);
+  return agg;
+}
+
+void CostModel::FillGrid(absl::Span<const RequestLoad> batch, BatchAggregates* agg) const {
+  if (!uses_grid()) return;
+  const unsigned mask = (grid_mask_[0] | grid_mask_[1]) >> kGridMakespan0;
+  FillGridState(grid_, batch, mask, 3u, agg);
+}
+
+void FillGridState(const KernelGrid& grid, absl::Span<const RequestLoad> batch, unsigned mask,
+                   unsigned paths, BatchAggregates* agg) {
+  GridState& g = agg->grid;
+  g = GridState{};
+  if (!grid.enabled()) return;
+  g.valid = true;
+  g.ref_tokens = agg->query_tokens;
+  g.ref_pairs = agg->query_key_pairs;
+  if (paths & 1u) g.at_ref[0] = SimulateGrid(grid, batch, /*single_query_launch=*/true, mask);
+  if (paths & 2u) g.at_ref[1] = SimulateGrid(grid, batch, /*single_query_launch=*/false, mask);
 }
 
 CostModel CostModel::Scaled(double factor) const {
@@ -155,6 +198,11 @@ CostModel CostModel::Scaled(double factor) const {
 uint64_t CostModel::Hash() const {
   internal::Fnv1a h;
   for (double w : weights_us_) h.Value(w);
+  if (grid_.enabled()) {
+    const int fields[] = {static_cast<int>(grid_.layout), grid_.heads, grid_.block_m,
+                          grid_.block_n, grid_.num_sms, grid_.ctas_per_sm, grid_.max_splits};
+    for (int f : fields) h.Value(f);
+  }
   return h.digest();
 }
 
@@ -164,6 +212,7 @@ std::string CostModel::ToJson() const {
   j["version"] = 1;
   j["name"] = name_;
   j["units"] = "us";
+  if (grid_.enabled()) j["kernel_grid"] = grid_.Name();
   for (int f = 0; f < kNumCostFeatures; ++f) j["weights_us"][FeatureName(f)] = weights_us_[f];
   return j.dump(2);
 }
@@ -182,6 +231,15 @@ absl::StatusOr<CostModel> CostModel::FromJson(std::string_view text, std::string
   if (!j.contains("weights_us") || !j["weights_us"].is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(source, ": missing object 'weights_us'"));
   }
+  KernelGrid grid;
+  if (j.contains("kernel_grid")) {
+    if (!j["kernel_grid"].is_string()) {
+      return absl::InvalidArgumentError(absl::StrCat(source, ": kernel_grid is not a string"));
+    }
+    absl::StatusOr<KernelGrid> g = KernelGrid::Named(j["kernel_grid"].get<std::string>());
+    if (!g.ok()) return absl::InvalidArgumentError(absl::StrCat(source, ": ", g.status().message()));
+    grid = *g;
+  }
   Weights w{};
   for (auto it = j["weights_us"].begin(); it != j["weights_us"].end(); ++it) {
     int pos = -1;
@@ -198,7 +256,7 @@ absl::StatusOr<CostModel> CostModel::FromJson(std::string_view text, std::string
     }
     w[pos] = it.value().get<double>();
   }
-  return Create(w, absl::StrCat(j.value("name", "fitted"), "(", source, ")"));
+  return Create(w, absl::StrCat(j.value("name", "fitted"), "(", source, ")"), grid);
 }
 
 absl::StatusOr<CostModel> CostModel::FromFile(const std::string& path) {

@@ -249,11 +249,19 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
     min_depth = std::max(min_depth, k);
     max_depth = std::max(max_depth, static_cast<int>(batch[i].k_cap));
   }
+  if (model_.uses_grid()) {  // one simulation per kernel path; later steps move it linearly
+    st.base_loads.clear();
+    for (size_t i = 0; i < batch.size(); ++i) {
+      st.base_loads.push_back(RequestLoad{batch[i].ctx_tokens, 1 + st.base_len[i]});
+    }
+    model_.FillGrid(st.base_loads, &st.base_agg);
+  }
   // A dense draft run to this rank's own depth is part of its time before the barrier.
   const double rank_draft_us = config_.agreed_draft_depth ? 0.0 : config_.global.draft_per_step_us;
   st.min_depth = min_depth;
   st.base_attention_us = model_.AttentionUs(st.base_agg) + rank_draft_us * min_depth;
   BatchAggregates default_agg;
+  default_agg.grid = st.base_agg.grid;
   double default_gain = 0;
   int default_depth = 0;
   for (size_t i = 0; i < batch.size(); ++i) {

@@ -128,6 +128,7 @@ class Balancer {
   // Previous step, for the next summary and for accounting.
   double prev_attention_us_ = -1, prev_step_us_ = -1, prev_tokens_ = -1;
   double predicted_attention_us_ = -1;
+  std::vector<RequestLoad> planned_loads_;
   BatchAggregates planned_agg_;                 // the batch as planned, for the online refit
   std::unique_ptr<OnlineCostModel> online_;
   bool prev_arm_on_ = true, have_prev_arm_ = false;

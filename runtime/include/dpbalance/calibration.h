@@ -45,6 +45,8 @@ ErrorStats SummarizeErrors(std::vector<double> ape);
 
 struct FitOptions {
   std::string name = "fitted";
+  // The kernel launch the samples' grid terms were simulated for (kept by the fitted model).
+  KernelGrid grid;
   // Features the fit may use (empty: all). The published form's refit uses three.
   std::vector<int> features;
   // Least-absolute-error refinement (0: plain least squares on relative errors).

@@ -25,6 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "dpbalance/kernel_grid.h"
 
 namespace dpbalance {
 
@@ -52,7 +53,8 @@ enum class CostTerm : int {
   kWaveKeys0,             // max(K / w, max ctx) for w in kWaveWidths (a bank)
   kWavePairs0 = kWaveKeys0 + 8,  // max(C / w, max ctx) for w in kWaveWidths
   kKnee0 = kWavePairs0 + 8,      // max(0, Q - k) for k in kKneeTokens (a bank)
-  kNumTerms = kKnee0 + 6
+  kGrid0 = kKnee0 + 6,           // the kernel grid's simulated terms (kernel_grid.h, GridTerm)
+  kNumTerms = kGrid0 + kNumGridTerms
 };
 // Terms before the hinge banks are read straight off the aggregates.
 inline constexpr int kNumPlainTerms = static_cast<int>(CostTerm::kWaveKeys0);
@@ -70,6 +72,17 @@ constexpr int FeatureIndex(Regime r, CostTerm t, int bank_idx = 0) {
 // "constant", "wave_keys_w4", "knee_128", ...; "multi_" / "single_" + that for the extras.
 std::string FeatureName(int feature_idx);
 
+// A batch's kernel-grid terms, for models with a KernelGrid: simulated once per kernel path at
+// a reference batch (its query tokens and query-key pairs), then moved linearly with the
+// verify launch's slopes as query tokens are added. Invalid (all grid terms 0) unless filled
+// by `CostModel::FillGrid` or `FillGridState`.
+struct GridState {
+  bool valid = false;
+  std::array<GridTerms, 2> at_ref{};  // [0]: the launch with every q_i = 1, [1]: the verify launch
+  double ref_tokens = 0;
+  double ref_pairs = 0;
+};
+
 // Aggregates from which every feature is derived; cheap to update incrementally.
 struct BatchAggregates {
   double num_requests = 0;
@@ -79,6 +92,7 @@ struct BatchAggregates {
   double max_query_key_pairs = 0;
   double max_key_tokens = 0;
   bool multi_query = false;
+  GridState grid;
 
   void Add(const RequestLoad& r) {
     const double q = r.query_tokens, ctx = static_cast<double>(r.ctx_tokens);
@@ -106,7 +120,9 @@ class CostModel {
 
   CostModel() = default;
   // Weights in microseconds per unit of each feature.
-  static absl::StatusOr<CostModel> Create(const Weights& weights_us, std::string name);
+  // `grid`: the kernel launch the grid terms describe (none: they stay 0).
+  static absl::StatusOr<CostModel> Create(const Weights& weights_us, std::string name,
+                                          const KernelGrid& grid = KernelGrid{});
 
   // The published formulas as one per-rank scalar (single barrier) with B -> sum q_i,
   // C -> sum q_i * ctx_i; the cost units are read as milliseconds. See docs/cost-model.md.
@@ -118,13 +134,22 @@ class CostModel {
   static absl::StatusOr<CostModel> FromJson(std::string_view json_text, std::string_view source);
   std::string ToJson() const;
 
-  // Predicted attention time of one rank in microseconds.
+  // Predicted attention time of one rank in microseconds. The span form simulates the kernel
+  // grid when the model has one (`Aggregate`).
   double AttentionUs(absl::Span<const RequestLoad> batch) const;
   double AttentionUs(const BatchAggregates& agg) const;
   // Feature vector of a batch (what a fit regresses on).
   Weights Features(const BatchAggregates& agg) const;
 
   const Weights& weights_us() const { return weights_us_; }
+  const KernelGrid& kernel_grid() const { return grid_; }
+  // Whether any grid term has a nonzero weight (then aggregates need `FillGrid`).
+  bool uses_grid() const { return grid_.enabled() && (grid_mask_[0] | grid_mask_[1]) != 0; }
+  // The aggregates of `batch`, with the grid terms simulated when the model uses them.
+  BatchAggregates Aggregate(absl::Span<const RequestLoad> batch) const;
+  // Simulates the grid terms of `batch` (whose aggregates `agg` are) for both kernel paths,
+  // only the makespans this model weighs; no-op unless `uses_grid()`.
+  void FillGrid(absl::Span<const RequestLoad> batch, BatchAggregates* agg) const;
 
   const std::string& name() const { return name_; }
   // Returns a copy with every coefficient multiplied by `factor` (> 0).
@@ -138,6 +163,9 @@ class CostModel {
 
   Weights weights_us_{};
   std::string name_ = "zero";
+  KernelGrid grid_;
+  GridSlopes grid_slopes_;
+  std::array<unsigned, 2> grid_mask_{};  // per path: bit t - kGrid0 set if grid term t is weighed
   // Evaluation form, per kernel path (0: single query, 1: multi query): the base weights plus
   // the path's extras. The seven plain terms are one dot product; of the hinge banks only the
   // terms with a nonzero weight are evaluated. The planner calls this per knot and per item.
@@ -149,6 +177,12 @@ class CostModel {
   };
   std::array<Path, 2> paths_{};
 };
+
+// Fills `agg->grid` for `grid` from `batch` (whose aggregates `agg` are), for the kernel paths
+// in `paths` (bit 0: the launch with every q_i = 1, bit 1: the verify launch). `mask` selects
+// the simulated makespans (bit j: kGridMakespan0 + j); counts and work are always filled.
+void FillGridState(const KernelGrid& grid, absl::Span<const RequestLoad> batch, unsigned mask,
+                   unsigned paths, BatchAggregates* agg);
 
 // The instance-wide part of a step (identical on every rank).
 struct GlobalCost {

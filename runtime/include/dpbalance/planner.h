@@ -142,6 +142,7 @@ class Planner {
     std::vector<int32_t> base_len;
     int64_t kv_free_tokens = -1;
     BatchAggregates base_agg;
+    std::vector<RequestLoad> base_loads;  // for the kernel-grid simulation (grid models only)
     double base_attention_us = 0;
     int min_depth = 0;  // the deepest floor
   };

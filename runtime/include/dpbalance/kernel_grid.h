@@ -1,0 +1,96 @@
+// dpbalance/kernel_grid.h — how a decode attention kernel's thread blocks run on the GPU.
+//
+// Contract
+// - `KernelGrid` describes a kernel's launch: how a batch becomes thread blocks (CTAs), in which
+//   order they launch, how many key blocks each iterates, and the GPU's SM count and CTAs per SM.
+//   It is a description of the kernel and the device (tile sizes, launch order, the split-KV
+//   rule), not a fitted constant; the fit decides how much each simulated term costs.
+// - `SimulateGrid` turns one rank's batch into grid terms: CTA count, total key-block
+//   iterations, a bank of simulated makespans, and the split-KV combine work. The makespans
+//   come from a processor-sharing simulation: CTAs launch in grid order, breadth-first over
+//   the SMs and then into whichever SM frees a slot first; CTAs sharing an SM split its
+//   throughput, and a CTA alone on an SM runs at a fraction `alone_rate` of the SM (a single
+//   CTA cannot fill it). Each makespan of the bank uses another (alone_rate, per-CTA overhead).
+// - Layouts (FlashAttention-2 varlen forward, bf16, head dim 256, as measured in
+//   ../shared/data/h200/README.md):
+//   - kHeadMajor: one CTA per (query head, request, row block); grid order: row block fastest,
+//     then request, then head. With every q_i = 1 the kernel swaps the query heads of one KV
+//     head into rows (`heads` rows per request) and may split each request's keys over several
+//     CTAs, followed by a combine kernel (`SplitKvCount`).
+//   - kPackedRows: the heads of each query token are rows (heads * q_i rows per request); one
+//     CTA per (row block, request), row block fastest; row blocks past a request's rows exit
+//     at once.
+// - Costs: SimulateGrid is O(CTAs log SMs); a DP rank of 64 requests at q = 8 is ~1k CTAs
+//   (packed) or 8k CTAs (head-major). The planner simulates once per step and kernel path, and
+//   moves the terms linearly with the batch's work in between (`GridState`).
+#pragma once
+
+#include <array>
+#include <string>
+#include <string_view>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace dpbalance {
+
+struct RequestLoad;
+
+struct KernelGrid {
+  enum class Layout { kNone, kHeadMajor, kPackedRows };
+  Layout layout = Layout::kNone;
+  int heads = 128;       // query heads per KV head
+  int block_m = 64;      // query rows per CTA
+  int block_n = 64;      // keys per CTA iteration
+  int num_sms = 132;
+  int ctas_per_sm = 2;   // resident CTAs per SM (shared memory bound)
+  int max_splits = 128;  // split-KV limit (head-major, every q_i = 1)
+
+  bool enabled() const { return layout != Layout::kNone; }
+  // "none", "fa2-gqa-h200" (head-major), "fa2-packed-h200" (packed rows). Unknown names are an
+  // error that lists the known ones.
+  static absl::StatusOr<KernelGrid> Named(std::string_view name);
+  std::string Name() const;
+  bool operator==(const KernelGrid& o) const;
+};
+
+// Grid terms, in this order; the makespans are in key-block iterations of one SM.
+inline constexpr int kNumGridMakespans = 6;
+inline constexpr int kNumGridTerms = 3 + kNumGridMakespans;
+enum GridTerm : int { kGridCtas = 0, kGridWork = 1, kGridCombine = 2, kGridMakespan0 = 3 };
+// (alone_rate, per-CTA overhead in key blocks) of each simulated makespan.
+inline constexpr std::array<std::array<double, 2>, kNumGridMakespans> kGridMakespanParams = {
+    {{1.0, 1.0}, {0.8, 1.0}, {0.65, 1.0}, {0.8, 4.0}, {0.8, 0.25}, {0.65, 4.0}}};
+using GridTerms = std::array<double, kNumGridTerms>;
+std::string GridTermName(int term);
+
+// The FlashAttention-2 split-KV rule, in our words: with `parallel_ctas` CTAs filling at least
+// 80% of `num_slots`, one split; otherwise the fewest splits whose wave efficiency
+// (waves / ceil(waves), waves = parallel_ctas * splits / num_slots) is within 85% of the best,
+// over split counts up to min(max_splits, num_slots, num_key_blocks) that change the blocks per
+// split.
+int SplitKvCount(int parallel_ctas, int num_slots, int num_key_blocks, int max_splits);
+
+// Grid terms of `batch` launched on `grid`. `single_query_launch`: the launch the kernel uses
+// when every q_i = 1 (head-major: the swapped split-KV launch); otherwise the verify launch.
+// Only the makespans flagged in `makespans` (bit j: kGridMakespan0 + j) are simulated; the
+// others are 0.
+GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
+                       bool single_query_launch, unsigned makespans = (1u << kNumGridMakespans) - 1);
+
+// Makespan of CTAs with the given work (key-block iterations; a negative entry is a CTA that
+// exits at once and costs `exit_cost`), launched in order, under the sharing model above.
+double SimulateMakespan(absl::Span<const double> works, int num_sms, int ctas_per_sm,
+                        double alone_rate, double overhead, double exit_cost);
+
+// Linear change of each grid term per extra query token and per extra query-key pair on the
+// verify launch (the planner's increments between simulations): packed rows add heads/block_m
+// CTAs of ceil(ctx/block_n) blocks per token, spread over all SMs; head-major verify grids do
+// not depend on q.
+struct GridSlopes {
+  GridTerms per_token{};
+  GridTerms per_pair{};
+};
+GridSlopes VerifyGridSlopes(const KernelGrid& grid);
+
+}  // namespace dpbalance

@@ -1,0 +1,150 @@
+#include "dpbalance/kernel_grid.h"
+
+#include <algorithm>
+#include <cmath>
+#include <deque>
+#include <random>
+#include <vector>
+
+#include "dpbalance/cost_model.h"
+#include "gtest/gtest.h"
+
+namespace dpbalance {
+namespace {
+
+TEST(SplitKv, FillsTheDeviceWithFewSplits) {
+  EXPECT_EQ(SplitKvCount(256, 264, 2049, 128), 1);  // 256 CTAs already fill >= 80% of 264 slots
+  // 48 CTAs on 108 slots: 2 splits reach 0.89 efficiency, within 85% of the best (9 splits: 1.0).
+  EXPECT_EQ(SplitKvCount(48, 108, 1000, 128), 2);
+  EXPECT_EQ(SplitKvCount(2, 264, 1, 128), 1);  // one key block cannot be split
+  // Worked independently (a separate script) from the rows of the shared gqa file: B requests
+  // x 2 row blocks on 132 SMs x 2 CTAs, over the longest request's 64-key blocks.
+  EXPECT_EQ(SplitKvCount(2, 264, 13, 128), 13);   // B = 1, ctx 779
+  EXPECT_EQ(SplitKvCount(2, 264, 21, 128), 21);   // B = 1, ctx 1305
+  EXPECT_EQ(SplitKvCount(8, 264, 40, 128), 20);   // B = 4, max ctx 2555
+  EXPECT_EQ(SplitKvCount(32, 264, 22, 128), 8);   // B = 16, max ctx 1353
+}
+
+// A reference by small time steps: every SM's resident CTAs advance together; a finished CTA's
+// slot takes the next CTA in launch order.
+double SteppedMakespan(const std::vector<double>& works, int sms, int per_sm, double alone,
+                       double overhead, double exit_cost) {
+  std::deque<double> pending;
+  for (double w : works) pending.push_back(w < 0 ? exit_cost : w + overhead);
+  std::vector<std::vector<double>> res(sms);
+  for (int slot = 0; slot < per_sm; ++slot) {
+    for (int s = 0; s < sms && !pending.empty(); ++s) {
+      res[s].push_back(pending.front());
+      pending.pop_front();
+    }
+  }
+  const double dt = 1e-4;
+  double t = 0;
+  for (;;) {
+    bool any = false;
+    for (int s = 0; s < sms; ++s) {
+      if (res[s].empty()) continue;
+      any = true;
+      const double rate = res[s].size() == 1 ? alone : 1.0 / res[s].size();
+      for (double& r : res[s]) r -= dt * rate;
+      for (size_t k = 0; k < res[s].size();) {
+        if (res[s][k] <= 0) {
+          res[s].erase(res[s].begin() + k);
+          if (!pending.empty()) {
+            res[s].push_back(pending.front());
+            pending.pop_front();
+          }
+        } else {
+          ++k;
+        }
+      }
+    }
+    if (!any) return t;
+    t += dt;
+  }
+}
+
+TEST(GridMakespan, MatchesClosedFormsOnUniformLaunches) {
+  const std::vector<double> w132(132, 10.0), w264(264, 10.0), w528(528, 10.0);
+  EXPECT_DOUBLE_EQ(SimulateMakespan(w132, 132, 2, 0.8, 0.0, 0.2), 10.0 / 0.8);  // one per SM
+  EXPECT_DOUBLE_EQ(SimulateMakespan(w264, 132, 2, 0.8, 0.0, 0.2), 20.0);        // all paired
+  EXPECT_DOUBLE_EQ(SimulateMakespan(w528, 132, 2, 0.8, 1.0, 0.2), 44.0);        // two rounds
+  // One SM, a long and a short CTA: shared until the short ends, then the long runs alone.
+  EXPECT_DOUBLE_EQ(SimulateMakespan({9.0, 3.0}, 1, 2, 0.75, 0.0, 0.2), 6.0 + 6.0 / 0.75);
+  EXPECT_DOUBLE_EQ(SimulateMakespan({-1.0}, 1, 2, 1.0, 5.0, 0.2), 0.2);  // exits cost exit_cost
+  EXPECT_EQ(SimulateMakespan({}, 132, 2, 1.0, 1.0, 0.2), 0.0);
+}
+
+TEST(GridMakespan, MatchesATimeSteppedReferenceOnRandomLaunches) {
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<double> work(0.5, 6.0);
+  for (int trial = 0; trial < 40; ++trial) {
+    const int sms = 1 + static_cast<int>(rng() % 3), per_sm = 1 + static_cast<int>(rng() % 3);
+    std::vector<double> works(1 + rng() % 12);
+    for (double& w : works) w = rng() % 7 == 0 ? -1.0 : work(rng);
+    const double alone = 0.6 + 0.1 * static_cast<double>(rng() % 5);
+    const double fast = SimulateMakespan(works, sms, per_sm, alone, 0.5, 0.2);
+    const double slow = SteppedMakespan(works, sms, per_sm, alone, 0.5, 0.2);
+    EXPECT_NEAR(fast, slow, 2e-3 * works.size() + 1e-3) << "trial " << trial;
+  }
+}
+
+TEST(GridTerms, CountTheKernelsCtasAndWork) {
+  const KernelGrid packed = *KernelGrid::Named("fa2-packed-h200");
+  // 128 heads x q rows in 64-row blocks: 2 and 6 blocks; the launch has 6 per request.
+  const RequestLoad two[] = {{640, 1}, {100, 3}};
+  const GridTerms p = SimulateGrid(packed, two, /*single_query_launch=*/false);
+  EXPECT_EQ(p[kGridCtas], 12);
+  EXPECT_EQ(p[kGridWork], 2 * 10 + 6 * 2);  // ceil(ctx / 64) key blocks per active CTA
+  EXPECT_GT(p[kGridMakespan0], 0);
+
+  const KernelGrid gqa = *KernelGrid::Named("fa2-gqa-h200");
+  const RequestLoad three[] = {{64, 2}, {128, 2}, {65, 3}};
+  const GridTerms v = SimulateGrid(gqa, three, /*single_query_launch=*/false);
+  EXPECT_EQ(v[kGridCtas], 128 * 3);  // one CTA per head and request
+  EXPECT_EQ(v[kGridWork], 128 * (1 + 2 + 2));
+  EXPECT_EQ(v[kGridCombine], 0);
+  // Every q = 1: heads become 2 row blocks, 13 key blocks split 13 ways, then a combine.
+  const RequestLoad one[] = {{779, 1}};
+  const GridTerms s = SimulateGrid(gqa, one, /*single_query_launch=*/true);
+  EXPECT_EQ(s[kGridCtas], 26);
+  EXPECT_EQ(s[kGridWork], 26);
+  EXPECT_EQ(s[kGridCombine], 13);
+  // A model on the verify path moves the packed work term exactly with the pairs added.
+  EXPECT_EQ(VerifyGridSlopes(packed).per_pair[kGridWork] * 640, 2 * 10);
+  EXPECT_EQ(VerifyGridSlopes(gqa).per_pair[kGridWork], 0);
+}
+
+TEST(GridModel, EvaluatesRoundTripsAndNamesBadGrids) {
+  CostModel::Weights w{};
+  w[FeatureIndex(Regime::kBase, CostTerm::kConstant)] = 30;
+  w[FeatureIndex(Regime::kMultiQuery, CostTerm::kGrid0) + kGridMakespan0 + 1] = 2.0;
+  w[FeatureIndex(Regime::kSingleQuery, CostTerm::kGrid0) + kGridCombine] = 0.5;
+  const CostModel m = *CostModel::Create(w, "grid", *KernelGrid::Named("fa2-gqa-h200"));
+  ASSERT_TRUE(m.uses_grid());
+  const RequestLoad verify[] = {{5000, 2}, {300, 1}};
+  const GridTerms g = SimulateGrid(m.kernel_grid(), verify, false);
+  EXPECT_NEAR(m.AttentionUs(verify), 30 + 2.0 * g[kGridMakespan0 + 1], 1e-9);
+  const RequestLoad decode[] = {{779, 1}};
+  EXPECT_NEAR(m.AttentionUs(decode), 30 + 0.5 * 13, 1e-9);
+  // Aggregates without a simulated grid contribute nothing from the grid terms.
+  BatchAggregates plain;
+  plain.Add(verify[0]);
+  EXPECT_EQ(m.AttentionUs(plain), 30);
+
+  absl::StatusOr<CostModel> back = CostModel::FromJson(m.ToJson(), "mem");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->kernel_grid(), m.kernel_grid());
+  EXPECT_EQ(back->Hash(), m.Hash());
+  EXPECT_EQ(FeatureName(FeatureIndex(Regime::kMultiQuery, CostTerm::kGrid0) + kGridMakespan0),
+            "multi_grid_makespan_r100_o100");
+
+  const absl::StatusOr<CostModel> bad = CostModel::FromJson(
+      R"({"format":"dpbalance-cost-model","version":1,"kernel_grid":"fa9","weights_us":{}})", "m.json");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("m.json"), std::string_view::npos);
+  EXPECT_NE(bad.status().message().find("'fa9'"), std::string_view::npos);
+}
+
+}  // namespace
+}  // namespace dpbalance
