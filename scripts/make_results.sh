@@ -15,11 +15,15 @@ $B/integration/dpbalance-replay --trace integration/replay/data/azure_conv_2023.
 $B/integration/dpbalance-replay --eval_cost v1 --compare=false --routing D --k 1 \
   --json docs/generated/replay_mooncake_eval_v1.json > /dev/null
 for v in gqa packed; do
+  # With the measured kernel's simulated grid (kernel_grid.h), and without it for comparison.
   $B/integration/dpbalance-calibrate --train integration/calibrate/data/attention_fa2_$v.train.jsonl \
-    --cv 5 --json docs/generated/calibrate_$v.json --out docs/generated/model_$v.json \
-    | tee docs/generated/calibrate_$v.txt
+    --kernel fa2-$v-h200 --cv 5 --json docs/generated/calibrate_$v.json \
+    --out docs/generated/model_$v.json | tee docs/generated/calibrate_$v.txt
   $B/integration/dpbalance-calibrate --train integration/calibrate/data/attention_fa2_$v.train.jsonl \
-    --cv 5 --target step | tee docs/generated/calibrate_${v}_step.txt
+    --cv 5 --json docs/generated/calibrate_${v}_nogrid.json --out docs/generated/model_${v}_nogrid.json \
+    | tee docs/generated/calibrate_${v}_nogrid.txt
+  $B/integration/dpbalance-calibrate --train integration/calibrate/data/attention_fa2_$v.train.jsonl \
+    --kernel fa2-$v-h200 --cv 5 --target step | tee docs/generated/calibrate_${v}_step.txt
 done
 $B/integration/dpbalance-calibrate --gemm integration/calibrate/data/projection_gemm_sweep.jsonl \
   | tee docs/generated/calibrate_gemm.txt
@@ -32,6 +36,9 @@ $B/integration/dpbalance-replay --truth docs/generated/model_packed.json --truth
 $B/integration/dpbalance-replay --truth docs/generated/model_packed.json --truth_layers 61 \
   --planner_model v2 --json docs/generated/replay_h200truth_v2planner.json \
   | tee docs/generated/replay_h200truth_v2planner.txt
+# The same with the previous truth, the packed fit without the kernel grid (sums and maxima).
+$B/integration/dpbalance-replay --truth docs/generated/model_packed_nogrid.json --truth_layers 61 \
+  --json docs/generated/replay_h200truth_nogrid.json | tee docs/generated/replay_h200truth_nogrid.txt
 $B/tests/runtime/calibration_test --gtest_filter='Online*' | tee docs/generated/online_calibration.txt
 $B/integration/dpbalance-reference-engine --json docs/generated/reference_engine.json \
   2>/dev/null | tee docs/generated/reference_engine.txt
