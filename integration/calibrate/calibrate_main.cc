@@ -144,16 +144,12 @@ int Main(int argc, char** argv) {
   };
   auto load = [&](const std::vector<std::string>& files, std::vector<TimingSample>* out) -> bool {
     for (const std::string& f : files) {
-      absl::StatusOr<std::vector<TimingRow>> rows = LoadTimingRows(f, *target);
+      absl::StatusOr<std::vector<TimingRow>> rows = LoadTimingRows(f, *target, *grid);
       if (!rows.ok()) {
         std::fprintf(stderr, "dpbalance-calibrate: %s\n", std::string(rows.status().message()).c_str());
         return false;
       }
-      for (TimingRow& r : *rows) {
-        // The row's own kernel path only: its features read no other.
-        FillGridState(*grid, r.batch, ~0u, r.sample.agg.multi_query ? 2u : 1u, &r.sample.agg);
-        out->push_back(r.sample);
-      }
+      for (const TimingRow& r : *rows) out->push_back(r.sample);
     }
     return true;
   };

@@ -15,7 +15,8 @@ absl::StatusOr<Target> ParseTarget(const std::string& name) {
   return absl::InvalidArgumentError(absl::StrCat("--target '", name, "' is not attn, gemm or step"));
 }
 
-absl::StatusOr<std::vector<TimingRow>> LoadTimingRows(const std::string& path, Target target) {
+absl::StatusOr<std::vector<TimingRow>> LoadTimingRows(const std::string& path, Target target,
+                                                      const KernelGrid& grid) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat("timing file '", path, "' cannot be opened"));
   std::vector<TimingRow> rows;
@@ -36,6 +37,7 @@ absl::StatusOr<std::vector<TimingRow>> LoadTimingRows(const std::string& path, T
       return err(absl::StrFormat("'ctx' has %d entries and 'q' %d", j["ctx"].size(), j["q"].size()));
     }
     TimingRow r;
+    std::vector<RequestLoad> batch;
     for (size_t i = 0; i < j["ctx"].size(); ++i) {
       if (!j["ctx"][i].is_number_integer() || !j["q"][i].is_number_integer()) {
         return err(absl::StrFormat("ctx[%d] / q[%d] is not an integer", i, i));
@@ -43,9 +45,10 @@ absl::StatusOr<std::vector<TimingRow>> LoadTimingRows(const std::string& path, T
       const int64_t ctx = j["ctx"][i].get<int64_t>();
       const int64_t q = j["q"][i].get<int64_t>();
       if (ctx < 0 || q < 1) return err(absl::StrFormat("ctx[%d] = %d, q[%d] = %d out of range", i, ctx, i, q));
-      r.sample.agg.Add({ctx, static_cast<int32_t>(q)});
-      r.batch.push_back({ctx, static_cast<int32_t>(q)});
+      batch.push_back({ctx, static_cast<int32_t>(q)});
+      r.sample.agg.Add(batch.back());
     }
+    FillGridState(grid, batch, ~0u, r.sample.agg.multi_query ? 2u : 1u, &r.sample.agg);
     auto ms = [&](const char* key) -> absl::StatusOr<double> {
       if (!j.contains(key) || !j[key].is_number()) return err(absl::StrCat("missing number '", key, "'"));
       const double v = j[key].get<double>();

@@ -16,11 +16,13 @@ absl::StatusOr<Target> ParseTarget(const std::string& name);
 
 struct TimingRow {
   TimingSample sample;
-  std::vector<RequestLoad> batch;  // the row's requests, for the kernel-grid terms
   std::string variant, mode;
 };
 
-absl::StatusOr<std::vector<TimingRow>> LoadTimingRows(const std::string& path, Target target);
+// With a `grid`, each row's aggregates carry its simulated grid terms for its own kernel path
+// (the only path its features read).
+absl::StatusOr<std::vector<TimingRow>> LoadTimingRows(const std::string& path, Target target,
+                                                      const KernelGrid& grid = KernelGrid{});
 
 // The projection-GEMM sweep (`{"ntok": N, "ms": t}` per line): one sample per token count, as
 // a batch of `ntok` query tokens (the GEMMs see tokens, not requests or contexts).

@@ -151,7 +151,8 @@ RunResult Run(const dpbalancePlugin_v1_t* plugin, const std::string& config,
       // Attention phase: real time from the truth model.
       std::vector<RequestLoad> loads;
       for (size_t i = 0; i < batch.size(); ++i) loads.push_back({batch[i].ctx, 1 + verify[i]});
-      const double attention_us = truth.AttentionUs(loads);  // simulates a grid truth's kernel
+      const BatchAggregates agg = truth.Aggregate(loads);  // simulates a grid truth's kernel
+      const double attention_us = truth.AttentionUs(agg);
       const auto start = Clock::now();
       SleepUntil(start + std::chrono::nanoseconds(static_cast<int64_t>(attention_us * scale * 1000)));
       const auto end_attn = Clock::now();
@@ -161,8 +162,7 @@ RunResult Run(const dpbalancePlugin_v1_t* plugin, const std::string& config,
       int32_t step_depth = 0;
       double q_total = 0;
       for (int i = 0; i < R; ++i) step_depth = std::max(step_depth, depth[i]);
-      for (const RequestLoad& l : loads) q_total += l.query_tokens;
-      q_total *= R;  // approximately: FFN time barely depends on it
+      q_total = agg.query_tokens * R;  // approximately: FFN time barely depends on it
       SleepUntil(Clock::now() + std::chrono::nanoseconds(static_cast<int64_t>(
                                     global.StepUs(q_total, step_depth) * scale * 1000)));
       const double step_wall_us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();

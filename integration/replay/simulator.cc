@@ -90,7 +90,7 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
   std::vector<std::vector<int32_t>> verify(R);
   std::vector<int64_t> kv_free(R, -1);
   std::vector<BatchAggregates> aggs(R);
-  std::vector<RequestLoad> step_loads;
+  std::vector<RequestLoad> rank_batch;  // one rank's batch in step 3, reused across steps
   std::vector<double> tpots;
   size_t next = 0;
   int64_t active = 0;
@@ -182,12 +182,11 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
 
     // Step 3: truth timing of the step.
     double max_attn = 0, sum_attn = 0, sum_q = 0, max_q = 0;
-    std::vector<RequestLoad>& loads = step_loads;
     BatchAggregates total;
     for (int r = 0; r < R; ++r) {
-      loads.clear();
-      for (size_t i = 0; i < ranks[r].size(); ++i) loads.push_back({ranks[r][i].ctx, 1 + verify[r][i]});
-      aggs[r] = truth.attention.Aggregate(loads);
+      rank_batch.clear();
+      for (size_t i = 0; i < ranks[r].size(); ++i) rank_batch.push_back({ranks[r][i].ctx, 1 + verify[r][i]});
+      aggs[r] = truth.attention.Aggregate(rank_batch);
       double attn = truth.attention.AttentionUs(aggs[r]);
       if (truth.noise_sigma > 0) attn *= std::exp(truth.noise_sigma * noise(rng));
       if (truth.per_rank_draft) {  // this rank's own draft steps run before the barrier
@@ -198,7 +197,7 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
       if (online && aggs[r].num_requests > 0) {
         BatchAggregates seen = aggs[r];  // the grid terms the online model itself weighs
         seen.grid = GridState{};
-        online->model().FillGrid(loads, &seen);
+        online->model().FillGrid(rank_batch, &seen);
         const double predicted = online->model().AttentionUs(seen);
         model_error_sum += std::abs(predicted - attn) / attn;
         model_error_n += 1;

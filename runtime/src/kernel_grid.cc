@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -41,10 +42,9 @@ absl::StatusOr<KernelGrid> KernelGrid::Named(std::string_view name) {
 }
 
 std::string KernelGrid::Name() const {
-  const KernelGrid def;
-  const bool stock = heads == def.heads && block_m == def.block_m && block_n == def.block_n &&
-                     num_sms == def.num_sms && ctas_per_sm == def.ctas_per_sm &&
-                     max_splits == def.max_splits;
+  KernelGrid stock_grid;  // the named grids differ from the defaults only in layout
+  stock_grid.layout = layout;
+  const bool stock = *this == stock_grid;
   switch (layout) {
     case Layout::kNone:
       return "none";

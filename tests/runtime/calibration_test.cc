@@ -12,13 +12,11 @@ namespace {
 
 std::vector<TimingSample> Rows(const std::string& variant, const KernelGrid& grid = KernelGrid{}) {
   absl::StatusOr<std::vector<calibrate::TimingRow>> rows = calibrate::LoadTimingRows(
-      std::string(DPB_H200_DIR) + "/attention_fa2_" + variant + ".train.jsonl", calibrate::Target::kAttention);
+      std::string(DPB_H200_DIR) + "/attention_fa2_" + variant + ".train.jsonl", calibrate::Target::kAttention,
+      grid);
   EXPECT_TRUE(rows.ok()) << rows.status();
   std::vector<TimingSample> out;
-  for (auto& r : *rows) {
-    FillGridState(grid, r.batch, ~0u, r.sample.agg.multi_query ? 2u : 1u, &r.sample.agg);
-    out.push_back(r.sample);
-  }
+  for (const auto& r : *rows) out.push_back(r.sample);
   return out;
 }
 
