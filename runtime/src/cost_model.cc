@@ -172,8 +172,7 @@ BatchAggregates CostModel::Aggregate(absl::Span<const RequestLoad> batch) const 
 
 void CostModel::FillGrid(absl::Span<const RequestLoad> batch, BatchAggregates* agg) const {
   if (!uses_grid()) return;
-  const unsigned mask = (grid_mask_[0] | grid_mask_[1]) >> kGridMakespan0;
-  FillGridState(grid_, batch, mask, 3u, agg);
+  FillGridState(grid_, batch, grid_mask_[0] | grid_mask_[1], 3u, agg);
 }
 
 void FillGridState(const KernelGrid& grid, absl::Span<const RequestLoad> batch, unsigned mask,

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -65,6 +66,10 @@ std::string GridTermName(int term) {
   if (term == kGridCtas) return "grid_ctas";
   if (term == kGridWork) return "grid_work";
   if (term == kGridCombine) return "grid_combine";
+  if (term >= kGridColdReads0) {
+    return absl::StrFormat("grid_cold_reads_w%d",
+                           static_cast<int>(kGridReuseWindows[term - kGridColdReads0]));
+  }
   const auto& p = kGridMakespanParams[term - kGridMakespan0];
   return absl::StrFormat("grid_makespan_r%d_o%d", static_cast<int>(std::lround(p[0] * 100)),
                          static_cast<int>(std::lround(p[1] * 100)));
@@ -92,8 +97,10 @@ int SplitKvCount(int parallel_ctas, int num_slots, int num_key_blocks, int max_s
 }
 
 double SimulateMakespan(absl::Span<const double> works, int num_sms, int ctas_per_sm,
-                        double alone_rate, double overhead, double exit_cost) {
+                        double alone_rate, double overhead, double exit_cost,
+                        std::vector<double>* starts) {
   const size_t n = works.size();
+  if (starts != nullptr) starts->assign(n, 0.0);
   if (n == 0 || num_sms <= 0) return 0;
   const int per_sm = std::clamp(ctas_per_sm, 1, kMaxCtasPerSm);
   auto cost = [&](size_t i) { return works[i] < 0 ? exit_cost : works[i] + overhead; };
@@ -134,14 +141,17 @@ double SimulateMakespan(absl::Span<const double> works, int num_sms, int ctas_pe
     }
     since[s] = now = e.time;
     rem[s][finished] = rem[s][--count[s]];
-    if (next < n) rem[s][count[s]++] = cost(next++);
+    if (next < n) {
+      if (starts != nullptr) (*starts)[next] = now;
+      rem[s][count[s]++] = cost(next++);
+    }
     schedule(s, now);
   }
   return now;
 }
 
 GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
-                       bool single_query_launch, unsigned makespans) {
+                       bool single_query_launch, unsigned terms) {
   GridTerms out{};
   if (!grid.enabled() || batch.empty()) return out;
   const int64_t b = static_cast<int64_t>(batch.size());
@@ -154,7 +164,11 @@ GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> bat
   auto key_blocks = [&](const RequestLoad& r) {
     return static_cast<double>(CeilDiv(std::max<int64_t>(r.ctx_tokens, 1), grid.block_n));
   };
+  // Each CTA's key-block work (negative: it exits at once) and the key range it reads (CTAs
+  // with the same range read the same keys: they can share one fetch into L2).
   std::vector<double> works;
+  std::vector<int32_t> key_range;
+  int64_t num_ranges = b;
   if (grid.layout == KernelGrid::Layout::kHeadMajor && single_query_launch) {
     // Heads become rows; the keys of each request may be split over several CTAs.
     const int64_t row_blocks = CeilDiv(grid.heads, grid.block_m);
@@ -164,12 +178,16 @@ GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> bat
                      static_cast<int>(max_blocks), grid.max_splits);
     const int64_t per_split = CeilDiv(max_blocks, splits);
     works.reserve(static_cast<size_t>(b * splits * row_blocks));
-    for (const RequestLoad& r : batch) {
-      const double blocks = key_blocks(r);
+    num_ranges = b * splits;
+    for (int64_t i = 0; i < b; ++i) {
+      const double blocks = key_blocks(batch[i]);
       for (int sp = 0; sp < splits; ++sp) {
         const double w = std::min(blocks, static_cast<double>((sp + 1) * per_split)) -
                          static_cast<double>(sp * per_split);
-        for (int64_t m = 0; m < row_blocks; ++m) works.push_back(w > 0 ? w : -1.0);
+        for (int64_t m = 0; m < row_blocks; ++m) {
+          works.push_back(w > 0 ? w : -1.0);
+          key_range.push_back(static_cast<int32_t>(i * splits + sp));
+        }
       }
     }
     if (splits > 1) out[kGridCombine] = static_cast<double>(b * splits);
@@ -178,9 +196,10 @@ GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> bat
     const int64_t row_blocks = CeilDiv(max_q, grid.block_m);
     works.reserve(static_cast<size_t>(grid.heads * b * row_blocks));
     for (int h = 0; h < grid.heads; ++h) {
-      for (const RequestLoad& r : batch) {
+      for (int64_t i = 0; i < b; ++i) {
         for (int64_t m = 0; m < row_blocks; ++m) {
-          works.push_back(m * grid.block_m < r.query_tokens ? key_blocks(r) : -1.0);
+          works.push_back(m * grid.block_m < batch[i].query_tokens ? key_blocks(batch[i]) : -1.0);
+          key_range.push_back(static_cast<int32_t>(i));
         }
       }
     }
@@ -188,21 +207,44 @@ GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> bat
     // Packed rows: heads x q_i rows per request, request by request.
     const int64_t row_blocks = CeilDiv(static_cast<int64_t>(grid.heads) * max_q, grid.block_m);
     works.reserve(static_cast<size_t>(b * row_blocks));
-    for (const RequestLoad& r : batch) {
-      const int64_t rows = static_cast<int64_t>(grid.heads) * r.query_tokens;
+    for (int64_t i = 0; i < b; ++i) {
+      const int64_t rows = static_cast<int64_t>(grid.heads) * batch[i].query_tokens;
       for (int64_t m = 0; m < row_blocks; ++m) {
-        works.push_back(m * grid.block_m < rows ? key_blocks(r) : -1.0);
+        works.push_back(m * grid.block_m < rows ? key_blocks(batch[i]) : -1.0);
+        key_range.push_back(static_cast<int32_t>(i));
       }
     }
   }
   out[kGridCtas] = static_cast<double>(works.size());
   for (double w : works) out[kGridWork] += std::max(w, 0.0);
   constexpr double kExitCost = 0.2;  // key blocks' worth of a CTA that exits at once
+  constexpr unsigned kColdReadBits = ((1u << kNumGridReuseWindows) - 1) << kGridColdReads0;
+  const bool cold_reads = (terms & kColdReadBits) != 0;
+  std::vector<double> starts;
   for (int j = 0; j < kNumGridMakespans; ++j) {
-    if ((makespans >> j & 1u) == 0) continue;
+    const bool keep_starts = cold_reads && j == kColdReadsMakespan;
+    if ((terms >> (kGridMakespan0 + j) & 1u) == 0 && !keep_starts) continue;
     out[kGridMakespan0 + j] =
         SimulateMakespan(works, grid.num_sms, grid.ctas_per_sm, kGridMakespanParams[j][0],
-                         kGridMakespanParams[j][1], kExitCost);
+                         kGridMakespanParams[j][1], kExitCost, keep_starts ? &starts : nullptr);
+  }
+  if (cold_reads) {
+    // Starts never decrease in launch order, so one pass per window finds each key range's
+    // fetches: a CTA fetches when it starts more than the window after its range's last fetch.
+    std::vector<double> last_fetch(static_cast<size_t>(num_ranges));
+    for (int w = 0; w < kNumGridReuseWindows; ++w) {
+      std::fill(last_fetch.begin(), last_fetch.end(), -std::numeric_limits<double>::infinity());
+      double cold = 0;
+      for (size_t c = 0; c < works.size(); ++c) {
+        if (works[c] <= 0) continue;
+        double& last = last_fetch[static_cast<size_t>(key_range[c])];
+        if (starts[c] - last > kGridReuseWindows[w]) {
+          cold += works[c];
+          last = starts[c];
+        }
+      }
+      out[kGridColdReads0 + w] = cold;
+    }
   }
   return out;
 }

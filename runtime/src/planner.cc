@@ -282,10 +282,11 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
   multi.multi_query = true;
   const double multi_us = model_.AttentionUs(multi);
   st.items.clear();
+  const BatchAggregates::TokenMark multi_mark = multi.Mark();
   for (size_t i = 0; i < batch.size(); ++i) {
-    BatchAggregates next = multi;
-    next.AddQueryToken(RequestLoad{batch[i].ctx_tokens, 1 + st.base_len[i]});
-    const double marginal = std::max(model_.AttentionUs(next) - multi_us, kTinyUs);
+    multi.AddQueryToken(RequestLoad{batch[i].ctx_tokens, 1 + st.base_len[i]});
+    const double marginal = std::max(model_.AttentionUs(multi) - multi_us, kTinyUs);
+    multi.Restore(multi_mark);
     for (int j = st.base_len[i] + 1; j <= batch[i].k_cap; ++j) {
       const double gain = batch[i].acceptance.Accept(j);
       if (gain <= min_gain) break;  // gains fall with j
@@ -378,6 +379,8 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
     cost[d] = st.base_attention_us;
     depths_open += next_at[d] != kNever;
   }
+  BatchAggregates agg = st.base_agg;  // each knot's batch, rebuilt from the base in place
+  const BatchAggregates::TokenMark base_mark = agg.Mark();
   for (const Item& it : st.items) {
     if (depths_open == 0) break;
     const int p = it.pos();
@@ -389,7 +392,7 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
     ps.gain += batch[it.req_idx()].acceptance.Accept(p);
     for (int d = std::max(p, d_lo); d <= d_hi; ++d) {
       if (++taken[d] != next_at[d]) continue;
-      BatchAggregates agg = st.base_agg;
+      agg.Restore(base_mark);
       agg.multi_query = true;
       double gain = base_gain;
       int deepest = min_depth;
@@ -811,11 +814,13 @@ double Planner::FillUnder(const LocalState& st, const GlobalDecision& d, int dep
     if (pos > depth_cap || verify_len[i] != pos - 1) continue;
     if (item_gain < min_gain || extra >= kv_cap) continue;
     if (g.padded_tokens && agg.query_tokens + 1 > d.padded_rank_tokens) continue;
-    BatchAggregates next = agg;
-    next.AddQueryToken(RequestLoad{st.batch[i].ctx_tokens, pos});
+    const BatchAggregates::TokenMark mark = agg.Mark();
+    agg.AddQueryToken(RequestLoad{st.batch[i].ctx_tokens, pos});
     const int next_deepest = std::max(deepest, static_cast<int>(pos));
-    if (model_.AttentionUs(next) + rank_draft_us * next_deepest > barrier) continue;
-    agg = next;
+    if (model_.AttentionUs(agg) + rank_draft_us * next_deepest > barrier) {
+      agg.Restore(mark);
+      continue;
+    }
     deepest = next_deepest;
     verify_len[i] = pos;
     gain += item_gain;

@@ -115,6 +115,59 @@ TEST(GridTerms, CountTheKernelsCtasAndWork) {
   EXPECT_EQ(VerifyGridSlopes(gqa).per_pair[kGridWork], 0);
 }
 
+TEST(GridTerms, CountColdReadsPerKeyRangeAndReuseWindow) {
+  // One SM with one slot runs a request's two head CTAs one after the other: 20 key blocks + 1
+  // overhead at the alone rate 0.8 puts the second start at 26.25 block-times.
+  KernelGrid tiny = *KernelGrid::Named("fa2-gqa-h200");
+  tiny.heads = 2;
+  tiny.num_sms = 1;
+  tiny.ctas_per_sm = 1;
+  const RequestLoad one_long[] = {{20 * 64, 2}};
+  std::vector<double> starts;
+  SimulateMakespan({20.0, 20.0}, 1, 1, kGridMakespanParams[kColdReadsMakespan][0],
+                   kGridMakespanParams[kColdReadsMakespan][1], 0.2, &starts);
+  ASSERT_EQ(starts.size(), 2u);
+  EXPECT_DOUBLE_EQ(starts[0], 0.0);
+  EXPECT_DOUBLE_EQ(starts[1], 21.0 / 0.8);
+  const GridTerms t = SimulateGrid(tiny, one_long, /*single_query_launch=*/false);
+  EXPECT_EQ(t[kGridColdReads0 + 0], 40);  // window 16 < 26.25: the second head fetches again
+  EXPECT_EQ(t[kGridColdReads0 + 1], 20);  // window 64: it reads what the first left in L2
+  EXPECT_EQ(t[kGridColdReads0 + 3], 20);
+  // On the H200 grid the 128 heads of one request start together: one fetch per key block.
+  const KernelGrid gqa = *KernelGrid::Named("fa2-gqa-h200");
+  const RequestLoad verify[] = {{640, 2}};
+  EXPECT_EQ(SimulateGrid(gqa, verify, false)[kGridColdReads0], 10);
+  // Splits read different keys: 13 splits of one block each, both row blocks at once.
+  const RequestLoad decode[] = {{779, 1}};
+  EXPECT_EQ(SimulateGrid(gqa, decode, true)[kGridColdReads0], 13);
+  // Terms not asked for are not simulated.
+  const GridTerms only_counts = SimulateGrid(gqa, verify, false, 0);
+  EXPECT_EQ(only_counts[kGridColdReads0], 0);
+  EXPECT_EQ(only_counts[kGridMakespan0], 0);
+  EXPECT_EQ(only_counts[kGridWork], 128 * 10);
+}
+
+TEST(GridTerms, ColdReadsLieBetweenUniqueKeysAndWorkOnRandomBatches) {
+  std::mt19937_64 rng(11);
+  const KernelGrid gqa = *KernelGrid::Named("fa2-gqa-h200");
+  for (int trial = 0; trial < 20; ++trial) {
+    std::vector<RequestLoad> batch(1 + rng() % 40);
+    double unique_blocks = 0;
+    for (RequestLoad& r : batch) {
+      r.ctx_tokens = 1 + static_cast<int64_t>(rng() % 20000);
+      r.query_tokens = 2 + static_cast<int32_t>(rng() % 7);
+      unique_blocks += static_cast<double>((r.ctx_tokens + 63) / 64);
+    }
+    const GridTerms t = SimulateGrid(gqa, batch, false);
+    for (int w = 0; w < kNumGridReuseWindows; ++w) {
+      EXPECT_GE(t[kGridColdReads0 + w], unique_blocks) << "trial " << trial;
+      EXPECT_LE(t[kGridColdReads0 + w], t[kGridWork]) << "trial " << trial;
+      // A longer reuse window never fetches more.
+      if (w > 0) EXPECT_LE(t[kGridColdReads0 + w], t[kGridColdReads0 + w - 1]) << "trial " << trial;
+    }
+  }
+}
+
 TEST(GridModel, EvaluatesRoundTripsAndNamesBadGrids) {
   CostModel::Weights w{};
   w[FeatureIndex(Regime::kBase, CostTerm::kConstant)] = 30;

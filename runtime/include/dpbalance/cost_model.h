@@ -112,6 +112,19 @@ struct BatchAggregates {
     max_query_key_pairs = std::max(max_query_key_pairs, (before.query_tokens + 1.0) * ctx);
     multi_query = true;
   }
+  // The fields AddQueryToken changes: hot loops try a token in place and restore these, rather
+  // than copying the aggregates with their grid state (sums of whole tokens are exact in double).
+  struct TokenMark {
+    double query_tokens, query_key_pairs, max_query_key_pairs;
+    bool multi_query;
+  };
+  TokenMark Mark() const { return {query_tokens, query_key_pairs, max_query_key_pairs, multi_query}; }
+  void Restore(const TokenMark& m) {
+    query_tokens = m.query_tokens;
+    query_key_pairs = m.query_key_pairs;
+    max_query_key_pairs = m.max_query_key_pairs;
+    multi_query = m.multi_query;
+  }
 };
 
 class CostModel {
@@ -180,7 +193,7 @@ class CostModel {
 
 // Fills `agg->grid` for `grid` from `batch` (whose aggregates `agg` are), for the kernel paths
 // in `paths` (bit 0: the launch with every q_i = 1, bit 1: the verify launch). `mask` selects
-// the simulated makespans (bit j: kGridMakespan0 + j); counts and work are always filled.
+// the simulated terms (bit t: grid term t); counts and work are always filled.
 void FillGridState(const KernelGrid& grid, absl::Span<const RequestLoad> batch, unsigned mask,
                    unsigned paths, BatchAggregates* agg);
 

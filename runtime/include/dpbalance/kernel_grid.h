@@ -20,7 +20,7 @@
 //   - kPackedRows: the heads of each query token are rows (heads * q_i rows per request); one
 //     CTA per (row block, request), row block fastest; row blocks past a request's rows exit
 //     at once.
-// - Costs: SimulateGrid is O(CTAs log SMs); a DP rank of 64 requests at q = 8 is ~1k CTAs
+// - Costs: SimulateGrid is O(CTAs log SMs) per makespan; a DP rank of 64 requests at q = 8 is ~1k CTAs
 //   (packed) or 8k CTAs (head-major). The planner simulates once per step and kernel path, and
 //   moves the terms linearly with the batch's work in between (`GridState`).
 #pragma once
@@ -28,6 +28,7 @@
 #include <array>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -54,13 +55,29 @@ struct KernelGrid {
   bool operator==(const KernelGrid& o) const;
 };
 
-// Grid terms, in this order; the makespans are in key-block iterations of one SM.
+// Grid terms, in this order; makespans and reuse windows are in key-block iterations of one SM.
+// - counts: CTAs, key-block work (CTAs x their key blocks), split-KV combine work;
+// - makespans: the simulated launch under each (alone_rate, per-CTA overhead) of the bank;
+// - cold reads: key blocks fetched from HBM rather than L2. CTAs that read the same keys (the
+//   heads of one request in a head-major launch, the row blocks of one request, or of one split)
+//   share one fetch when they start within a reuse window of the CTA that fetched them; a CTA
+//   starting later fetches them again. Start times come from the makespan simulation with
+//   kColdReadsMakespan's parameters. The window is not known, so it is a bank too; the fit weighs.
 inline constexpr int kNumGridMakespans = 6;
-inline constexpr int kNumGridTerms = 3 + kNumGridMakespans;
-enum GridTerm : int { kGridCtas = 0, kGridWork = 1, kGridCombine = 2, kGridMakespan0 = 3 };
+inline constexpr int kNumGridReuseWindows = 4;
+inline constexpr int kNumGridTerms = 3 + kNumGridMakespans + kNumGridReuseWindows;
+enum GridTerm : int {
+  kGridCtas = 0,
+  kGridWork = 1,
+  kGridCombine = 2,
+  kGridMakespan0 = 3,
+  kGridColdReads0 = kGridMakespan0 + kNumGridMakespans,
+};
 // (alone_rate, per-CTA overhead in key blocks) of each simulated makespan.
 inline constexpr std::array<std::array<double, 2>, kNumGridMakespans> kGridMakespanParams = {
     {{1.0, 1.0}, {0.8, 1.0}, {0.65, 1.0}, {0.8, 4.0}, {0.8, 0.25}, {0.65, 4.0}}};
+inline constexpr int kColdReadsMakespan = 1;  // the makespan whose start times cold reads use
+inline constexpr std::array<double, kNumGridReuseWindows> kGridReuseWindows = {16, 64, 256, 1024};
 using GridTerms = std::array<double, kNumGridTerms>;
 std::string GridTermName(int term);
 
@@ -73,20 +90,22 @@ int SplitKvCount(int parallel_ctas, int num_slots, int num_key_blocks, int max_s
 
 // Grid terms of `batch` launched on `grid`. `single_query_launch`: the launch the kernel uses
 // when every q_i = 1 (head-major: the swapped split-KV launch); otherwise the verify launch.
-// Only the makespans flagged in `makespans` (bit j: kGridMakespan0 + j) are simulated; the
-// others are 0.
+// Counts and work are always filled; of the simulated terms only those flagged in `terms` (bit t:
+// grid term t) are computed, the others may be 0.
 GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
-                       bool single_query_launch, unsigned makespans = (1u << kNumGridMakespans) - 1);
+                       bool single_query_launch, unsigned terms = (1u << kNumGridTerms) - 1);
 
 // Makespan of CTAs with the given work (key-block iterations; a negative entry is a CTA that
 // exits at once and costs `exit_cost`), launched in order, under the sharing model above.
+// `starts` (optional) receives each CTA's start time; they never decrease in launch order.
 double SimulateMakespan(absl::Span<const double> works, int num_sms, int ctas_per_sm,
-                        double alone_rate, double overhead, double exit_cost);
+                        double alone_rate, double overhead, double exit_cost,
+                        std::vector<double>* starts = nullptr);
 
 // Linear change of each grid term per extra query token and per extra query-key pair on the
 // verify launch (the planner's increments between simulations): packed rows add heads/block_m
-// CTAs of ceil(ctx/block_n) blocks per token, spread over all SMs; head-major verify grids do
-// not depend on q.
+// CTAs of ceil(ctx/block_n) blocks per token, spread over all SMs, beside their request's other
+// row blocks (so no cold reads); head-major verify grids do not depend on q.
 struct GridSlopes {
   GridTerms per_token{};
   GridTerms per_pair{};
