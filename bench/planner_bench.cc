@@ -1,10 +1,13 @@
 // One rank's per-step planner compute: Summarize + Decide (over all ranks' summaries) + Assign.
 // The other ranks' summaries are built beforehand, as the all-gather would deliver them.
 // Targets (issue 2): dp:64/reqs:64 <= 20 us, dp:256/reqs:256 <= 200 us on the 2-core dev box.
+// BM_SimulateGrid: what a model with a kernel grid adds per step and kernel path.
 #include <cmath>
 #include <random>
+#include <string>
 
 #include "benchmark/benchmark.h"
+#include "dpbalance/kernel_grid.h"
 #include "dpbalance/planner.h"
 
 namespace dpbalance {
@@ -30,8 +33,8 @@ struct Instance {
   std::vector<std::vector<PlanRequest>> batches;
   std::vector<RankSummary> summaries;
 
-  explicit Instance(benchmark::State& state)
-      : planner(*Planner::Create(Config(static_cast<int>(state.range(0))), CostModel::PublishedV2())) {
+  explicit Instance(benchmark::State& state, const CostModel& model = CostModel::PublishedV2())
+      : planner(*Planner::Create(Config(static_cast<int>(state.range(0))), model)) {
     const int dp = static_cast<int>(state.range(0));
     std::mt19937_64 rng(1);
     summaries.resize(dp);
@@ -65,6 +68,32 @@ void BM_PlanOneRank(benchmark::State& state) {
   state.counters["summary_bytes"] = sizeof(RankSummary);
 }
 
+// The same with a model fitted by dpbalance-calibrate with a kernel grid (docs/generated), whose
+// planner simulates the rank's launch once per step and kernel path.
+void BM_PlanOneRankGridModel(benchmark::State& state, const char* model_file) {
+  absl::StatusOr<CostModel> model =
+      CostModel::FromFile(std::string(DPB_SOURCE_DIR) + "/docs/generated/" + model_file);
+  if (!model.ok()) {
+    state.SkipWithError(std::string(model.status().message()).c_str());
+    return;
+  }
+  Instance in(state, *model);
+  std::vector<int32_t> verify_len(in.batches[0].size());
+  for (auto _ : state) {
+    if (!in.planner.Summarize(0, in.batches[0], -1, &in.summaries[0]).ok()) {
+      state.SkipWithError("summarize");
+    }
+    absl::StatusOr<GlobalDecision> d = in.planner.Decide(in.summaries);
+    if (!d.ok()) state.SkipWithError("decide");
+    if (!in.planner.Assign(*d, absl::MakeSpan(verify_len)).ok()) state.SkipWithError("assign");
+    benchmark::DoNotOptimize(verify_len.data());
+  }
+}
+BENCHMARK_CAPTURE(BM_PlanOneRankGridModel, packed, "model_packed.json")
+    ->ArgNames({"dp", "reqs"})->Args({64, 32})->Unit(benchmark::kMicrosecond);
+BENCHMARK_CAPTURE(BM_PlanOneRankGridModel, gqa, "model_gqa.json")
+    ->ArgNames({"dp", "reqs"})->Args({64, 32})->Unit(benchmark::kMicrosecond);
+
 // The phases alone, to see where the time goes.
 void BM_Phase(benchmark::State& state, int phase) {
   Instance in(state);
@@ -90,6 +119,31 @@ BENCHMARK(BM_PlanOneRank)
     ->Args({8, 32})
     ->Args({64, 64})
     ->Args({256, 256})
+    ->Unit(benchmark::kMicrosecond);
+
+// One simulation of a rank's kernel launch (a grid model's cost per step and kernel path):
+// the verify launch of `reqs` requests at q = 4, every grid term or one makespan.
+void BM_SimulateGrid(benchmark::State& state) {
+  const bool packed = state.range(0) == 1;
+  const KernelGrid grid = *KernelGrid::Named(packed ? "fa2-packed-h200" : "fa2-gqa-h200");
+  std::mt19937_64 rng(1);
+  std::vector<RequestLoad> batch;
+  for (const PlanRequest& r : RandomBatch(rng, static_cast<int>(state.range(1)), 7)) {
+    batch.push_back({r.ctx_tokens, 4});
+  }
+  const unsigned terms = state.range(2) == 1 ? ~0u : 1u << kGridMakespan0;
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(SimulateGrid(grid, batch, /*single_query_launch=*/false, terms));
+  }
+  state.counters["ctas"] = SimulateGrid(grid, batch, false, 0)[kGridCtas];
+}
+BENCHMARK(BM_SimulateGrid)
+    ->ArgNames({"packed", "reqs", "all_terms"})
+    ->Args({1, 32, 0})
+    ->Args({1, 32, 1})
+    ->Args({0, 32, 0})
+    ->Args({0, 32, 1})
+    ->Args({0, 64, 1})
     ->Unit(benchmark::kMicrosecond);
 
 }  // namespace

@@ -172,19 +172,26 @@ BatchAggregates CostModel::Aggregate(absl::Span<const RequestLoad> batch) const 
 
 void CostModel::FillGrid(absl::Span<const RequestLoad> batch, BatchAggregates* agg) const {
   if (!uses_grid()) return;
-  FillGridState(grid_, batch, grid_mask_[0] | grid_mask_[1], 3u, agg);
+  // Each launch simulates only what its own path weighs (a makespan costs O(CTAs log SMs)).
+  FillGridState(grid_, batch, grid_mask_[0], grid_mask_[1], 3u, agg);
 }
 
 void FillGridState(const KernelGrid& grid, absl::Span<const RequestLoad> batch, unsigned mask,
                    unsigned paths, BatchAggregates* agg) {
+  FillGridState(grid, batch, mask, mask, paths, agg);
+}
+
+void FillGridState(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
+                   unsigned single_mask, unsigned multi_mask, unsigned paths,
+                   BatchAggregates* agg) {
   GridState& g = agg->grid;
   g = GridState{};
   if (!grid.enabled()) return;
   g.valid = true;
   g.ref_tokens = agg->query_tokens;
   g.ref_pairs = agg->query_key_pairs;
-  if (paths & 1u) g.at_ref[0] = SimulateGrid(grid, batch, /*single_query_launch=*/true, mask);
-  if (paths & 2u) g.at_ref[1] = SimulateGrid(grid, batch, /*single_query_launch=*/false, mask);
+  if (paths & 1u) g.at_ref[0] = SimulateGrid(grid, batch, /*single_query_launch=*/true, single_mask);
+  if (paths & 2u) g.at_ref[1] = SimulateGrid(grid, batch, /*single_query_launch=*/false, multi_mask);
 }
 
 CostModel CostModel::Scaled(double factor) const {

@@ -161,7 +161,7 @@ class CostModel {
   // The aggregates of `batch`, with the grid terms simulated when the model uses them.
   BatchAggregates Aggregate(absl::Span<const RequestLoad> batch) const;
   // Simulates the grid terms of `batch` (whose aggregates `agg` are) for both kernel paths,
-  // only the makespans this model weighs; no-op unless `uses_grid()`.
+  // each only the simulated terms its path weighs; no-op unless `uses_grid()`.
   void FillGrid(absl::Span<const RequestLoad> batch, BatchAggregates* agg) const;
 
   const std::string& name() const { return name_; }
@@ -196,6 +196,10 @@ class CostModel {
 // the simulated terms (bit t: grid term t); counts and work are always filled.
 void FillGridState(const KernelGrid& grid, absl::Span<const RequestLoad> batch, unsigned mask,
                    unsigned paths, BatchAggregates* agg);
+// The same with a mask per launch (the one with every q_i = 1, and the verify launch).
+void FillGridState(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
+                   unsigned single_mask, unsigned multi_mask, unsigned paths,
+                   BatchAggregates* agg);
 
 // The instance-wide part of a step (identical on every rank).
 struct GlobalCost {
