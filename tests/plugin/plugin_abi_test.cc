@@ -86,6 +86,66 @@ TEST_F(PluginAbi, MultiRankThroughTheAbiAgreesAndReportsStats) {
   }
 }
 
+// A model file from `dpbalance-calibrate --kernel` (one with a simulated kernel grid) drives the
+// planner and the online refit through the ABI, with every rank agreeing on its hash.
+TEST_F(PluginAbi, KernelGridModelFilePlansAndRefitsOnline) {
+  const std::string path = ::testing::TempDir() + "/dpb_grid_model.json";
+  {
+    std::unique_ptr<FILE, int (*)(FILE*)> f(fopen(path.c_str(), "w"), fclose);
+    ASSERT_NE(f, nullptr);
+    fputs(R"({"format": "dpbalance-cost-model", "version": 1, "name": "grid-test", "units": "us",
+              "kernel_grid": "fa2-packed-h200",
+              "weights_us": {"constant": 30, "query_tokens": 2,
+                             "multi_grid_makespan_r100_o100": 2.5,
+                             "multi_grid_cold_reads_w16": 0.01,
+                             "single_grid_makespan_r80_o25": 1.5}})",
+          f.get());
+  }
+  constexpr int kRanks = 2;
+  std::array<int32_t, kRanks> depth{};
+  std::array<dpbResult_t, kRanks> last{};
+  std::array<dpbStats_t, kRanks> stats{};
+  std::vector<std::thread> threads;
+  const std::string config =
+      "backend=inproc;group=abigrid;log_every=0;default_k=1;timeout_ms=20000;online=1;cost_model=" + path;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      dpbInitArgs_t a{};
+      a.num_ranks = kRanks;
+      a.rank = r;
+      a.config = config.c_str();
+      a.backend = dpbBackendFromFlags;
+      void* ctx = nullptr;
+      ASSERT_EQ(plugin_->init(&a, &ctx), dpbSuccess);
+      for (int step = 0; step < 12; ++step) {
+        std::vector<dpbRequest_t> reqs;
+        // Rank 0 holds one long request: a critical path of 1,000 key blocks in the packed grid.
+        for (int i = 0; i < 8; ++i) reqs.push_back({100 * r + i, (r == 0 && i == 0 ? 64000 : 2000) + 50 * i, 0, 7, nullptr, 0});
+        std::vector<int32_t> v(reqs.size(), -1);
+        last[r] = plugin_->plan(ctx, reqs.data(), static_cast<int32_t>(reqs.size()), -1, v.data(), &depth[r]);
+        std::vector<dpbAccepted_t> acc;
+        for (size_t i = 0; i < reqs.size(); ++i) {
+          EXPECT_GE(v[i], 0);
+          EXPECT_LE(v[i], depth[r]);
+          acc.push_back({reqs[i].request_id, v[i], v[i] > 0 ? 1 : 0, 0});
+        }
+        EXPECT_EQ(plugin_->report(ctx, r == 0 ? 3000 : 1200, 25000, acc.data(), static_cast<int32_t>(acc.size())), dpbSuccess);
+      }
+      EXPECT_EQ(plugin_->stats(ctx, &stats[r]), dpbSuccess);
+      EXPECT_EQ(plugin_->finalize(ctx), dpbSuccess);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_EQ(last[r], dpbSuccess) << "rank " << r;
+    EXPECT_EQ(depth[r], depth[0]);
+    EXPECT_EQ(stats[r].balanced_steps, 12) << "rank " << r;
+    EXPECT_EQ(stats[r].fallbacks, 0) << "rank " << r;
+    EXPECT_TRUE(std::isfinite(stats[r].predicted_error)) << "rank " << r;
+  }
+  std::remove(path.c_str());
+}
+
 TEST_F(PluginAbi, BadFlagsAndArgumentsFallBackToDefaults) {
   dpbInitArgs_t a{};
   a.num_ranks = 1;
