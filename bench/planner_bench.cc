@@ -53,8 +53,8 @@ struct Instance {
   }
 };
 
-void BM_PlanOneRank(benchmark::State& state) {
-  Instance in(state);
+// The measured loop: rank 0's Summarize, Decide over every summary, Assign.
+void PlanRankZero(benchmark::State& state, Instance& in) {
   std::vector<int32_t> verify_len(in.batches[0].size());
   for (auto _ : state) {
     if (!in.planner.Summarize(0, in.batches[0], -1, &in.summaries[0]).ok()) {
@@ -65,6 +65,11 @@ void BM_PlanOneRank(benchmark::State& state) {
     if (!in.planner.Assign(*d, absl::MakeSpan(verify_len)).ok()) state.SkipWithError("assign");
     benchmark::DoNotOptimize(verify_len.data());
   }
+}
+
+void BM_PlanOneRank(benchmark::State& state) {
+  Instance in(state);
+  PlanRankZero(state, in);
   state.counters["summary_bytes"] = sizeof(RankSummary);
 }
 
@@ -78,16 +83,7 @@ void BM_PlanOneRankGridModel(benchmark::State& state, const char* model_file) {
     return;
   }
   Instance in(state, *model);
-  std::vector<int32_t> verify_len(in.batches[0].size());
-  for (auto _ : state) {
-    if (!in.planner.Summarize(0, in.batches[0], -1, &in.summaries[0]).ok()) {
-      state.SkipWithError("summarize");
-    }
-    absl::StatusOr<GlobalDecision> d = in.planner.Decide(in.summaries);
-    if (!d.ok()) state.SkipWithError("decide");
-    if (!in.planner.Assign(*d, absl::MakeSpan(verify_len)).ok()) state.SkipWithError("assign");
-    benchmark::DoNotOptimize(verify_len.data());
-  }
+  PlanRankZero(state, in);
 }
 BENCHMARK_CAPTURE(BM_PlanOneRankGridModel, packed, "model_packed.json")
     ->ArgNames({"dp", "reqs"})->Args({64, 32})->Unit(benchmark::kMicrosecond);

@@ -4,9 +4,11 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "dpbalance/plugin/dpbalance_plugin.h"
 #include "gtest/gtest.h"
@@ -26,6 +28,50 @@ class PluginAbi : public ::testing::Test {
   void TearDown() override {
     if (lib_) dlclose(lib_);
   }
+  // What one rank saw in RunRanks.
+  struct RankRun {
+    int32_t depth = 0;
+    dpbResult_t last = dpbSuccess;
+    dpbStats_t stats{};
+  };
+  // Runs `ranks` threads through init, `steps` x (plan, report), stats and finalize, as an
+  // engine's DP ranks would. Rank r plans `batch(r)` and reports `attention_us(r)`.
+  std::vector<RankRun> RunRanks(int ranks, const std::string& config, int steps,
+                                const std::function<std::vector<dpbRequest_t>(int)>& batch,
+                                const std::function<double(int)>& attention_us, double step_us) {
+    std::vector<RankRun> out(ranks);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < ranks; ++r) {
+      threads.emplace_back([&, r] {
+        dpbInitArgs_t a{};
+        a.num_ranks = ranks;
+        a.rank = r;
+        a.config = config.c_str();
+        a.backend = dpbBackendFromFlags;
+        void* ctx = nullptr;
+        ASSERT_EQ(plugin_->init(&a, &ctx), dpbSuccess);
+        for (int step = 0; step < steps; ++step) {
+          std::vector<dpbRequest_t> reqs = batch(r);
+          std::vector<int32_t> v(reqs.size(), -1);
+          out[r].last = plugin_->plan(ctx, reqs.data(), static_cast<int32_t>(reqs.size()), -1, v.data(),
+                                      &out[r].depth);
+          std::vector<dpbAccepted_t> acc;
+          for (size_t i = 0; i < reqs.size(); ++i) {
+            EXPECT_GE(v[i], 0);
+            EXPECT_LE(v[i], out[r].depth);
+            acc.push_back({reqs[i].request_id, v[i], v[i] > 0 ? 1 : 0, 0});
+          }
+          EXPECT_EQ(plugin_->report(ctx, attention_us(r), step_us, acc.data(), static_cast<int32_t>(acc.size())),
+                    dpbSuccess);
+        }
+        EXPECT_EQ(plugin_->stats(ctx, &out[r].stats), dpbSuccess);
+        EXPECT_EQ(plugin_->finalize(ctx), dpbSuccess);
+      });
+    }
+    for (auto& t : threads) t.join();
+    return out;
+  }
+
   void* lib_ = nullptr;
   const dpbalancePlugin_t* plugin_ = nullptr;
 };
@@ -45,44 +91,20 @@ TEST_F(PluginAbi, ExportsOnlyTheVersionedSymbol) {
 }
 
 TEST_F(PluginAbi, MultiRankThroughTheAbiAgreesAndReportsStats) {
-  constexpr int kRanks = 4;
-  std::array<int32_t, kRanks> depth{};
-  std::array<dpbResult_t, kRanks> last{};
-  std::array<dpbStats_t, kRanks> stats{};
-  std::vector<std::thread> threads;
-  for (int r = 0; r < kRanks; ++r) {
-    threads.emplace_back([&, r] {
-      dpbInitArgs_t a{};
-      a.num_ranks = kRanks;
-      a.rank = r;
-      a.config = "backend=inproc;group=abi4;log_every=0;default_k=1;timeout_ms=20000";
-      a.backend = dpbBackendFromFlags;
-      void* ctx = nullptr;
-      ASSERT_EQ(plugin_->init(&a, &ctx), dpbSuccess);
-      for (int step = 0; step < 10; ++step) {
+  const std::vector<RankRun> runs = RunRanks(
+      4, "backend=inproc;group=abi4;log_every=0;default_k=1;timeout_ms=20000", 10,
+      [](int r) {
         std::vector<dpbRequest_t> reqs;
         for (int i = 0; i < 6 + r; ++i) reqs.push_back({100 * r + i, 1000 + 20000 * (r == 0) + 300 * i, 0, 7, nullptr, 0});
-        std::vector<int32_t> v(reqs.size(), -1);
-        last[r] = plugin_->plan(ctx, reqs.data(), static_cast<int32_t>(reqs.size()), -1, v.data(), &depth[r]);
-        std::vector<dpbAccepted_t> acc;
-        for (size_t i = 0; i < reqs.size(); ++i) {
-          EXPECT_GE(v[i], 0);
-          EXPECT_LE(v[i], depth[r]);
-          acc.push_back({reqs[i].request_id, v[i], v[i] > 0 ? 1 : 0, 0});
-        }
-        EXPECT_EQ(plugin_->report(ctx, 10000 + 2000 * r, 40000, acc.data(), static_cast<int32_t>(acc.size())), dpbSuccess);
-      }
-      EXPECT_EQ(plugin_->stats(ctx, &stats[r]), dpbSuccess);
-      EXPECT_EQ(plugin_->finalize(ctx), dpbSuccess);
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < kRanks; ++r) {
-    EXPECT_EQ(last[r], dpbSuccess);
-    EXPECT_EQ(depth[r], depth[0]);
-    EXPECT_EQ(stats[r].balanced_steps, 10);
-    EXPECT_EQ(stats[r].fallbacks, 0);
-    EXPECT_GT(stats[r].bubble_fraction, 0.1);  // reported times differ by rank
+        return reqs;
+      },
+      [](int r) { return 10000.0 + 2000 * r; }, 40000);
+  for (size_t r = 0; r < runs.size(); ++r) {
+    EXPECT_EQ(runs[r].last, dpbSuccess);
+    EXPECT_EQ(runs[r].depth, runs[0].depth);
+    EXPECT_EQ(runs[r].stats.balanced_steps, 10);
+    EXPECT_EQ(runs[r].stats.fallbacks, 0);
+    EXPECT_GT(runs[r].stats.bubble_fraction, 0.1);  // reported times differ by rank
   }
 }
 
@@ -101,47 +123,22 @@ TEST_F(PluginAbi, KernelGridModelFilePlansAndRefitsOnline) {
                              "single_grid_makespan_r80_o25": 1.5}})",
           f.get());
   }
-  constexpr int kRanks = 2;
-  std::array<int32_t, kRanks> depth{};
-  std::array<dpbResult_t, kRanks> last{};
-  std::array<dpbStats_t, kRanks> stats{};
-  std::vector<std::thread> threads;
-  const std::string config =
-      "backend=inproc;group=abigrid;log_every=0;default_k=1;timeout_ms=20000;online=1;cost_model=" + path;
-  for (int r = 0; r < kRanks; ++r) {
-    threads.emplace_back([&, r] {
-      dpbInitArgs_t a{};
-      a.num_ranks = kRanks;
-      a.rank = r;
-      a.config = config.c_str();
-      a.backend = dpbBackendFromFlags;
-      void* ctx = nullptr;
-      ASSERT_EQ(plugin_->init(&a, &ctx), dpbSuccess);
-      for (int step = 0; step < 12; ++step) {
-        std::vector<dpbRequest_t> reqs;
+  const std::vector<RankRun> runs = RunRanks(
+      2, "backend=inproc;group=abigrid;log_every=0;default_k=1;timeout_ms=20000;online=1;cost_model=" + path,
+      12,
+      [](int r) {
         // Rank 0 holds one long request: a critical path of 1,000 key blocks in the packed grid.
+        std::vector<dpbRequest_t> reqs;
         for (int i = 0; i < 8; ++i) reqs.push_back({100 * r + i, (r == 0 && i == 0 ? 64000 : 2000) + 50 * i, 0, 7, nullptr, 0});
-        std::vector<int32_t> v(reqs.size(), -1);
-        last[r] = plugin_->plan(ctx, reqs.data(), static_cast<int32_t>(reqs.size()), -1, v.data(), &depth[r]);
-        std::vector<dpbAccepted_t> acc;
-        for (size_t i = 0; i < reqs.size(); ++i) {
-          EXPECT_GE(v[i], 0);
-          EXPECT_LE(v[i], depth[r]);
-          acc.push_back({reqs[i].request_id, v[i], v[i] > 0 ? 1 : 0, 0});
-        }
-        EXPECT_EQ(plugin_->report(ctx, r == 0 ? 3000 : 1200, 25000, acc.data(), static_cast<int32_t>(acc.size())), dpbSuccess);
-      }
-      EXPECT_EQ(plugin_->stats(ctx, &stats[r]), dpbSuccess);
-      EXPECT_EQ(plugin_->finalize(ctx), dpbSuccess);
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < kRanks; ++r) {
-    EXPECT_EQ(last[r], dpbSuccess) << "rank " << r;
-    EXPECT_EQ(depth[r], depth[0]);
-    EXPECT_EQ(stats[r].balanced_steps, 12) << "rank " << r;
-    EXPECT_EQ(stats[r].fallbacks, 0) << "rank " << r;
-    EXPECT_TRUE(std::isfinite(stats[r].predicted_error)) << "rank " << r;
+        return reqs;
+      },
+      [](int r) { return r == 0 ? 3000.0 : 1200.0; }, 25000);
+  for (size_t r = 0; r < runs.size(); ++r) {
+    EXPECT_EQ(runs[r].last, dpbSuccess) << "rank " << r;
+    EXPECT_EQ(runs[r].depth, runs[0].depth);
+    EXPECT_EQ(runs[r].stats.balanced_steps, 12) << "rank " << r;
+    EXPECT_EQ(runs[r].stats.fallbacks, 0) << "rank " << r;
+    EXPECT_TRUE(std::isfinite(runs[r].stats.predicted_error)) << "rank " << r;
   }
   std::remove(path.c_str());
 }
