@@ -195,9 +195,8 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
         attn += truth.global.draft_per_step_us * rank_depth;
       }
       if (online && aggs[r].num_requests > 0) {
-        BatchAggregates seen = aggs[r];  // the grid terms the online model itself weighs
-        seen.grid = GridState{};
-        online->model().FillGrid(rank_batch, &seen);
+        // The batch as the online model sees it: its own grid terms, not the truth's.
+        const BatchAggregates seen = online->model().Aggregate(rank_batch);
         const double predicted = online->model().AttentionUs(seen);
         model_error_sum += std::abs(predicted - attn) / attn;
         model_error_n += 1;

@@ -176,11 +176,6 @@ void CostModel::FillGrid(absl::Span<const RequestLoad> batch, BatchAggregates* a
   FillGridState(grid_, batch, grid_mask_[0], grid_mask_[1], 3u, agg);
 }
 
-void FillGridState(const KernelGrid& grid, absl::Span<const RequestLoad> batch, unsigned mask,
-                   unsigned paths, BatchAggregates* agg) {
-  FillGridState(grid, batch, mask, mask, paths, agg);
-}
-
 void FillGridState(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
                    unsigned single_mask, unsigned multi_mask, unsigned paths,
                    BatchAggregates* agg) {
@@ -205,9 +200,7 @@ uint64_t CostModel::Hash() const {
   internal::Fnv1a h;
   for (double w : weights_us_) h.Value(w);
   if (grid_.enabled()) {
-    const int fields[] = {static_cast<int>(grid_.layout), grid_.heads, grid_.block_m,
-                          grid_.block_n, grid_.num_sms, grid_.ctas_per_sm, grid_.max_splits};
-    for (int f : fields) h.Value(f);
+    for (int f : grid_.Fields()) h.Value(f);
   }
   return h.digest();
 }

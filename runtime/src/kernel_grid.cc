@@ -57,11 +57,6 @@ std::string KernelGrid::Name() const {
   return "none";
 }
 
-bool KernelGrid::operator==(const KernelGrid& o) const {
-  return layout == o.layout && heads == o.heads && block_m == o.block_m && block_n == o.block_n &&
-         num_sms == o.num_sms && ctas_per_sm == o.ctas_per_sm && max_splits == o.max_splits;
-}
-
 std::string GridTermName(int term) {
   if (term == kGridCtas) return "grid_ctas";
   if (term == kGridWork) return "grid_work";
@@ -164,14 +159,14 @@ GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> bat
   auto key_blocks = [&](const RequestLoad& r) {
     return static_cast<double>(CeilDiv(std::max<int64_t>(r.ctx_tokens, 1), grid.block_n));
   };
-  // Each CTA's key-block work (negative: it exits at once) and the key range it reads (CTAs
-  // with the same range read the same keys: they can share one fetch into L2).
+  // Each CTA's key-block work (negative: it exits at once). CTAs that read the same key range
+  // can share one fetch into L2; consecutive runs of `row_blocks` CTAs read one range, and
+  // there are `num_ranges` ranges, repeated per head in the head-major verify launch.
   std::vector<double> works;
-  std::vector<int32_t> key_range;
-  int64_t num_ranges = b;
+  int64_t row_blocks = 1, num_ranges = b;
   if (grid.layout == KernelGrid::Layout::kHeadMajor && single_query_launch) {
     // Heads become rows; the keys of each request may be split over several CTAs.
-    const int64_t row_blocks = CeilDiv(grid.heads, grid.block_m);
+    row_blocks = CeilDiv(grid.heads, grid.block_m);
     const int64_t max_blocks = CeilDiv(std::max<int64_t>(max_ctx, 1), grid.block_n);
     const int splits =
         SplitKvCount(static_cast<int>(b * row_blocks), grid.num_sms * grid.ctas_per_sm,
@@ -184,34 +179,29 @@ GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> bat
       for (int sp = 0; sp < splits; ++sp) {
         const double w = std::min(blocks, static_cast<double>((sp + 1) * per_split)) -
                          static_cast<double>(sp * per_split);
-        for (int64_t m = 0; m < row_blocks; ++m) {
-          works.push_back(w > 0 ? w : -1.0);
-          key_range.push_back(static_cast<int32_t>(i * splits + sp));
-        }
+        for (int64_t m = 0; m < row_blocks; ++m) works.push_back(w > 0 ? w : -1.0);
       }
     }
     if (splits > 1) out[kGridCombine] = static_cast<double>(b * splits);
   } else if (grid.layout == KernelGrid::Layout::kHeadMajor) {
     // One CTA per (head, request, row block); row blocks of the longest request's queries.
-    const int64_t row_blocks = CeilDiv(max_q, grid.block_m);
+    row_blocks = CeilDiv(max_q, grid.block_m);
     works.reserve(static_cast<size_t>(grid.heads * b * row_blocks));
     for (int h = 0; h < grid.heads; ++h) {
       for (int64_t i = 0; i < b; ++i) {
         for (int64_t m = 0; m < row_blocks; ++m) {
           works.push_back(m * grid.block_m < batch[i].query_tokens ? key_blocks(batch[i]) : -1.0);
-          key_range.push_back(static_cast<int32_t>(i));
         }
       }
     }
   } else {
     // Packed rows: heads x q_i rows per request, request by request.
-    const int64_t row_blocks = CeilDiv(static_cast<int64_t>(grid.heads) * max_q, grid.block_m);
+    row_blocks = CeilDiv(static_cast<int64_t>(grid.heads) * max_q, grid.block_m);
     works.reserve(static_cast<size_t>(b * row_blocks));
     for (int64_t i = 0; i < b; ++i) {
       const int64_t rows = static_cast<int64_t>(grid.heads) * batch[i].query_tokens;
       for (int64_t m = 0; m < row_blocks; ++m) {
         works.push_back(m * grid.block_m < rows ? key_blocks(batch[i]) : -1.0);
-        key_range.push_back(static_cast<int32_t>(i));
       }
     }
   }
@@ -232,12 +222,15 @@ GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> bat
     // Starts never decrease in launch order, so one pass per window finds each key range's
     // fetches: a CTA fetches when it starts more than the window after its range's last fetch.
     std::vector<double> last_fetch(static_cast<size_t>(num_ranges));
+    auto range_of = [&](size_t cta) {
+      return (cta / static_cast<size_t>(row_blocks)) % static_cast<size_t>(num_ranges);
+    };
     for (int w = 0; w < kNumGridReuseWindows; ++w) {
       std::fill(last_fetch.begin(), last_fetch.end(), -std::numeric_limits<double>::infinity());
       double cold = 0;
       for (size_t c = 0; c < works.size(); ++c) {
         if (works[c] <= 0) continue;
-        double& last = last_fetch[static_cast<size_t>(key_range[c])];
+        double& last = last_fetch[range_of(c)];
         if (starts[c] - last > kGridReuseWindows[w]) {
           cold += works[c];
           last = starts[c];

@@ -101,6 +101,17 @@ GlobalCost RandomGlobal(std::mt19937_64& rng) {
   return g;
 }
 
+// A planner config for `ranks` ranks with a random draft limit (1..kMaxDraftLen), default
+// length (0..k_max) and global costs.
+PlannerConfig RandomConfig(std::mt19937_64& rng, int ranks) {
+  PlannerConfig c;
+  c.num_ranks = ranks;
+  c.k_max = 1 + static_cast<int>(rng() % kMaxDraftLen);
+  c.default_k = static_cast<int>(rng() % (c.k_max + 1));
+  c.global = RandomGlobal(rng);
+  return c;
+}
+
 CostModel RegimeModel() {
   // A fitted-style model: fixed cost, a kernel-path jump when any q > 1, critical-path term.
   CostModel::Weights w{};
@@ -205,11 +216,7 @@ TEST(PlannerProperties, DeterministicAndRespectsConstraintsOnRandomInstances) {
   std::mt19937_64 rng(99);
   for (int trial = 0; trial < 40; ++trial) {
     const int ranks = 1 + static_cast<int>(rng() % 64);
-    PlannerConfig c;
-    c.num_ranks = ranks;
-    c.k_max = 1 + static_cast<int>(rng() % kMaxDraftLen);
-    c.default_k = static_cast<int>(rng() % (c.k_max + 1));
-    c.global = RandomGlobal(rng);
+    PlannerConfig c = RandomConfig(rng, ranks);
     c.global.padded_tokens = trial % 2 == 1;
     if (trial % 4 == 1) c.token_tiers = {8, 16, 32, 64, 128, 256, 512};
     const CostModel m = trial % 3 == 0 ? RegimeModel() : CostModel::PublishedV2();
@@ -287,11 +294,7 @@ TEST(PlannerProperties, PrunedSweepFindsTheBestBarrierOfAFullSweep) {
   int infinite_slopes = 0;
   for (int trial = 0; trial < 24; ++trial) {
     const int ranks = 16 + static_cast<int>(rng() % 49);
-    PlannerConfig c;
-    c.num_ranks = ranks;
-    c.k_max = 1 + static_cast<int>(rng() % kMaxDraftLen);
-    c.default_k = static_cast<int>(rng() % (c.k_max + 1));
-    c.global = RandomGlobal(rng);
+    PlannerConfig c = RandomConfig(rng, ranks);
     // The third model prices the verify path below the decode path, so knot costs (a running
     // maximum) stay flat over several items: slopes of +inf, the bound's unbounded case.
     const CostModel m = trial % 3 == 0   ? RegimeModel()

@@ -192,11 +192,9 @@ class CostModel {
 };
 
 // Fills `agg->grid` for `grid` from `batch` (whose aggregates `agg` are), for the kernel paths
-// in `paths` (bit 0: the launch with every q_i = 1, bit 1: the verify launch). `mask` selects
-// the simulated terms (bit t: grid term t); counts and work are always filled.
-void FillGridState(const KernelGrid& grid, absl::Span<const RequestLoad> batch, unsigned mask,
-                   unsigned paths, BatchAggregates* agg);
-// The same with a mask per launch (the one with every q_i = 1, and the verify launch).
+// in `paths` (bit 0: the launch with every q_i = 1, bit 1: the verify launch). `single_mask` and
+// `multi_mask` select each launch's simulated terms (bit t: grid term t); counts and work are
+// always filled.
 void FillGridState(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
                    unsigned single_mask, unsigned multi_mask, unsigned paths,
                    BatchAggregates* agg);

@@ -52,7 +52,11 @@ struct KernelGrid {
   // error that lists the known ones.
   static absl::StatusOr<KernelGrid> Named(std::string_view name);
   std::string Name() const;
-  bool operator==(const KernelGrid& o) const;
+  // Every field, in declaration order (what equality compares and a model's hash covers).
+  std::array<int, 7> Fields() const {
+    return {static_cast<int>(layout), heads, block_m, block_n, num_sms, ctas_per_sm, max_splits};
+  }
+  bool operator==(const KernelGrid& o) const { return Fields() == o.Fields(); }
 };
 
 // Grid terms, in this order; makespans and reuse windows are in key-block iterations of one SM.
