@@ -157,12 +157,6 @@ TEST(Balancer, BadArgumentsAtCreateAreErrors) {
   EXPECT_FALSE(Balancer::Create(c, 1, *group->Join(1)).ok());
 }
 
-}  // namespace
-}  // namespace dpbalance
-
-namespace dpbalance {
-namespace {
-
 TEST(Balancer, WritesJsonLinesMetricsEveryLogPeriod) {
   const std::string path = ::testing::TempDir() + "/dpb_metrics.jsonl";
   std::remove(path.c_str());
