@@ -50,6 +50,10 @@ absl::StatusOr<std::unique_ptr<Balancer>> Balancer::Create(BalancerConfig config
         "balancer: max_consecutive_failures %d must be >= 1, ab_epoch_steps %d >= 0, timeout > 0",
         config.max_consecutive_failures, config.ab_epoch_steps));
   }
+  if (!(std::isfinite(config.tpot_slo_us) && config.tpot_slo_us >= 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("balancer: tpot_slo_us %g must be finite and >= 0", config.tpot_slo_us));
+  }
   absl::StatusOr<Planner> planner = Planner::Create(config.planner, config.model);
   if (!planner.ok()) return planner.status();
   std::unique_ptr<Balancer> b(new Balancer(std::move(config), rank, std::move(comm), *std::move(planner)));
@@ -60,7 +64,8 @@ absl::StatusOr<std::unique_ptr<Balancer>> Balancer::Create(BalancerConfig config
 Balancer::Balancer(BalancerConfig config, int rank, std::unique_ptr<AllGather> comm,
                    Planner planner)
     : config_(std::move(config)), rank_(rank), comm_(std::move(comm)), planner_(std::move(planner)),
-      estimator_(config_.acceptance_prior_strength, MtpK8ConditionalProfile()) {
+      estimator_(config_.acceptance_prior_strength, MtpK8ConditionalProfile()),
+      slo_(config_.tpot_slo_us) {
   gathered_.resize(config_.planner.num_ranks);
   if (config_.online_calibration) online_ = std::make_unique<OnlineCostModel>(config_.model);
 }
@@ -147,7 +152,8 @@ PlanOutcome Balancer::Plan(absl::Span<const BalancerRequest> batch, int64_t kv_f
     const BalancerRequest& q = batch[i];
     PlanRequest& p = plan_batch_[i];
     p.ctx_tokens = q.ctx_tokens;
-    p.k_min = q.k_min;
+    // The SLO floor is never above k_cap (DefaultVerifyLen); a bad k_min fails in Summarize.
+    p.k_min = std::max(q.k_min, slo_.Floor(q.request_id, DefaultVerifyLen(config_.planner.default_k, q.k_cap)));
     p.k_cap = q.k_cap;
     if (!q.draft_confidence.empty()) {
       absl::StatusOr<AcceptanceCurve> c = AcceptanceCurve::FromConfidences(q.draft_confidence);
@@ -282,7 +288,15 @@ absl::Status Balancer::Report(double attention_us, double step_us,
       continue;
     }
     tokens += a.accepted + 1;
-    if (a.finished) estimator_.Forget(a.request_id);
+    if (step_us > 0) {
+      if (absl::Status s = slo_.Observe(a.request_id, step_us, a.accepted + 1); !s.ok() && first_error.ok()) {
+        first_error = s;
+      }
+    }
+    if (a.finished) {
+      estimator_.Forget(a.request_id);
+      slo_.Forget(a.request_id);
+    }
   }
   prev_attention_us_ = attention_us;
   prev_step_us_ = step_us;

@@ -11,9 +11,10 @@ TEST(Flags, DefaultsEnvironmentAndConfigStringWhichWins) {
   EXPECT_EQ(f->balancer.planner.mode, PlanMode::kGoodput);
   EXPECT_EQ(f->balancer.planner.k_max, 7);
   EXPECT_DOUBLE_EQ(f->balancer.planner.max_step_slack, 0.03);
+  EXPECT_EQ(f->balancer.tpot_slo_us, 0);  // no SLO unless the engine sets one
 
   f = ParseFlags({{"DPB_MODE", "fill"}, {"DPB_K_MAX", "5"}, {"DPB_TIERS", "8,16,32"}},
-                 "k_max=6; timeout_ms=20 ;ab_epoch=100;padded=1;agreed_depth=0");
+                 "k_max=6; timeout_ms=20 ;ab_epoch=100;padded=1;agreed_depth=0;tpot_slo_ms=52.5");
   ASSERT_TRUE(f.ok()) << f.status();
   EXPECT_EQ(f->balancer.planner.mode, PlanMode::kFill);
   EXPECT_EQ(f->balancer.planner.k_max, 6);
@@ -22,6 +23,7 @@ TEST(Flags, DefaultsEnvironmentAndConfigStringWhichWins) {
   EXPECT_EQ(f->balancer.ab_epoch_steps, 100);
   EXPECT_TRUE(f->balancer.planner.global.padded_tokens);
   EXPECT_FALSE(f->balancer.planner.agreed_draft_depth);
+  EXPECT_DOUBLE_EQ(f->balancer.tpot_slo_us, 52500);
   // DPB_PLUGIN is the host's variable, not a flag.
   EXPECT_TRUE(ParseFlags({{"DPB_PLUGIN", "dpbalance"}}, "").ok());
 }
@@ -44,6 +46,10 @@ TEST(Flags, UnknownAndMalformedFlagsAreNamed) {
   EXPECT_FALSE(ParseFlags({}, "k_max=2;default_k=3").ok());
   EXPECT_FALSE(ParseFlags({}, "cost_model=/nonexistent.json").ok());
   EXPECT_FALSE(ParseFlags({}, "ffn_per_token_us=nan").ok());
+  f = ParseFlags({{"DPB_TPOT_SLO_MS", "-3"}}, "");
+  ASSERT_FALSE(f.ok());
+  EXPECT_NE(f.status().message().find("tpot_slo_ms"), std::string::npos) << f.status();
+  EXPECT_NE(f.status().message().find("-3"), std::string::npos) << f.status();
 }
 
 }  // namespace

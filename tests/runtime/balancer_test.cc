@@ -98,6 +98,41 @@ TEST(Balancer, RanksAgreeOnDepthForRankCountsOneToSixtyFour) {
   }
 }
 
+// One rank, the same 8 requests every step, none of whose drafts is ever accepted: the goodput
+// plan learns that and stops verifying them. Returns how many request-steps verified fewer
+// than the default length (1).
+int64_t ShortenedRequestSteps(double tpot_slo_us) {
+  auto group = *InProcessGroup::Create(1, sizeof(RankSummary));
+  BalancerConfig c = Config(1);
+  c.tpot_slo_us = tpot_slo_us;
+  auto b = Balancer::Create(c, 0, *group->Join(0));
+  EXPECT_TRUE(b.ok()) << b.status();
+  std::vector<BalancerRequest> batch(8);
+  for (int i = 0; i < 8; ++i) batch[i] = {.request_id = i, .ctx_tokens = 1000 + 700 * i, .k_cap = 7};
+  int64_t shortened = 0;
+  for (int s = 0; s < 30; ++s) {
+    std::vector<int32_t> v(batch.size());
+    EXPECT_TRUE((*b)->Plan(batch, -1, absl::MakeSpan(v)).balanced);
+    std::vector<BalancerAccepted> acc;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      shortened += v[i] < 1;
+      acc.push_back({batch[i].request_id, v[i], 0, false});
+    }
+    EXPECT_TRUE((*b)->Report(20000, 60000, acc).ok());
+  }
+  EXPECT_EQ((*b)->Stats().fallbacks, 0);
+  return shortened;
+}
+
+TEST(Balancer, TpotSloHoldsLateRequestsAtTheDefaultLength) {
+  // 60 ms steps: under a 1 ms SLO every request is late, so each is held at the default length;
+  // under an SLO no request can miss, the plan is the same as without one.
+  const int64_t free = ShortenedRequestSteps(0);
+  EXPECT_GT(free, 0) << "the plan never shortened a request: the test would prove nothing";
+  EXPECT_EQ(ShortenedRequestSteps(1000), 0);
+  EXPECT_EQ(ShortenedRequestSteps(1e12), free);
+}
+
 TEST(Balancer, ARankWithGarbageFallsBackAloneWithoutStallingOthers) {
   auto garbage = [](int r, int /*s*/, std::mt19937_64& rng) {
     auto b = Batch(rng, 10, 100 * r);
@@ -149,6 +184,14 @@ TEST(Balancer, ABEpochsAlternateByStepAndMeasureBothArms) {
 }
 
 TEST(Balancer, BadArgumentsAtCreateAreErrors) {
+  {
+    auto group = *InProcessGroup::Create(1, sizeof(RankSummary));
+    BalancerConfig c = Config(1);
+    c.tpot_slo_us = -1;
+    const auto b = Balancer::Create(c, 0, *group->Join(0));
+    ASSERT_FALSE(b.ok());
+    EXPECT_NE(b.status().message().find("tpot_slo_us -1"), std::string::npos) << b.status();
+  }
   auto group = *InProcessGroup::Create(2, sizeof(RankSummary));
   EXPECT_FALSE(Balancer::Create(Config(3), 0, *group->Join(0)).ok());  // 3 ranks vs 2
   EXPECT_FALSE(Balancer::Create(Config(2), 0, nullptr).ok());

@@ -32,6 +32,7 @@
 #include "dpbalance/calibration.h"
 #include "dpbalance/metrics.h"
 #include "dpbalance/planner.h"
+#include "dpbalance/tpot_slo.h"
 
 namespace dpbalance {
 
@@ -45,6 +46,9 @@ struct BalancerConfig {
   std::string metrics_file;                // JSON lines, one per log period (empty: none)
   double acceptance_prior_strength = 4.0;
   bool online_calibration = true;          // refit `model` from this rank's measured attention
+  // Per-request TPOT SLO (decode time / emitted tokens), us: a request that would exceed it if
+  // it emitted only its bonus token this step is held at the default length (TpotSlo). 0: none.
+  double tpot_slo_us = 0;
   uint64_t Hash() const;                   // what the handshake compares
 };
 
@@ -118,6 +122,7 @@ class Balancer {
   std::unique_ptr<AllGather> comm_;
   Planner planner_;
   AcceptanceEstimator estimator_;
+  TpotSlo slo_;
   bool enabled_ = true;
   std::string disabled_reason_;
   int consecutive_failures_ = 0;

@@ -1,0 +1,56 @@
+// dpbalance/tpot_slo.h — per-request TPOT service-level floors for the planner.
+//
+// Why: the goodput-optimal plan takes the verify slot away from requests that accept little
+// (their drafts cost as much as anyone's and pay less). Such a request then emits one token a
+// step, and its TPOT (decode time / emitted tokens) follows the step time: on the Azure trace
+// the TPOT p99 rose 1.27x (docs/results.md). A TPOT SLO bounds that loss without giving up the
+// rest of the plan: only the requests that would break the SLO are held at the default length.
+//
+// Contract
+// - `TpotSlo` keeps, per request id, its decode time so far (the sum of the measured step
+//   times of the steps it took part in) and the tokens it emitted (accepted + 1 each step).
+// - `Floor(id, default_len)` is `default_len` when the request would exceed the SLO after this
+//   step if it emitted only its bonus token, taking this step to last as long as the last one:
+//       decode_us + last_step_us > slo_us * (emitted + 1),
+//   and 0 otherwise (the planner may then shorten it freely). The floor is the default length,
+//   not more: a request whose TPOT at the default length exceeds the SLO anyway runs as it
+//   would without dpbalance. A request never seen has no history: its first step is judged by
+//   the step time alone.
+// - `slo_us <= 0` (or not finite) turns the SLO off: every floor is 0 and nothing is kept.
+// - Not thread-safe: one per rank, used from that rank's step thread (as AcceptanceEstimator).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+
+namespace dpbalance {
+
+class TpotSlo {
+ public:
+  explicit TpotSlo(double slo_us);
+
+  bool enabled() const { return slo_us_ > 0; }
+  double slo_us() const { return slo_us_; }
+  // The verify-length floor for request `id` this step: `default_len` or 0 (see above).
+  int32_t Floor(int64_t id, int32_t default_len) const;
+  // After a step that took `step_us` (measured, > 0): request `id` took part and emitted
+  // `tokens` (>= 1, the bonus token included). Errors name the bad value; nothing is recorded.
+  absl::Status Observe(int64_t id, double step_us, int64_t tokens);
+  // The request left the batch.
+  void Forget(int64_t id) { per_request_.erase(id); }
+  size_t num_tracked() const { return per_request_.size(); }
+
+ private:
+  struct Pace {
+    double decode_us = 0;
+    int64_t tokens = 0;
+  };
+  double slo_us_;
+  double last_step_us_ = 0;
+  absl::flat_hash_map<int64_t, Pace> per_request_;
+};
+
+}  // namespace dpbalance

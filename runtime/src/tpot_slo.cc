@@ -1,0 +1,36 @@
+#include "dpbalance/tpot_slo.h"
+
+#include <cmath>
+
+#include "absl/strings/str_format.h"
+
+namespace dpbalance {
+
+TpotSlo::TpotSlo(double slo_us) : slo_us_(std::isfinite(slo_us) && slo_us > 0 ? slo_us : 0) {}
+
+int32_t TpotSlo::Floor(int64_t id, int32_t default_len) const {
+  if (!enabled() || default_len <= 0) return 0;
+  Pace p;
+  if (auto it = per_request_.find(id); it != per_request_.end()) p = it->second;
+  const bool late = p.decode_us + last_step_us_ > slo_us_ * static_cast<double>(p.tokens + 1);
+  return late ? default_len : 0;
+}
+
+absl::Status TpotSlo::Observe(int64_t id, double step_us, int64_t tokens) {
+  if (!(std::isfinite(step_us) && step_us > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("tpot slo: request %d: step time %g us must be finite and > 0", id, step_us));
+  }
+  if (tokens < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("tpot slo: request %d: %d tokens emitted in a step, must be >= 1", id, tokens));
+  }
+  if (!enabled()) return absl::OkStatus();
+  last_step_us_ = step_us;
+  Pace& p = per_request_[id];
+  p.decode_us += step_us;
+  p.tokens += tokens;
+  return absl::OkStatus();
+}
+
+}  // namespace dpbalance
