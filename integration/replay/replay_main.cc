@@ -1,6 +1,7 @@
 // dpbalance-replay: replays a serving trace through a simulated DP decode instance and compares
 // routing strategies and verify balancing. `--help` lists the flags; docs/results.md the runs.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <mutex>
@@ -12,6 +13,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "nlohmann/json.hpp"
@@ -43,6 +45,10 @@ ABSL_FLAG(std::string, k, "best", "static verify length (off mode; default k of 
 ABSL_FLAG(int, k_max, 7, "draft depth limit for the planner and the static sweep");
 ABSL_FLAG(bool, floor_at_default, false,
           "planner modes: never verify fewer than the default k (a per-request TPOT floor)");
+ABSL_FLAG(std::string, tpot_slo_ms, "auto",
+          "planner modes: per-request TPOT SLO in ms; a request that would exceed it is held at "
+          "the default k. 'auto': the TPOT p99 of the static baseline (D z1.2 at its best k in "
+          "the comparison; the same routing at the default k in a single run); 'off' or 0: none");
 ABSL_FLAG(double, step_slack, 0.03,
           "planner TPOT guard: step time <= (1 + this) x the default-k step; < 0 disables");
 ABSL_FLAG(std::string, truth, "v2", "truth attention model: v2, v1 or a cost-model JSON file");
@@ -76,8 +82,21 @@ struct Row {
   int groups = 1;
   std::string verify;
   int k = 0;
+  double tpot_slo_ms = 0;  // planner rows: the SLO they ran under (0: none)
   RunResult r;
 };
+
+// --tpot_slo_ms: nullopt for 'auto', else the SLO in ms (0: none).
+absl::StatusOr<std::optional<double>> ParseSlo(const std::string& v) {
+  if (v == "auto") return std::optional<double>();
+  if (v == "off") return std::optional<double>(0.0);
+  double ms;
+  if (!absl::SimpleAtod(v, &ms) || !(ms >= 0) || !std::isfinite(ms)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tpot_slo_ms = '", v, "' must be 'auto', 'off' or a number of ms >= 0"));
+  }
+  return std::optional<double>(ms);
+}
 
 absl::StatusOr<CostModel> ModelByName(const std::string& name, const std::string& flag) {
   if (name == "v2") return CostModel::PublishedV2();
@@ -119,6 +138,9 @@ absl::Status CheckFlags() {
   if (k != "best" && (!absl::SimpleAtoi(k, &kv) || kv < 0 || kv > k_max)) {
     return absl::InvalidArgumentError(absl::StrCat("--k = '", k, "' must be 'best' or 0..k_max"));
   }
+  if (absl::StatusOr<std::optional<double>> slo = ParseSlo(absl::GetFlag(FLAGS_tpot_slo_ms)); !slo.ok()) {
+    return slo.status();
+  }
   const std::string e = absl::GetFlag(FLAGS_eval_cost);
   if (e != "v1" && e != "v2") {
     return absl::InvalidArgumentError(absl::StrCat("--eval_cost = '", e, "' must be v1 or v2"));
@@ -137,6 +159,7 @@ nlohmann::json RowJson(const Row& w, const std::string& eval_cost) {
   j["k"] = w.k;
   j["k_max"] = absl::GetFlag(FLAGS_k_max);
   j["step_slack"] = absl::GetFlag(FLAGS_step_slack);
+  j["tpot_slo_ms"] = w.tpot_slo_ms;
   j["eval_cost"] = eval_cost;
   j["steps"] = r.steps;
   j["balance_efficiency"] = r.balance_efficiency;
@@ -274,6 +297,7 @@ int Main() {
     int groups;
     VerifyMode verify;
     std::optional<int> k;  // nullopt: best static k (off) or the best static k of D (planner)
+    bool slo = true;       // planner rows: run under the TPOT SLO (when there is one)
   };
   std::vector<Spec> specs;
   const std::optional<int> kfixed = kflag == "best" ? std::nullopt : std::optional<int>(std::stoi(kflag));
@@ -292,6 +316,7 @@ int Main() {
              {"D z1.2 k=3", RS::kDualPath, 1.2, 1, VerifyMode::kStatic, 3},
              {"D z1.2 + local", RS::kDualPath, 1.2, 1, VerifyMode::kLocal, kfixed},
              {"D z1.2 + goodput", RS::kDualPath, 1.2, 1, VerifyMode::kGoodput, kfixed},
+             {"D z1.2 goodput no-SLO", RS::kDualPath, 1.2, 1, VerifyMode::kGoodput, kfixed, false},
              {"D z1.2 + fill", RS::kDualPath, 1.2, 1, VerifyMode::kFill, kfixed},
              {"D z1.2 + oracle", RS::kDualPath, 1.2, 1, VerifyMode::kOracle, kfixed},
              {"E + goodput", RS::kCostAware, 1.2, 1, VerifyMode::kGoodput, kfixed}};
@@ -338,13 +363,35 @@ int Main() {
     auto [i, k] = job_of[j];
     if (!best[i] || results[j]->goodput_tok_per_s > best[i]->r.goodput_tok_per_s) {
       best[i] = Row{specs[i].name, std::string(RoutingName(specs[i].routing)), specs[i].z,
-                    specs[i].groups, "off", k, *results[j]};
+                    specs[i].groups, "off", k, 0, *results[j]};
     }
   }
-  // Phase 2: planner runs; their default k is D z1.2's best static k (or --k).
+  // Phase 2: planner runs; their default k is D z1.2's best static k (or --k), and their TPOT
+  // SLO (auto) the TPOT p99 of that static run: verify balancing must keep the tail the static
+  // configuration delivers.
   int default_k = kfixed.value_or(3);
+  std::optional<double> slo_ms = *ParseSlo(absl::GetFlag(FLAGS_tpot_slo_ms));
+  std::string slo_source = "--tpot_slo_ms";
   for (size_t i = 0; i < specs.size(); ++i) {
-    if (best[i] && specs[i].name == "D z1.2") default_k = best[i]->k;
+    if (best[i] && specs[i].name == "D z1.2") {
+      default_k = best[i]->k;
+      if (!slo_ms) {
+        slo_ms = best[i]->r.tpot_p99_ms;
+        slo_source = absl::StrFormat("auto: TPOT p99 of D z1.2 at k=%d", default_k);
+      }
+    }
+  }
+  const bool any_planned = std::any_of(specs.begin(), specs.end(),
+                                       [](const Spec& s) { return s.verify != VerifyMode::kStatic; });
+  if (!slo_ms && any_planned) {  // a single planner run: its own routing, static, default k
+    const Spec& s = specs.front();
+    SimConfig c = config_for(s, s.k.value_or(default_k));
+    c.verify = VerifyMode::kStatic;
+    absl::StatusOr<RunResult> r = Simulate(c, truth, *trace);
+    if (!r.ok()) return fail(r.status());
+    slo_ms = r->tpot_p99_ms;
+    slo_source = absl::StrFormat("auto: TPOT p99 of %s off at k=%d", absl::GetFlag(FLAGS_routing),
+                                 c.static_k);
   }
   jobs.clear();
   job_of.clear();
@@ -352,6 +399,7 @@ int Main() {
     if (specs[i].verify == VerifyMode::kStatic) continue;
     const int k = specs[i].k.value_or(default_k);
     SimConfig c = config_for(specs[i], k);
+    if (specs[i].slo) c.tpot_slo_us = slo_ms.value_or(0) * 1000;
     jobs.push_back([c, &truth, &trace] { return Simulate(c, truth, *trace); });
     job_of.push_back({i, k});
   }
@@ -360,7 +408,8 @@ int Main() {
     if (!results[j].ok()) return fail(results[j].status());
     auto [i, k] = job_of[j];
     best[i] = Row{specs[i].name, std::string(RoutingName(specs[i].routing)), specs[i].z,
-                  specs[i].groups, VerifyModeName(specs[i].verify), k, *results[j]};
+                  specs[i].groups, VerifyModeName(specs[i].verify), k,
+                  specs[i].slo ? slo_ms.value_or(0) : 0, *results[j]};
   }
   std::vector<Row> rows;
   for (auto& b : best) rows.push_back(*b);
@@ -385,6 +434,10 @@ int Main() {
               base.open_loop ? "open loop" : absl::StrCat("closed loop at ", base.inflight, " in flight").c_str(),
               static_cast<long long>(base.rank_capacity_tokens), base.max_batch_per_rank,
               truth.attention.name().c_str(), eval_cost.c_str());
+  if (any_planned) {
+    std::printf("TPOT SLO of the planner rows: %s\n",
+                *slo_ms > 0 ? absl::StrFormat("%.2f ms (%s)", *slo_ms, slo_source).c_str() : "none");
+  }
   PrintTable(rows, eval_cost);
 
   double total_wall = 0;
@@ -415,6 +468,12 @@ int Main() {
     if (loc) {
       std::printf("  local (no exchange): bubble %.4f, goodput x%.4f\n", 1 - loc->r.balance_efficiency,
                   loc->r.goodput_tok_per_s / d->r.goodput_tok_per_s);
+    }
+    if (const Row* free = find("D z1.2 goodput no-SLO")) {
+      std::printf("  goodput without the TPOT SLO: bubble x%.3f, goodput x%.4f, TPOT p99 x%.4f\n",
+                  (1 - free->r.balance_efficiency) / (1 - d->r.balance_efficiency),
+                  free->r.goodput_tok_per_s / d->r.goodput_tok_per_s,
+                  free->r.tpot_p99_ms / d->r.tpot_p99_ms);
     }
   }
 

@@ -10,6 +10,7 @@
 
 #include "dpbalance/acceptance.h"
 #include "dpbalance/calibration.h"
+#include "dpbalance/tpot_slo.h"
 
 namespace dpbalance::replay {
 namespace {
@@ -83,6 +84,8 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
   const auto profile = MtpK8ConditionalProfile();
   std::vector<AcceptanceEstimator> estimators(
       R, AcceptanceEstimator(cfg.acceptance_prior_strength, profile));
+  // Each rank's own TPOT SLO floors, as each rank's Balancer keeps them in an engine.
+  std::vector<TpotSlo> slos(R, TpotSlo(planned ? cfg.tpot_slo_us : 0));
 
   std::vector<std::vector<Active>> ranks(R);
   std::vector<RankLoad> loads(R);
@@ -166,7 +169,8 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
         PlanRequest& p = batches[r][i];
         p.ctx_tokens = a.ctx;
         p.k_cap = static_cast<int32_t>(std::min<int64_t>(cfg.k_max, a.remaining - 1));
-        p.k_min = cfg.floor_at_default ? DefaultVerifyLen(cfg.static_k, p.k_cap) : 0;
+        const int32_t default_len = DefaultVerifyLen(cfg.static_k, p.k_cap);
+        p.k_min = cfg.floor_at_default ? default_len : slos[r].Floor(a.id, default_len);
         if (!planned) {
           verify[r][i] = DefaultVerifyLen(cfg.static_k, p.k_cap);
           continue;
@@ -250,6 +254,7 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
         int m = 0;
         while (m < k && unif(rng) < a.rates[m]) ++m;
         if (absl::Status s = estimators[r].Observe(a.id, k, m); !s.ok()) return s;
+        if (absl::Status s = slos[r].Observe(a.id, step_us, m + 1); !s.ok()) return s;
         a.ctx += m + 1;
         a.remaining -= m + 1;
         res.tokens += m + 1;
@@ -264,6 +269,7 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
         tpots.push_back((now_us - reqs[i].start_us) / 1000.0 / reqs[i].output);
         router->ObserveFinished(reqs[i].output);
         estimators[r].Forget(reqs[i].id);
+        slos[r].Forget(reqs[i].id);
         reqs[i] = reqs.back();
         reqs.pop_back();
         verify[r][i] = verify[r].back();

@@ -50,6 +50,8 @@ struct SimConfig {
   int k_max = 7;                          // planner modes: draft depth limit
   double max_step_slack = 0.05;           // planner modes: TPOT guard (PlannerConfig), < 0 off
   bool floor_at_default = false;          // planner modes: k_min = min(static_k, cap) (TPOT floor)
+  double tpot_slo_us = 0;                 // planner modes: per-request TPOT SLO floors (TpotSlo),
+                                          // <= 0: none
   CostModel planner_model = CostModel::PublishedV2();
   bool planner_online = false;            // refit planner_model online from measured attention
   double acceptance_sigma = 1.0;          // per-request logit shift, standard deviation

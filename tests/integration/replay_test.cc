@@ -119,6 +119,25 @@ TEST(Simulator, PlannerBeatsWorstStaticAndOracleIsBest) {
   EXPECT_LT(1 - gp.balance_efficiency, 0.05);
 }
 
+TEST(Simulator, TpotSloKeepsTheStaticTailOnRealRequests) {
+  // The goodput plan shortens low-acceptance requests, whose TPOT then follows the step time.
+  // With the SLO set at the static run's TPOT p99 (the replay's 'auto'), the planner holds the
+  // requests that would miss it at the default length.
+  const auto trace = Slice(1500);
+  TruthModel truth;
+  SimConfig c = Small();
+  c.static_k = 1;
+  const RunResult base = *Simulate(c, truth, trace);
+  c.verify = VerifyMode::kGoodput;
+  const RunResult free = *Simulate(c, truth, trace);
+  c.tpot_slo_us = base.tpot_p99_ms * 1000;
+  const RunResult slo = *Simulate(c, truth, trace);
+  EXPECT_LT(slo.tpot_p99_ms, free.tpot_p99_ms);
+  EXPECT_LE(slo.tpot_p99_ms, 1.05 * base.tpot_p99_ms);  // the bound
+  EXPECT_GT(slo.goodput_tok_per_s, base.goodput_tok_per_s);
+  EXPECT_LT(1 - slo.balance_efficiency, 0.3 * (1 - base.balance_efficiency));
+}
+
 TEST(Simulator, BadConfigIsAnError) {
   const auto trace = Slice(10);
   SimConfig c = Small();
