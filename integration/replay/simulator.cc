@@ -170,12 +170,12 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
         p.ctx_tokens = a.ctx;
         p.k_cap = static_cast<int32_t>(std::min<int64_t>(cfg.k_max, a.remaining - 1));
         const int32_t default_len = DefaultVerifyLen(cfg.static_k, p.k_cap);
-        p.k_min = cfg.floor_at_default ? default_len : slos[r].Floor(a.id, default_len);
         if (!planned) {
-          verify[r][i] = DefaultVerifyLen(cfg.static_k, p.k_cap);
+          verify[r][i] = default_len;
           continue;
         }
         p.acceptance = cfg.verify == VerifyMode::kOracle ? a.truth_curve : estimators[r].Curve(a.id);
+        p.k_min = cfg.floor_at_default ? default_len : slos[r].Floor(a.id, default_len, p.acceptance);
       }
     }
     if (planned) {

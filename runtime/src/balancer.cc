@@ -152,8 +152,6 @@ PlanOutcome Balancer::Plan(absl::Span<const BalancerRequest> batch, int64_t kv_f
     const BalancerRequest& q = batch[i];
     PlanRequest& p = plan_batch_[i];
     p.ctx_tokens = q.ctx_tokens;
-    // The SLO floor is never above k_cap (DefaultVerifyLen); a bad k_min fails in Summarize.
-    p.k_min = std::max(q.k_min, slo_.Floor(q.request_id, DefaultVerifyLen(config_.planner.default_k, q.k_cap)));
     p.k_cap = q.k_cap;
     if (!q.draft_confidence.empty()) {
       absl::StatusOr<AcceptanceCurve> c = AcceptanceCurve::FromConfidences(q.draft_confidence);
@@ -165,6 +163,9 @@ PlanOutcome Balancer::Plan(absl::Span<const BalancerRequest> batch, int64_t kv_f
     } else {
       p.acceptance = estimator_.Curve(q.request_id);
     }
+    // The SLO floor is never above k_cap (DefaultVerifyLen); a bad k_min fails in Summarize.
+    p.k_min = std::max(q.k_min, slo_.Floor(q.request_id, DefaultVerifyLen(config_.planner.default_k, q.k_cap),
+                                           p.acceptance));
   }
   if (local.ok()) local = planner_.Summarize(rank_, plan_batch_, kv_free_tokens, &mine_);
   if (!local.ok()) {

@@ -8,12 +8,16 @@ namespace dpbalance {
 
 TpotSlo::TpotSlo(double slo_us) : slo_us_(std::isfinite(slo_us) && slo_us > 0 ? slo_us : 0) {}
 
-int32_t TpotSlo::Floor(int64_t id, int32_t default_len) const {
+int32_t TpotSlo::Floor(int64_t id, int32_t default_len, const AcceptanceCurve& curve) const {
   if (!enabled() || default_len <= 0) return 0;
   Pace p;
   if (auto it = per_request_.find(id); it != per_request_.end()) p = it->second;
-  const bool late = p.decode_us + last_step_us_ > slo_us_ * static_cast<double>(p.tokens + 1);
-  return late ? default_len : 0;
+  // Tokens this step must bring: (decode + step) / (emitted + n) <= slo.
+  const double need = (p.decode_us + last_step_us_) / slo_us_ - static_cast<double>(p.tokens);
+  for (int32_t k = 0; k < default_len; ++k) {
+    if (curve.ExpectedTokens(k) >= need) return k;
+  }
+  return default_len;
 }
 
 absl::Status TpotSlo::Observe(int64_t id, double step_us, int64_t tokens) {

@@ -9,13 +9,13 @@
 // Contract
 // - `TpotSlo` keeps, per request id, its decode time so far (the sum of the measured step
 //   times of the steps it took part in) and the tokens it emitted (accepted + 1 each step).
-// - `Floor(id, default_len)` is `default_len` when the request would exceed the SLO after this
-//   step if it emitted only its bonus token, taking this step to last as long as the last one:
-//       decode_us + last_step_us > slo_us * (emitted + 1),
-//   and 0 otherwise (the planner may then shorten it freely). The floor is the default length,
-//   not more: a request whose TPOT at the default length exceeds the SLO anyway runs as it
-//   would without dpbalance. A request never seen has no history: its first step is judged by
-//   the step time alone.
+// - `Floor(id, default_len, curve)`: taking this step to last as long as the last one, the
+//   request needs n = (decode_us + last_step_us) / slo_us - emitted tokens from it to stay
+//   within the SLO. The floor is the shortest verify length k <= default_len whose expected
+//   tokens, curve.ExpectedTokens(k), reach n: 0 when the bonus token alone does (the planner
+//   may then shorten it freely), and at most the default length: a request that cannot keep
+//   the SLO even there runs as it would without dpbalance. A request never seen has no
+//   history: its first step is judged by the step time alone.
 // - `slo_us <= 0` (or not finite) turns the SLO off: every floor is 0 and nothing is kept.
 // - Not thread-safe: one per rank, used from that rank's step thread (as AcceptanceEstimator).
 #pragma once
@@ -25,6 +25,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "dpbalance/acceptance.h"
 
 namespace dpbalance {
 
@@ -34,8 +35,9 @@ class TpotSlo {
 
   bool enabled() const { return slo_us_ > 0; }
   double slo_us() const { return slo_us_; }
-  // The verify-length floor for request `id` this step: `default_len` or 0 (see above).
-  int32_t Floor(int64_t id, int32_t default_len) const;
+  // The verify-length floor for request `id` this step, 0..max(default_len, 0) (see above);
+  // `curve`: the request's acceptance as the planner sees it.
+  int32_t Floor(int64_t id, int32_t default_len, const AcceptanceCurve& curve) const;
   // After a step that took `step_us` (measured, > 0): request `id` took part and emitted
   // `tokens` (>= 1, the bonus token included). Errors name the bad value; nothing is recorded.
   absl::Status Observe(int64_t id, double step_us, int64_t tokens);
