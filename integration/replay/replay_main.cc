@@ -424,6 +424,7 @@ int Main() {
       ideal.r.goodput_tok_per_s = w.r.ideal_goodput_tok_per_s;
       ideal.r.token_balance = 1;
       ideal.r.tpot_p50_ms = ideal.r.tpot_p99_ms = 0;
+      ideal.tpot_slo_ms = 0;
       ideal.r.wall_s = 0;
       rows.push_back(ideal);
       break;
