@@ -46,8 +46,8 @@ ABSL_FLAG(int, k_max, 7, "draft depth limit for the planner and the static sweep
 ABSL_FLAG(bool, floor_at_default, false,
           "planner modes: never verify fewer than the default k (a per-request TPOT floor)");
 ABSL_FLAG(std::string, tpot_slo_ms, "auto",
-          "planner modes: per-request TPOT SLO in ms; a request that would exceed it is held at "
-          "the default k. 'auto': the TPOT p99 of the static baseline (D z1.2 at its best k in "
+          "planner modes: per-request TPOT SLO in ms; a request that would exceed it gets the "
+          "shortest verify length up to the default k that keeps it within. 'auto': the TPOT p99 of the static baseline (D z1.2 at its best k in "
           "the comparison; the same routing at the default k in a single run); 'off' or 0: none");
 ABSL_FLAG(double, step_slack, 0.03,
           "planner TPOT guard: step time <= (1 + this) x the default-k step; < 0 disables");
@@ -393,13 +393,14 @@ int Main() {
     slo_source = absl::StrFormat("auto: TPOT p99 of %s off at k=%d", absl::GetFlag(FLAGS_routing),
                                  c.static_k);
   }
+  auto row_slo_ms = [&](const Spec& s) { return s.slo ? slo_ms.value_or(0) : 0.0; };
   jobs.clear();
   job_of.clear();
   for (size_t i = 0; i < specs.size(); ++i) {
     if (specs[i].verify == VerifyMode::kStatic) continue;
     const int k = specs[i].k.value_or(default_k);
     SimConfig c = config_for(specs[i], k);
-    if (specs[i].slo) c.tpot_slo_us = slo_ms.value_or(0) * 1000;
+    c.tpot_slo_us = row_slo_ms(specs[i]) * 1000;
     jobs.push_back([c, &truth, &trace] { return Simulate(c, truth, *trace); });
     job_of.push_back({i, k});
   }
@@ -409,7 +410,7 @@ int Main() {
     auto [i, k] = job_of[j];
     best[i] = Row{specs[i].name, std::string(RoutingName(specs[i].routing)), specs[i].z,
                   specs[i].groups, VerifyModeName(specs[i].verify), k,
-                  specs[i].slo ? slo_ms.value_or(0) : 0, *results[j]};
+                  row_slo_ms(specs[i]), *results[j]};
   }
   std::vector<Row> rows;
   for (auto& b : best) rows.push_back(*b);

@@ -14,8 +14,10 @@ int32_t TpotSlo::Floor(int64_t id, int32_t default_len, const AcceptanceCurve& c
   if (auto it = per_request_.find(id); it != per_request_.end()) p = it->second;
   // Tokens this step must bring: (decode + step) / (emitted + n) <= slo.
   const double need = (p.decode_us + last_step_us_) / slo_us_ - static_cast<double>(p.tokens);
+  double expected = 1.0;  // curve.ExpectedTokens(k), summed in the same order
   for (int32_t k = 0; k < default_len; ++k) {
-    if (curve.ExpectedTokens(k) >= need) return k;
+    if (expected >= need) return k;
+    expected += curve.Accept(k + 1);
   }
   return default_len;
 }

@@ -47,7 +47,8 @@ struct BalancerConfig {
   double acceptance_prior_strength = 4.0;
   bool online_calibration = true;          // refit `model` from this rank's measured attention
   // Per-request TPOT SLO (decode time / emitted tokens), us: a request that would exceed it if
-  // it emitted only its bonus token this step is held at the default length (TpotSlo). 0: none.
+  // it emitted only its bonus token this step gets the shortest verify length, up to the
+  // default, whose expected tokens keep it within (TpotSlo). 0: none.
   double tpot_slo_us = 0;
   uint64_t Hash() const;                   // what the handshake compares
 };

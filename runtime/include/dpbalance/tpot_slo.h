@@ -4,7 +4,8 @@
 // (their drafts cost as much as anyone's and pay less). Such a request then emits one token a
 // step, and its TPOT (decode time / emitted tokens) follows the step time: on the Azure trace
 // the TPOT p99 rose 1.27x (docs/results.md). A TPOT SLO bounds that loss without giving up the
-// rest of the plan: only the requests that would break the SLO are held at the default length.
+// rest of the plan: only the requests that would break the SLO get a floor, at most the
+// default length.
 //
 // Contract
 // - `TpotSlo` keeps, per request id, its decode time so far (the sum of the measured step
