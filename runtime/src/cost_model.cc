@@ -160,7 +160,10 @@ double CostModel::AttentionUs(const BatchAggregates& a) const {
 }
 
 double CostModel::AttentionUs(absl::Span<const RequestLoad> batch) const {
-  return AttentionUs(Aggregate(batch));
+  BatchAggregates agg;
+  for (const RequestLoad& r : batch) agg.Add(r);
+  FillGrid(batch, &agg, agg.multi_query ? 2u : 1u);  // only the launch this batch runs
+  return AttentionUs(agg);
 }
 
 BatchAggregates CostModel::Aggregate(absl::Span<const RequestLoad> batch) const {
@@ -170,10 +173,11 @@ BatchAggregates CostModel::Aggregate(absl::Span<const RequestLoad> batch) const 
   return agg;
 }
 
-void CostModel::FillGrid(absl::Span<const RequestLoad> batch, BatchAggregates* agg) const {
+void CostModel::FillGrid(absl::Span<const RequestLoad> batch, BatchAggregates* agg,
+                         unsigned paths) const {
   if (!uses_grid()) return;
   // Each launch simulates only what its own path weighs (a makespan costs O(CTAs log SMs)).
-  FillGridState(grid_, batch, grid_mask_[0], grid_mask_[1], 3u, agg);
+  FillGridState(grid_, batch, grid_mask_[0], grid_mask_[1], paths, agg);
 }
 
 void FillGridState(const KernelGrid& grid, absl::Span<const RequestLoad> batch,

@@ -261,14 +261,23 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
   st.min_depth = min_depth;
   st.base_attention_us = model_.AttentionUs(st.base_agg) + rank_draft_us * min_depth;
   BatchAggregates default_agg;
-  default_agg.grid = st.base_agg.grid;
   double default_gain = 0;
   int default_depth = 0;
+  std::vector<RequestLoad> default_loads;
   for (size_t i = 0; i < batch.size(); ++i) {
     const int32_t k = DefaultVerifyLen(config_.default_k, batch[i].k_cap);
     default_agg.Add(RequestLoad{batch[i].ctx_tokens, 1 + k});
     default_gain += batch[i].acceptance.ExpectedTokens(k);
     default_depth = std::max(default_depth, static_cast<int>(k));
+  }
+  // The default plan is the TPOT guard's reference: simulated, not moved from the base.
+  if (model_.uses_grid()) {
+    default_loads.reserve(batch.size());
+    for (size_t i = 0; i < batch.size(); ++i) {
+      default_loads.push_back(
+          RequestLoad{batch[i].ctx_tokens, 1 + DefaultVerifyLen(config_.default_k, batch[i].k_cap)});
+    }
+    model_.FillGrid(default_loads, &default_agg, default_agg.multi_query ? 2u : 1u);
   }
 
   // Step 2: extra-token items ordered by expected tokens per marginal microsecond. An item whose
@@ -800,33 +809,86 @@ double Planner::FillUnder(const LocalState& st, const GlobalDecision& d, int dep
   const double barrier = d.barrier_us * (1 + kBarrierSlack) + kBarrierSlack;
   const int64_t kv_cap =
       st.kv_free_tokens < 0 ? std::numeric_limits<int64_t>::max() : st.kv_free_tokens;
-  double gain = 0;
-  for (size_t i = 0; i < st.batch.size(); ++i) {
-    verify_len[i] = st.base_len[i];
-    gain += st.batch[i].acceptance.ExpectedTokens(st.base_len[i]);
-  }
-  BatchAggregates agg = st.base_agg;
+  const size_t n = st.batch.size();
+  for (size_t i = 0; i < n; ++i) verify_len[i] = st.base_len[i];
   int64_t extra = 0;
   int deepest = st.min_depth;
-  for (const Item& it : st.items) {
-    const int32_t i = it.req_idx(), pos = it.pos();
-    const double item_gain = st.batch[i].acceptance.Accept(pos);
-    if (pos > depth_cap || verify_len[i] != pos - 1) continue;
-    if (item_gain < min_gain || extra >= kv_cap) continue;
-    if (g.padded_tokens && agg.query_tokens + 1 > d.padded_rank_tokens) continue;
-    const BatchAggregates::TokenMark mark = agg.Mark();
-    agg.AddQueryToken(RequestLoad{st.batch[i].ctx_tokens, pos});
-    const int next_deepest = std::max(deepest, static_cast<int>(pos));
-    if (model_.AttentionUs(agg) + rank_draft_us * next_deepest > barrier) {
-      agg.Restore(mark);
-      continue;
+  // One greedy pass from `agg` (the aggregates of the current plan); appends what it takes.
+  std::vector<uint32_t> added;  // indices into st.items, in the order taken
+  auto greedy = [&](BatchAggregates agg) {
+    for (uint32_t idx = 0; idx < st.items.size(); ++idx) {
+      const Item& it = st.items[idx];
+      const int32_t i = it.req_idx(), pos = it.pos();
+      if (pos > depth_cap || verify_len[i] != pos - 1) continue;
+      if (st.batch[i].acceptance.Accept(pos) < min_gain || extra >= kv_cap) continue;
+      if (g.padded_tokens && agg.query_tokens + 1 > d.padded_rank_tokens) continue;
+      const BatchAggregates::TokenMark mark = agg.Mark();
+      agg.AddQueryToken(RequestLoad{st.batch[i].ctx_tokens, pos});
+      const int next_deepest = std::max(deepest, static_cast<int>(pos));
+      if (model_.AttentionUs(agg) + rank_draft_us * next_deepest > barrier) {
+        agg.Restore(mark);
+        continue;
+      }
+      deepest = next_deepest;
+      verify_len[i] = pos;
+      ++extra;
+      added.push_back(idx);
     }
-    deepest = next_deepest;
-    verify_len[i] = pos;
-    gain += item_gain;
-    ++extra;
+  };
+  greedy(st.base_agg);
+  auto plan_gain = [&] {
+    double gain = 0;
+    for (size_t i = 0; i < n; ++i) gain += st.batch[i].acceptance.ExpectedTokens(verify_len[i]);
+    return gain;
+  };
+  if (!model_.uses_grid() || added.empty()) return plan_gain();
+
+  // With a kernel grid the greedy moved the simulated terms linearly from the base, and a real
+  // launch is not linear: waves and tails jump. The barrier is a max over ranks, so every rank
+  // whose plan the line underestimates would set a higher one. Check the plan with a
+  // simulation; if it is over the barrier, keep the longest prefix of what was added that fits
+  // (bisection); if it fits, fill on from a simulation at the plan, where the line is close.
+  // A few simulations per step (kMaxFillRounds + about log2 of the items added).
+  constexpr int kMaxFillRounds = 3;
+  std::vector<int32_t> committed(st.base_len.begin(), st.base_len.end());  // fits (the base does)
+  std::vector<RequestLoad> loads(n);
+  BatchAggregates exact;
+  auto simulate = [&](absl::Span<const int32_t> lens) {
+    exact = BatchAggregates{};
+    int deep = st.min_depth;
+    for (size_t i = 0; i < n; ++i) {
+      loads[i] = RequestLoad{st.batch[i].ctx_tokens, 1 + lens[i]};
+      exact.Add(loads[i]);
+      deep = std::max(deep, static_cast<int>(lens[i]));
+    }
+    model_.FillGrid(loads, &exact, exact.multi_query ? 2u : 1u);
+    return model_.AttentionUs(exact) + rank_draft_us * deep;
+  };
+  auto apply_prefix = [&](size_t m) {  // committed plan plus the first m items added
+    std::copy(committed.begin(), committed.end(), verify_len.begin());
+    for (size_t a = 0; a < m; ++a) {
+      const Item& it = st.items[added[a]];
+      verify_len[it.req_idx()] = it.pos();
+    }
+  };
+  for (int round = 1;; ++round) {
+    if (simulate(verify_len) > barrier) {
+      size_t lo = 0, hi = added.size();  // the committed plan fits; all of `added` does not
+      while (hi - lo > 1) {
+        const size_t mid = lo + (hi - lo) / 2;
+        apply_prefix(mid);
+        (simulate(verify_len) <= barrier ? lo : hi) = mid;
+      }
+      apply_prefix(lo);
+      break;
+    }
+    if (round == kMaxFillRounds) break;
+    std::copy(verify_len.begin(), verify_len.end(), committed.begin());
+    added.clear();
+    greedy(exact);  // `exact` holds the simulated plan: the line starts from here
+    if (added.empty()) break;
   }
-  return gain;
+  return plan_gain();
 }
 
 absl::StatusOr<GlobalDecision> Planner::PlanAll(absl::Span<const std::vector<PlanRequest>> batches,

@@ -163,7 +163,9 @@ TEST(GridTerms, ColdReadsLieBetweenUniqueKeysAndWorkOnRandomBatches) {
       EXPECT_GE(t[kGridColdReads0 + w], unique_blocks) << "trial " << trial;
       EXPECT_LE(t[kGridColdReads0 + w], t[kGridWork]) << "trial " << trial;
       // A longer reuse window never fetches more.
-      if (w > 0) EXPECT_LE(t[kGridColdReads0 + w], t[kGridColdReads0 + w - 1]) << "trial " << trial;
+      if (w > 0) {
+        EXPECT_LE(t[kGridColdReads0 + w], t[kGridColdReads0 + w - 1]) << "trial " << trial;
+      }
     }
   }
 }

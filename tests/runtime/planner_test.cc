@@ -257,6 +257,62 @@ TEST(PlannerProperties, DeterministicAndRespectsConstraintsOnRandomInstances) {
   }
 }
 
+// A model shaped like the H200 packed-rows fit (docs/generated/model_packed.json): fixed costs
+// and simulated makespans of the kernel grid, whose waves and tails make a rank's time jump
+// as verify tokens are added.
+CostModel PackedGridModel() {
+  CostModel::Weights w{};
+  w[FeatureIndex(Regime::kBase, CostTerm::kConstant)] = 17;
+  w[FeatureIndex(Regime::kMultiQuery, CostTerm::kConstant)] = 2;
+  w[FeatureIndex(Regime::kMultiQuery, CostTerm::kNumRequests)] = 0.0135;
+  w[FeatureIndex(Regime::kMultiQuery, CostTerm::kMaxKeyTokens)] = 0.0013;
+  w[FeatureIndex(Regime::kMultiQuery, CostTerm::kGrid0) + kGridMakespan0] = 0.57;
+  w[FeatureIndex(Regime::kMultiQuery, CostTerm::kGrid0) + kGridMakespan0 + 4] = 0.71;
+  w[FeatureIndex(Regime::kSingleQuery, CostTerm::kGrid0) + kGridMakespan0] = 0.36;
+  w[FeatureIndex(Regime::kSingleQuery, CostTerm::kGrid0) + kGridMakespan0 + 4] = 0.66;
+  return *CostModel::Create(w, "packed-grid", *KernelGrid::Named("fa2-packed-h200"));
+}
+
+// With a kernel-grid model the planner moves simulated terms linearly between simulations; the
+// barrier is a max over ranks, so a rank whose plan the line underestimates would raise it. Every
+// rank's plan, simulated, must fit under the planned barrier (the replay on the H200 truth ran
+// steps 19% over plan before Assign checked this), in both draft-depth modes and on both grids.
+TEST(PlannerProperties, WithAKernelGridEveryRankFitsUnderThePlannedBarrier) {
+  std::mt19937_64 rng(7);
+  CostModel::Weights gw{};
+  gw[FeatureIndex(Regime::kBase, CostTerm::kConstant)] = 20;
+  gw[FeatureIndex(Regime::kBase, CostTerm::kGrid0) + kGridMakespan0 + 1] = 1.5;
+  gw[FeatureIndex(Regime::kSingleQuery, CostTerm::kGrid0) + kGridCombine] = 0.2;
+  const CostModel models[] = {PackedGridModel(),
+                              *CostModel::Create(gw, "gqa-grid", *KernelGrid::Named("fa2-gqa-h200"))};
+  int planned_extra = 0;
+  for (int trial = 0; trial < 12; ++trial) {
+    const CostModel& m = models[trial % 2];
+    const int ranks = 4 + static_cast<int>(rng() % 13);
+    PlannerConfig c = RandomConfig(rng, ranks);
+    c.k_max = kMaxDraftLen;
+    c.global.ffn_per_token_us = 0.5;
+    c.agreed_draft_depth = trial % 4 < 2;
+    Batches b = RandomInstance(rng, ranks, 48, c.k_max, trial % 3 == 0);
+    const std::vector<int64_t> kv(ranks, -1);
+    const RankRun run = RunAsRanks(c, m, b, kv);
+    const GlobalDecision& d = run.decisions[0];
+    for (int r = 0; r < ranks; ++r) {
+      std::vector<RequestLoad> loads;
+      int rank_depth = 0;
+      for (size_t i = 0; i < b[r].size(); ++i) {
+        loads.push_back({b[r][i].ctx_tokens, 1 + run.k[r][i]});
+        rank_depth = std::max(rank_depth, static_cast<int>(run.k[r][i]));
+        planned_extra += run.k[r][i] - b[r][i].k_min;
+      }
+      const double rank_draft = c.agreed_draft_depth ? 0.0 : c.global.draft_per_step_us * rank_depth;
+      EXPECT_LE(m.AttentionUs(loads) + rank_draft, d.barrier_us * (1 + 1e-5) + 1e-3)
+          << "trial " << trial << " rank " << r << " of " << m.name();
+    }
+  }
+  EXPECT_GT(planned_extra, 0) << "no instance planned any extra verify work: the test is void";
+}
+
 // The planner's goodput at a barrier T of depth d, recomputed from the summaries alone: every rank
 // sits on its frontier segment containing T (a step between single-item knots, the chord
 // otherwise). Non-padded FFN, every summary usable.

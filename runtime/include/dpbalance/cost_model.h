@@ -160,9 +160,11 @@ class CostModel {
   bool uses_grid() const { return grid_.enabled() && (grid_mask_[0] | grid_mask_[1]) != 0; }
   // The aggregates of `batch`, with the grid terms simulated when the model uses them.
   BatchAggregates Aggregate(absl::Span<const RequestLoad> batch) const;
-  // Simulates the grid terms of `batch` (whose aggregates `agg` are) for both kernel paths,
-  // each only the simulated terms its path weighs; no-op unless `uses_grid()`.
-  void FillGrid(absl::Span<const RequestLoad> batch, BatchAggregates* agg) const;
+  // Simulates the grid terms of `batch` (whose aggregates `agg` are) for the kernel paths in
+  // `paths` (bit 0: every q_i = 1, bit 1: the verify launch; default both), each only the
+  // simulated terms its path weighs; no-op unless `uses_grid()`.
+  void FillGrid(absl::Span<const RequestLoad> batch, BatchAggregates* agg,
+                unsigned paths = 3u) const;
 
   const std::string& name() const { return name_; }
   // Returns a copy with every coefficient multiplied by `factor` (> 0).
