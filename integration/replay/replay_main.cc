@@ -177,6 +177,7 @@ nlohmann::json RowJson(const Row& w, const std::string& eval_cost) {
   j["requests_finished"] = r.requests_finished;
   j["blocked_step_fraction"] = r.blocked_step_fraction;
   j["planner_model_error"] = r.planner_model_error;
+  j["step_over_plan"] = r.step_over_plan;
   j["wall_s"] = r.wall_s;
   j["sim_steps_per_s"] = r.wall_s > 0 ? r.steps / r.wall_s : 0;
   return j;

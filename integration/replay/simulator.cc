@@ -99,6 +99,7 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
   int64_t active = 0;
   double now_us = 0;
   RunResult res;
+  double planned_step_sum = 0, actual_step_sum = 0;  // planner rows: the plan's step vs truth
   double sum_mean_attn = 0, sum_max_attn = 0, v1_act = 0, v1_ideal = 0, v2_act = 0, v2_ideal = 0;
   double ideal_time_us = 0, token_balance_sum = 0, k_sum = 0, k_count = 0, depth_sum = 0;
   int64_t blocked_steps = 0;
@@ -182,6 +183,7 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
       absl::StatusOr<GlobalDecision> d = planner->PlanAll(batches, kv_free, &verify);
       if (!d.ok()) return d.status();
       depth = d->draft_depth;
+      planned_step_sum += d->step_us;
     }
 
     // Step 3: truth timing of the step.
@@ -230,6 +232,7 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
     if (online) planner->set_model(online->model());
     const double global_us = truth.global.StepUs(sum_q, truth.per_rank_draft ? 0 : depth);
     const double step_us = max_attn + global_us;
+    if (planned) actual_step_sum += step_us;
     sum_mean_attn += sum_attn / R;
     sum_max_attn += max_attn;
     v1_act += PublishedInstanceCost(PublishedForm::kV1, aggs);
@@ -294,6 +297,7 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
   res.mean_verify_len = k_count > 0 ? k_sum / k_count : 0;
   res.mean_draft_depth = depth_sum / res.steps;
   res.blocked_step_fraction = static_cast<double>(blocked_steps) / res.steps;
+  res.step_over_plan = planned_step_sum > 0 ? actual_step_sum / planned_step_sum - 1 : 0;
   res.planner_model_error = model_error_n > 0 ? model_error_sum / model_error_n : 0;
   res.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count();
   return res;

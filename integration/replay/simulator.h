@@ -76,6 +76,7 @@ struct RunResult {
   double mean_verify_len = 0;          // mean k over request-steps
   double mean_draft_depth = 0;
   double blocked_step_fraction = 0;    // steps where the next request waited for KV capacity
+  double step_over_plan = 0;           // planner modes: sum of true step times / sum of planned - 1
   double planner_model_error = 0;      // online model: mean |predicted - truth| / truth per rank-step
   double wall_s = 0;
 };
