@@ -271,7 +271,8 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
     default_depth = std::max(default_depth, static_cast<int>(k));
   }
   // The default plan is the TPOT guard's reference: simulated, not moved from the base.
-  if (model_.uses_grid()) {
+  if (model_.uses_grid() &&
+      model_.kernel_grid().VerifyTermsDependOnQueryTokens(1 + config_.default_k)) {
     default_loads.reserve(batch.size());
     for (size_t i = 0; i < batch.size(); ++i) {
       default_loads.push_back(
@@ -841,7 +842,10 @@ double Planner::FillUnder(const LocalState& st, const GlobalDecision& d, int dep
     for (size_t i = 0; i < n; ++i) gain += st.batch[i].acceptance.ExpectedTokens(verify_len[i]);
     return gain;
   };
-  if (!model_.uses_grid() || added.empty()) return plan_gain();
+  if (!model_.uses_grid() || added.empty() ||
+      !model_.kernel_grid().VerifyTermsDependOnQueryTokens(1 + depth_cap)) {
+    return plan_gain();
+  }
 
   // With a kernel grid the greedy moved the simulated terms linearly from the base, and a real
   // launch is not linear: waves and tails jump. The barrier is a max over ranks, so every rank

@@ -170,6 +170,28 @@ TEST(GridTerms, ColdReadsLieBetweenUniqueKeysAndWorkOnRandomBatches) {
   }
 }
 
+// The planner skips its simulation check when the verify launch's terms cannot change with the
+// query tokens; that must hold on the head-major grid for every q up to a row block, and the
+// packed grid must say it depends (its terms do change).
+TEST(GridTerms, HeadMajorVerifyTermsDoNotDependOnQueryTokensWithinARowBlock) {
+  std::mt19937_64 rng(5);
+  const KernelGrid gqa = *KernelGrid::Named("fa2-gqa-h200");
+  const KernelGrid packed = *KernelGrid::Named("fa2-packed-h200");
+  EXPECT_FALSE(gqa.VerifyTermsDependOnQueryTokens(gqa.block_m));
+  EXPECT_TRUE(gqa.VerifyTermsDependOnQueryTokens(gqa.block_m + 1));
+  EXPECT_TRUE(packed.VerifyTermsDependOnQueryTokens(2));
+  int packed_changed = 0;
+  for (int trial = 0; trial < 10; ++trial) {
+    std::vector<RequestLoad> one(1 + rng() % 24), many;
+    for (RequestLoad& r : one) r.ctx_tokens = 1 + static_cast<int64_t>(rng() % 30000);
+    many = one;
+    for (RequestLoad& r : many) r.query_tokens = 1 + static_cast<int32_t>(rng() % gqa.block_m);
+    EXPECT_EQ(SimulateGrid(gqa, one, false), SimulateGrid(gqa, many, false)) << "trial " << trial;
+    packed_changed += SimulateGrid(packed, one, false) != SimulateGrid(packed, many, false);
+  }
+  EXPECT_GT(packed_changed, 0);
+}
+
 TEST(GridModel, EvaluatesRoundTripsAndNamesBadGrids) {
   CostModel::Weights w{};
   w[FeatureIndex(Regime::kBase, CostTerm::kConstant)] = 30;

@@ -22,7 +22,8 @@
 //     at once.
 // - Costs: SimulateGrid is O(CTAs log SMs) per makespan; a DP rank of 64 requests at q = 8 is ~1k CTAs
 //   (packed) or 8k CTAs (head-major). The planner simulates once per step and kernel path, and
-//   moves the terms linearly with the batch's work in between (`GridState`).
+//   moves the terms linearly with the batch's work in between (`GridState`); Assign then
+//   simulates each rank's filled plan a few times to keep it under the barrier (planner.cc).
 #pragma once
 
 #include <array>
@@ -48,6 +49,12 @@ struct KernelGrid {
   int max_splits = 128;  // split-KV limit (head-major, every q_i = 1)
 
   bool enabled() const { return layout != Layout::kNone; }
+  // Whether the verify launch's grid terms change with the requests' query tokens when none has
+  // more than `max_query_tokens`: packed rows add CTAs per token; a head-major launch does not
+  // while every request's queries fit one row block (then the planner's linear move is exact).
+  bool VerifyTermsDependOnQueryTokens(int max_query_tokens) const {
+    return layout == Layout::kPackedRows || (layout == Layout::kHeadMajor && max_query_tokens > block_m);
+  }
   // "none", "fa2-gqa-h200" (head-major), "fa2-packed-h200" (packed rows). Unknown names are an
   // error that lists the known ones.
   static absl::StatusOr<KernelGrid> Named(std::string_view name);
