@@ -76,7 +76,8 @@ struct RunResult {
   double mean_verify_len = 0;          // mean k over request-steps
   double mean_draft_depth = 0;
   double blocked_step_fraction = 0;    // steps where the next request waited for KV capacity
-  double step_over_plan = 0;           // planner modes: sum of true step times / sum of planned - 1
+  double step_over_plan = 0;           // sum of true step times / sum of planned - 1 (0: no
+                                       // instance plan, as in static and local runs)
   double planner_model_error = 0;      // online model: mean |predicted - truth| / truth per rank-step
   double wall_s = 0;
 };
