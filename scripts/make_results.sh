@@ -36,6 +36,14 @@ $B/integration/dpbalance-replay --truth docs/generated/model_packed.json --truth
 $B/integration/dpbalance-replay --truth docs/generated/model_packed.json --truth_layers 61 \
   --planner_model v2 --json docs/generated/replay_h200truth_v2planner.json \
   | tee docs/generated/replay_h200truth_v2planner.txt
+# Online planners that know the kernel: from the offline packed fit, and from V2 with the
+# packed grid's makespans seeded (what an engine without a calibration run can set).
+for start in docs/generated/model_packed.json v2+fa2-packed-h200; do
+  n=$(echo $start | sed 's|docs/generated/model_packed.json|packedfit|; s|v2+fa2-packed-h200|v2grid|')
+  $B/integration/dpbalance-replay --truth docs/generated/model_packed.json --truth_layers 61 \
+    --compare=false --verify goodput --k 5 --tpot_slo_ms=off --planner_model online:$start \
+    --json docs/generated/replay_h200truth_online_$n.json | tee docs/generated/replay_h200truth_online_$n.txt
+done
 # The same with the previous truth, the packed fit without the kernel grid (sums and maxima).
 $B/integration/dpbalance-replay --truth docs/generated/model_packed_nogrid.json --truth_layers 61 \
   --json docs/generated/replay_h200truth_nogrid.json | tee docs/generated/replay_h200truth_nogrid.txt

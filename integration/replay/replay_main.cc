@@ -51,10 +51,12 @@ ABSL_FLAG(std::string, tpot_slo_ms, "auto",
           "the comparison; the same routing at the default k in a single run); 'off' or 0: none");
 ABSL_FLAG(double, step_slack, 0.03,
           "planner TPOT guard: step time <= (1 + this) x the default-k step; < 0 disables");
-ABSL_FLAG(std::string, truth, "v2", "truth attention model: v2, v1 or a cost-model JSON file");
+ABSL_FLAG(std::string, truth, "v2",
+          "truth attention model: v2, v1, v2+GRID or a cost-model JSON file");
 ABSL_FLAG(std::string, planner_model, "truth",
-          "planner's model: truth, v2, v1, a JSON file, or online[:START] (refit online from the "
-          "measured attention, starting from START = v2 by default)");
+          "planner's model: truth, v2, v1, v2+GRID (V2 with a kernel grid's makespans seeded, e.g. "
+          "v2+fa2-packed-h200), a JSON file, or online[:START] (refit online from the measured "
+          "attention, starting from START = v2 by default)");
 ABSL_FLAG(int, truth_layers, 1,
           "attention layers per step: the truth model (e.g. a per-layer fit from "
           "dpbalance-calibrate) is multiplied by this");
@@ -99,9 +101,7 @@ absl::StatusOr<std::optional<double>> ParseSlo(const std::string& v) {
 }
 
 absl::StatusOr<CostModel> ModelByName(const std::string& name, const std::string& flag) {
-  if (name == "v2") return CostModel::PublishedV2();
-  if (name == "v1") return CostModel::PublishedV1();
-  absl::StatusOr<CostModel> m = CostModel::FromFile(name);
+  absl::StatusOr<CostModel> m = CostModel::FromSpec(name);
   if (!m.ok()) return absl::InvalidArgumentError(absl::StrCat(flag, ": ", m.status().message()));
   return m;
 }

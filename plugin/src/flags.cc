@@ -95,15 +95,9 @@ const std::map<std::string, Setter>& Table() {
          return absl::OkStatus();
        }},
       {"cost_model", [](PluginFlags& f, const std::string& v) -> absl::Status {
-         if (v == "v2") {
-           f.balancer.model = CostModel::PublishedV2();
-         } else if (v == "v1") {
-           f.balancer.model = CostModel::PublishedV1();
-         } else {
-           absl::StatusOr<CostModel> m = CostModel::FromFile(v);
-           if (!m.ok()) return m.status();
-           f.balancer.model = *m;
-         }
+         absl::StatusOr<CostModel> m = CostModel::FromSpec(v);
+         if (!m.ok()) return m.status();
+         f.balancer.model = *std::move(m);
          return absl::OkStatus();
        }},
       {"ffn_fixed_us", Double(0, 1e9, [](PluginFlags& f, double x) { f.balancer.planner.global.ffn_fixed_us = x; })},

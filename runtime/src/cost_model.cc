@@ -270,6 +270,40 @@ absl::StatusOr<CostModel> CostModel::FromFile(const std::string& path) {
   return FromJson(ss.str(), path);
 }
 
+absl::StatusOr<CostModel> CostModel::FromSpec(std::string_view spec_view) {
+  const std::string spec(spec_view);  // this absl's StrCat takes no std::string_view
+  const size_t plus = spec.find('+');
+  const std::string form = spec.substr(0, plus);
+  if (form != "v1" && form != "v2") {
+    if (plus != std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cost model '", spec, "': a grid goes after v1 or v2 (e.g. v2+fa2-packed-h200)"));
+    }
+    return FromFile(spec);
+  }
+  CostModel m = form == "v1" ? PublishedV1() : PublishedV2();
+  if (plus == std::string::npos) return m;
+  absl::StatusOr<KernelGrid> grid = KernelGrid::Named(spec.substr(plus + 1));
+  if (!grid.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cost model '", spec, "': ", std::string(grid.status().message())));
+  }
+  return m.WithSeededGrid(*grid);
+}
+
+CostModel CostModel::WithSeededGrid(const KernelGrid& grid) const {
+  Weights w = weights_us_;
+  for (Regime r : {Regime::kSingleQuery, Regime::kMultiQuery}) {
+    for (int j = 0; j < kNumGridMakespans; ++j) {
+      const int base = FeatureIndex(Regime::kBase, CostTerm::kGrid0) + kGridMakespan0 + j;
+      double& x = w[FeatureIndex(r, CostTerm::kGrid0) + kGridMakespan0 + j];
+      if (x == 0 && w[base] == 0) x = kGridSeedUs;
+    }
+  }
+  absl::StatusOr<CostModel> m = Create(w, absl::StrCat(name_, "+", grid.Name()), grid);
+  return m.ok() ? *std::move(m) : *this;  // the weights were valid and the seeds are positive
+}
+
 absl::Status GlobalCost::Validate() const {
   const std::pair<const char*, double> fields[] = {{"ffn_fixed_us", ffn_fixed_us},
                                                    {"ffn_per_token_us", ffn_per_token_us},

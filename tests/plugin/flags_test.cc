@@ -45,6 +45,10 @@ TEST(Flags, UnknownAndMalformedFlagsAreNamed) {
   EXPECT_FALSE(ParseFlags({}, "tiers=8,-1").ok());
   EXPECT_FALSE(ParseFlags({}, "k_max=2;default_k=3").ok());
   EXPECT_FALSE(ParseFlags({}, "cost_model=/nonexistent.json").ok());
+  EXPECT_FALSE(ParseFlags({}, "cost_model=v2+fa9").ok());
+  absl::StatusOr<PluginFlags> grid = ParseFlags({}, "cost_model=v2+fa2-packed-h200");
+  ASSERT_TRUE(grid.ok()) << grid.status();
+  EXPECT_TRUE(grid->balancer.model.uses_grid());
   EXPECT_FALSE(ParseFlags({}, "ffn_per_token_us=nan").ok());
   f = ParseFlags({{"DPB_TPOT_SLO_MS", "-3"}}, "");
   ASSERT_FALSE(f.ok());

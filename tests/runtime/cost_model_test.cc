@@ -102,6 +102,43 @@ TEST(CostModel, JsonRoundTripAndErrors) {
   EXPECT_FALSE(CostModel::FromJson("{\"format\":\"x\"}", "g").ok());
 }
 
+// "v2+GRID": V2's plain weights, the named grid, and a seed on every makespan of both kernel
+// paths (so the terms are simulated and an online refit can learn them), adding at most
+// microseconds; bad specs name themselves.
+TEST(CostModel, SpecsNameTheFormsGridsAndFiles) {
+  const CostModel v2 = CostModel::PublishedV2();
+  EXPECT_EQ(CostModel::FromSpec("v2")->Hash(), v2.Hash());
+  EXPECT_EQ(CostModel::FromSpec("v1")->Hash(), CostModel::PublishedV1().Hash());
+  absl::StatusOr<CostModel> seeded = CostModel::FromSpec("v2+fa2-packed-h200");
+  ASSERT_TRUE(seeded.ok()) << seeded.status();
+  EXPECT_EQ(seeded->kernel_grid(), *KernelGrid::Named("fa2-packed-h200"));
+  EXPECT_TRUE(seeded->uses_grid());
+  for (Regime r : {Regime::kSingleQuery, Regime::kMultiQuery}) {
+    for (int j = 0; j < kNumGridMakespans; ++j) {
+      EXPECT_EQ(seeded->weights_us()[FeatureIndex(r, CostTerm::kGrid0) + kGridMakespan0 + j],
+                CostModel::kGridSeedUs);
+    }
+  }
+  for (int t = 0; t < kNumPlainTerms; ++t) {
+    EXPECT_EQ(seeded->weights_us()[t], v2.weights_us()[t]) << FeatureName(t);
+  }
+  const RequestLoad batch[] = {{30000, 3}, {800, 1}, {12000, 5}};
+  const double extra = seeded->AttentionUs(batch) - v2.AttentionUs(batch);
+  EXPECT_GT(extra, 0);
+  EXPECT_LT(extra, 10);  // microseconds, on a V2 cost of milliseconds
+
+  absl::StatusOr<CostModel> bad_grid = CostModel::FromSpec("v2+fa9");
+  ASSERT_FALSE(bad_grid.ok());
+  EXPECT_NE(bad_grid.status().message().find("v2+fa9"), std::string::npos);
+  EXPECT_NE(bad_grid.status().message().find("'fa9'"), std::string::npos);
+  absl::StatusOr<CostModel> bad_form = CostModel::FromSpec("v3+fa2-packed-h200");
+  ASSERT_FALSE(bad_form.ok());
+  EXPECT_NE(bad_form.status().message().find("v3+fa2-packed-h200"), std::string::npos);
+  absl::StatusOr<CostModel> missing = CostModel::FromSpec("/nonexistent/model.json");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("/nonexistent/model.json"), std::string::npos);
+}
+
 TEST(GlobalCost, ValidateNamesField) {
   GlobalCost g;
   g.ffn_per_token_us = std::nan("");

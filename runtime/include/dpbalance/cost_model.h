@@ -144,6 +144,15 @@ class CostModel {
 
   // Loads a model file written by dpbalance-calibrate (JSON). Errors name the file and field.
   static absl::StatusOr<CostModel> FromFile(const std::string& path);
+  // A model named the way flags name one: "v1", "v2", "v1+GRID" / "v2+GRID" (the published form
+  // with a KernelGrid::Named grid whose makespans are seeded, `WithSeededGrid`), or a JSON file.
+  // Errors name the spec.
+  static absl::StatusOr<CostModel> FromSpec(std::string_view spec);
+  // A copy with `grid`, and a small weight (kGridSeedUs) on every makespan term of both kernel
+  // paths that has none: the terms are then simulated and an online refit can learn their
+  // weights (it only learns terms its starting model weighs). The seed adds microseconds at most.
+  static constexpr double kGridSeedUs = 1e-3;  // per key-block iteration of the makespan
+  CostModel WithSeededGrid(const KernelGrid& grid) const;
   static absl::StatusOr<CostModel> FromJson(std::string_view json_text, std::string_view source);
   std::string ToJson() const;
 
