@@ -160,16 +160,13 @@ double CostModel::AttentionUs(const BatchAggregates& a) const {
 }
 
 double CostModel::AttentionUs(absl::Span<const RequestLoad> batch) const {
-  BatchAggregates agg;
-  for (const RequestLoad& r : batch) agg.Add(r);
-  FillGrid(batch, &agg, agg.multi_query ? 2u : 1u);  // only the launch this batch runs
-  return AttentionUs(agg);
+  return AttentionUs(Aggregate(batch));
 }
 
 BatchAggregates CostModel::Aggregate(absl::Span<const RequestLoad> batch) const {
   BatchAggregates agg;
   for (const RequestLoad& r : batch) agg.Add(r);
-  FillGrid(batch, &agg);
+  FillGrid(batch, &agg, agg.multi_query ? 2u : 1u);  // only the launch this batch runs
   return agg;
 }
 

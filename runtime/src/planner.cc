@@ -260,25 +260,25 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
   const double rank_draft_us = config_.agreed_draft_depth ? 0.0 : config_.global.draft_per_step_us;
   st.min_depth = min_depth;
   st.base_attention_us = model_.AttentionUs(st.base_agg) + rank_draft_us * min_depth;
-  BatchAggregates default_agg;
   double default_gain = 0;
   int default_depth = 0;
-  std::vector<RequestLoad> default_loads;
+  st.default_loads.clear();
   for (size_t i = 0; i < batch.size(); ++i) {
     const int32_t k = DefaultVerifyLen(config_.default_k, batch[i].k_cap);
-    default_agg.Add(RequestLoad{batch[i].ctx_tokens, 1 + k});
+    st.default_loads.push_back(RequestLoad{batch[i].ctx_tokens, 1 + k});
     default_gain += batch[i].acceptance.ExpectedTokens(k);
     default_depth = std::max(default_depth, static_cast<int>(k));
   }
-  // The default plan is the TPOT guard's reference: simulated, not moved from the base.
+  // The default plan is the TPOT guard's reference. Where the base's simulation moves exactly
+  // with the query tokens (no grid, or a head-major one) it is priced from the base's;
+  // otherwise it is simulated.
+  BatchAggregates default_agg;
   if (model_.uses_grid() &&
       model_.kernel_grid().VerifyTermsDependOnQueryTokens(1 + config_.default_k)) {
-    default_loads.reserve(batch.size());
-    for (size_t i = 0; i < batch.size(); ++i) {
-      default_loads.push_back(
-          RequestLoad{batch[i].ctx_tokens, 1 + DefaultVerifyLen(config_.default_k, batch[i].k_cap)});
-    }
-    model_.FillGrid(default_loads, &default_agg, default_agg.multi_query ? 2u : 1u);
+    default_agg = model_.Aggregate(st.default_loads);
+  } else {
+    for (const RequestLoad& l : st.default_loads) default_agg.Add(l);
+    default_agg.grid = st.base_agg.grid;
   }
 
   // Step 2: extra-token items ordered by expected tokens per marginal microsecond. An item whose
@@ -856,16 +856,14 @@ double Planner::FillUnder(const LocalState& st, const GlobalDecision& d, int dep
   constexpr int kMaxFillRounds = 3;
   std::vector<int32_t> committed(st.base_len.begin(), st.base_len.end());  // fits (the base does)
   std::vector<RequestLoad> loads(n);
-  BatchAggregates exact;
+  BatchAggregates exact;  // the last plan simulated (its verify launch: every plan here adds)
   auto simulate = [&](absl::Span<const int32_t> lens) {
-    exact = BatchAggregates{};
     int deep = st.min_depth;
     for (size_t i = 0; i < n; ++i) {
       loads[i] = RequestLoad{st.batch[i].ctx_tokens, 1 + lens[i]};
-      exact.Add(loads[i]);
       deep = std::max(deep, static_cast<int>(lens[i]));
     }
-    model_.FillGrid(loads, &exact, exact.multi_query ? 2u : 1u);
+    exact = model_.Aggregate(loads);
     return model_.AttentionUs(exact) + rank_draft_us * deep;
   };
   auto apply_prefix = [&](size_t m) {  // committed plan plus the first m items added

@@ -308,6 +308,19 @@ TEST(PlannerProperties, WithAKernelGridEveryRankFitsUnderThePlannedBarrier) {
       const double rank_draft = c.agreed_draft_depth ? 0.0 : c.global.draft_per_step_us * rank_depth;
       EXPECT_LE(m.AttentionUs(loads) + rank_draft, d.barrier_us * (1 + 1e-5) + 1e-3)
           << "trial " << trial << " rank " << r << " of " << m.name();
+      // The default plan (the TPOT guard's reference) is priced as simulated, on both grids.
+      std::vector<RequestLoad> default_loads;
+      int default_depth = 0;
+      for (const PlanRequest& q : b[r]) {
+        const int32_t k = DefaultVerifyLen(c.default_k, q.k_cap);
+        default_loads.push_back({q.ctx_tokens, 1 + k});
+        default_depth = std::max(default_depth, static_cast<int>(k));
+      }
+      const double default_draft =
+          c.agreed_draft_depth ? 0.0 : c.global.draft_per_step_us * default_depth;
+      EXPECT_NEAR(run.summaries[r].default_attention_us, m.AttentionUs(default_loads) + default_draft,
+                  1e-5 * (m.AttentionUs(default_loads) + default_draft))
+          << "trial " << trial << " rank " << r << " of " << m.name();
     }
   }
   EXPECT_GT(planned_extra, 0) << "no instance planned any extra verify work: the test is void";

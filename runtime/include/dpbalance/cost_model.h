@@ -167,7 +167,9 @@ class CostModel {
   const KernelGrid& kernel_grid() const { return grid_; }
   // Whether any grid term has a nonzero weight (then aggregates need `FillGrid`).
   bool uses_grid() const { return grid_.enabled() && (grid_mask_[0] | grid_mask_[1]) != 0; }
-  // The aggregates of `batch`, with the grid terms simulated when the model uses them.
+  // The aggregates of `batch`, with the grid terms simulated when the model uses them, for the
+  // launch the batch runs only (what its cost and features read). A caller that then adds
+  // query tokens to a batch of single-query requests needs `FillGrid` with both paths.
   BatchAggregates Aggregate(absl::Span<const RequestLoad> batch) const;
   // Simulates the grid terms of `batch` (whose aggregates `agg` are) for the kernel paths in
   // `paths` (bit 0: every q_i = 1, bit 1: the verify launch; default both), each only the

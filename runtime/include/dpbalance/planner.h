@@ -143,6 +143,7 @@ class Planner {
     int64_t kv_free_tokens = -1;
     BatchAggregates base_agg;
     std::vector<RequestLoad> base_loads;  // for the kernel-grid simulation (grid models only)
+    std::vector<RequestLoad> default_loads;  // the engine's default plan (scratch)
     double base_attention_us = 0;
     int min_depth = 0;  // the deepest floor
   };
