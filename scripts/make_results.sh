@@ -60,22 +60,9 @@ $PY scripts/plot_results.py docs/generated/replay_azure.json docs/results_azure.
   "Azure conversation trace 2023, DP64, closed loop 2048, truth V2"
 $PY scripts/plot_results.py docs/generated/replay_h200truth.json docs/results_h200truth.png \
   "Mooncake trace, DP64, truth = H200 packed-attention fit x 61 layers"
-# Routing rows A, D z1.2 / z1.3 and E at k = 1 over five acceptance seeds (docs/results.md
-# section 1): how far apart they are against the seed-to-seed spread.
-{
-  printf "%-6s %4s %8s %8s %8s %10s\n" run seed bubble costR costR-v1 goodput
-  for seed in 1 2 3 4 5; do
-    for cfg in "A" "D --z 1.2" "D --z 1.3" "E"; do
-      $B/integration/dpbalance-replay --compare=false --routing $cfg --k 1 --seed $seed \
-        | awk -v cfg="$(echo $cfg | tr -d ' -')" -v seed=$seed \
-          '$1 ~ /^[ADE]$/ && $2 == "off" {printf "%-6s %4d %8s %8s %8s %10s\n", cfg, seed, $7, $8, $9, $10}'
-    done
-  done
-} | tee docs/generated/routing_seeds.txt
-awk 'NR > 1 {n[$1]++; b[$1] += $3; c[$1] += $4; v[$1] += $5; g[$1] += $6}
-     END {for (r in n) printf "mean %-6s bubble %.4f costR %.4f costR-v1 %.4f goodput %.1f\n",
-          r, b[r]/n[r], c[r]/n[r], v[r]/n[r], g[r]/n[r]}' docs/generated/routing_seeds.txt \
-  | sort | tee -a docs/generated/routing_seeds.txt
+# Routing rows A, D z1.2 / z1.3 and E at k = 1 over twenty acceptance seeds (docs/results.md
+# section 1): how far apart they are against the seed-to-seed spread, with paired differences.
+$PY scripts/routing_seeds.py $B/integration/dpbalance-replay 20 | tee docs/generated/routing_seeds.txt
 # A dense draft that each rank runs to its own depth (docs/results.md section 1).
 $B/integration/dpbalance-replay --draft per_rank --json docs/generated/replay_mooncake_per_rank_draft.json \
   | tee docs/generated/replay_mooncake_per_rank_draft.txt
