@@ -1,0 +1,323 @@
+"""dpbalance for Python decode engines: the C plugin ABI (v1) through ctypes.
+
+A Python engine (SGLang, vLLM, ...) loads `libdpbalance.so` the way a C++ engine does: by
+`DPB_PLUGIN` (a name, file or path; `none` disables), the one exported symbol
+`dpbalancePlugin_v1`, and `DPB_*` flags (docs/flags.md). This module adds nothing to the
+plugin's logic; it only marshals the C structs and lets a Python callable be the all-gather,
+so the ranks exchange their summaries over the engine's own CPU group (no second NCCL comm):
+
+    from dpbalance_plugin import DpBalance, Request, Accepted, torch_allgather
+
+    dpb = DpBalance.load(num_ranks=dp_size, rank=dp_rank, config="default_k=3;k_max=7",
+                         allgather=torch_allgather(cpu_group))   # None if DPB_PLUGIN=none
+    # every decode step, on every DP rank, before the verify forward:
+    lens, depth = dpb.plan([Request(rid, ctx, k_min=0, k_cap=min(7, left - 1)) for ...])
+    ... draft to `depth`, verify lens[i] drafts of request i, accept ...
+    dpb.report(attention_us, step_us, [Accepted(rid, lens[i], accepted_i, finished_i) ...])
+
+Failure contract (the plugin's, kept here): `plan` never raises for a balancing failure. When
+the plugin falls back it still fills every verify length with the engine's default
+(`DPB_DEFAULT_K`, capped by k_cap) and `plan` returns those; `last_result` says why
+(dpbFallback for one step, dpbDisabled for the rest of the run). An all-gather callable that
+raises, times out or returns the wrong number of bytes disables balancing on that rank: after a
+failed collective the ranks can no longer be known to be in lockstep, so it is not called again.
+Only programming errors raise: a bad argument, a library that cannot be loaded, or `init`
+refusing the flags (DpBalanceError, naming them).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+__all__ = ["DpBalance", "DpBalanceError", "Request", "Accepted", "RESULT_NAMES",
+           "resolve_library", "torch_allgather"]
+
+log = logging.getLogger("dpbalance")
+
+SYMBOL = "dpbalancePlugin_v1"
+DEFAULT_LIBRARY = "libdpbalance.so"
+
+# dpbResult_t
+SUCCESS, FALLBACK, INVALID_ARGUMENT, INTERNAL_ERROR, DISABLED = range(5)
+RESULT_NAMES = {SUCCESS: "dpbSuccess", FALLBACK: "dpbFallback",
+                INVALID_ARGUMENT: "dpbInvalidArgument", INTERNAL_ERROR: "dpbInternalError",
+                DISABLED: "dpbDisabled"}
+# dpbBackend_t
+BACKEND_FROM_FLAGS, BACKEND_IN_PROCESS, BACKEND_CALLBACK, BACKEND_NCCL = range(4)
+
+
+class DpBalanceError(RuntimeError):
+    """The plugin could not be loaded or initialised (the message names what and why)."""
+
+
+# --- the C structs of dpbalance_plugin_v1.h, field for field -------------------------------
+
+AllGatherFn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                               ctypes.c_size_t, ctypes.c_int32)
+
+
+class _InitArgs(ctypes.Structure):
+    _fields_ = [("num_ranks", ctypes.c_int32), ("rank", ctypes.c_int32),
+                ("config", ctypes.c_char_p), ("backend", ctypes.c_int),
+                ("allgather_fn", AllGatherFn), ("allgather_user", ctypes.c_void_p),
+                ("nccl_comm", ctypes.c_void_p), ("cuda_stream", ctypes.c_void_p),
+                ("nccl_unique_id", ctypes.c_void_p), ("cuda_device", ctypes.c_int32)]
+
+
+class _Request(ctypes.Structure):
+    _fields_ = [("request_id", ctypes.c_int64), ("ctx_tokens", ctypes.c_int64),
+                ("k_min", ctypes.c_int32), ("k_cap", ctypes.c_int32),
+                ("draft_confidence", ctypes.POINTER(ctypes.c_float)),
+                ("num_confidence", ctypes.c_int32)]
+
+
+class _Accepted(ctypes.Structure):
+    _fields_ = [("request_id", ctypes.c_int64), ("verify_len", ctypes.c_int32),
+                ("accepted", ctypes.c_int32), ("finished", ctypes.c_int32)]
+
+
+class _Stats(ctypes.Structure):
+    _fields_ = [("steps", ctypes.c_int64), ("balanced_steps", ctypes.c_int64),
+                ("fallbacks", ctypes.c_int64), ("enabled", ctypes.c_int32),
+                ("bubble_fraction", ctypes.c_double), ("bubble_us", ctypes.c_double),
+                ("predicted_error", ctypes.c_double), ("tokens_per_step", ctypes.c_double),
+                ("goodput_tok_per_s", ctypes.c_double),
+                ("ab_on_epochs", ctypes.c_int64), ("ab_off_epochs", ctypes.c_int64),
+                ("ab_on_bubble", ctypes.c_double), ("ab_on_bubble_ci95", ctypes.c_double),
+                ("ab_on_goodput", ctypes.c_double), ("ab_on_goodput_ci95", ctypes.c_double),
+                ("ab_off_bubble", ctypes.c_double), ("ab_off_bubble_ci95", ctypes.c_double),
+                ("ab_off_goodput", ctypes.c_double), ("ab_off_goodput_ci95", ctypes.c_double)]
+
+
+class _Plugin(ctypes.Structure):
+    _fields_ = [
+        ("name", ctypes.c_char_p),
+        ("init", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(_InitArgs),
+                                  ctypes.POINTER(ctypes.c_void_p))),
+        ("plan", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(_Request),
+                                  ctypes.c_int32, ctypes.c_int64, ctypes.POINTER(ctypes.c_int32),
+                                  ctypes.POINTER(ctypes.c_int32))),
+        ("report", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_double,
+                                    ctypes.c_double, ctypes.POINTER(_Accepted), ctypes.c_int32)),
+        ("stats", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(_Stats))),
+        ("finalize", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)),
+    ]
+
+
+# --- what the engine passes --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Request:
+    """One request of this rank's batch, this step (dpbRequest_v1_t)."""
+    request_id: int
+    ctx_tokens: int          # tokens in KV before this step
+    k_min: int = 0           # floor on the verify length (e.g. the engine's own SLO rule)
+    k_cap: int = 7           # min(draft depth limit, tokens the request may still emit - 1)
+    draft_confidence: Optional[Sequence[float]] = None  # per-position confidence, optional
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """What a request's verify did this step (dpbAccepted_v1_t)."""
+    request_id: int
+    verify_len: int
+    accepted: int
+    finished: bool = False
+
+
+def resolve_library(library: Optional[str] = None) -> Optional[str]:
+    """The file to dlopen: `library`, else $DPB_PLUGIN, else libdpbalance.so; None for `none`.
+
+    NCCL's convention, as the reference engine: a bare name `foo` means `libfoo.so`."""
+    name = library if library else os.environ.get("DPB_PLUGIN", "") or DEFAULT_LIBRARY
+    if name == "none":
+        return None
+    if "/" not in name and ".so" not in name:
+        name = f"lib{name}.so"
+    return name
+
+
+def _int_field(value, what: str, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"dpbalance: {what} = {value!r} is not an integer")
+    if not lo <= value <= hi:
+        raise ValueError(f"dpbalance: {what} = {value} is out of range {lo}..{hi}")
+    return value
+
+
+class DpBalance:
+    """One DP rank's balancer, behind the plugin's C ABI. Not thread-safe: one per rank."""
+
+    @classmethod
+    def load(cls, num_ranks: int, rank: int, config: str = "", allgather=None,
+             library: Optional[str] = None) -> Optional["DpBalance"]:
+        """Like the constructor, but returns None when DPB_PLUGIN (or `library`) is `none`."""
+        if resolve_library(library) is None:
+            log.info("dpbalance: DPB_PLUGIN=none, running without it")
+            return None
+        return cls(num_ranks, rank, config, allgather, library)
+
+    def __init__(self, num_ranks: int, rank: int, config: str = "",
+                 allgather: Optional[Callable[[bytes, int], bytes]] = None,
+                 library: Optional[str] = None):
+        """`allgather(send: bytes, timeout_ms: int) -> bytes` must return every rank's record
+        (num_ranks * len(send) bytes, rank order) and is called on every rank in lockstep.
+        Without it the backend comes from the flags (DPB_BACKEND: nccl or inproc)."""
+        _int_field(num_ranks, "num_ranks", 1, 1 << 20)
+        _int_field(rank, "rank", 0, num_ranks - 1)
+        path = resolve_library(library)
+        if path is None:
+            raise DpBalanceError("dpbalance: the plugin is disabled (DPB_PLUGIN=none); "
+                                 "use DpBalance.load(), which returns None")
+        try:
+            self._lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
+        except OSError as e:
+            raise DpBalanceError(f"dpbalance: cannot load plugin '{path}': {e}") from e
+        try:
+            self._plugin = _Plugin.in_dll(self._lib, SYMBOL)
+        except ValueError as e:
+            raise DpBalanceError(f"dpbalance: '{path}' has no symbol {SYMBOL}") from e
+        self.num_ranks, self.rank, self.path = num_ranks, rank, path
+        self.name = (self._plugin.name or b"").decode()
+        self.last_result = SUCCESS
+        self._user_allgather = allgather
+        self._callback_error: Optional[BaseException] = None
+        # Kept referenced for the context's lifetime: the plugin holds the raw pointer.
+        self._cfn = AllGatherFn(self._allgather_trampoline) if allgather else AllGatherFn()
+        self._config = (config or "").encode()
+        args = _InitArgs(num_ranks=num_ranks, rank=rank, config=self._config,
+                         backend=BACKEND_CALLBACK if allgather else BACKEND_FROM_FLAGS,
+                         allgather_fn=self._cfn, cuda_device=-1)
+        self._ctx = ctypes.c_void_p()
+        rc = self._plugin.init(ctypes.byref(args), ctypes.byref(self._ctx))
+        if rc != SUCCESS:
+            self._ctx = ctypes.c_void_p()
+            raise DpBalanceError(
+                f"dpbalance: init of rank {rank}/{num_ranks} with config '{config}' returned "
+                f"{RESULT_NAMES.get(rc, rc)} (the plugin's log on stderr names the flag or cause)")
+        # Buffers reused across steps (grown on demand): no allocation per step in steady state.
+        self._cap = 0
+        self._reqs = self._lens = None
+        self._acc_cap = 0
+        self._acc = None
+        self._depth = ctypes.c_int32(0)
+
+    # The plugin calls this from inside plan(), on this rank's thread.
+    def _allgather_trampoline(self, _user, send, recv, record_bytes, timeout_ms) -> int:
+        try:
+            out = self._user_allgather(ctypes.string_at(send, record_bytes), int(timeout_ms))
+            want = record_bytes * self.num_ranks
+            if len(out) != want:
+                raise ValueError(f"all-gather returned {len(out)} bytes, expected {want} "
+                                 f"({self.num_ranks} ranks x {record_bytes})")
+            ctypes.memmove(recv, bytes(out), want)
+            return 0
+        except BaseException as e:  # never let an exception unwind through C
+            self._callback_error = e
+            return 1
+
+    def _grow(self, n: int) -> None:
+        if n > self._cap:
+            self._cap = max(n, 2 * self._cap, 16)
+            self._reqs = (_Request * self._cap)()
+            self._lens = (ctypes.c_int32 * self._cap)()
+
+    def plan(self, requests: Sequence[Request], kv_free_tokens: int = -1):
+        """Returns (verify lengths in request order, draft depth). Call on every rank each step.
+
+        `kv_free_tokens`: KV tokens left for extra verify tokens on this rank (< 0: no limit)."""
+        if not self._ctx:
+            raise DpBalanceError("dpbalance: plan() after close()")
+        n = len(requests)
+        self._grow(n)
+        conf = []  # keeps confidence arrays alive through the call
+        for i, r in enumerate(requests):
+            c = self._reqs[i]
+            c.request_id = _int_field(r.request_id, f"requests[{i}].request_id", -(1 << 63), (1 << 63) - 1)
+            c.ctx_tokens = _int_field(r.ctx_tokens, f"requests[{i}].ctx_tokens", 0, (1 << 63) - 1)
+            c.k_min = _int_field(r.k_min, f"requests[{i}].k_min", 0, 1 << 20)
+            c.k_cap = _int_field(r.k_cap, f"requests[{i}].k_cap", 0, 1 << 20)
+            if r.draft_confidence:
+                arr = (ctypes.c_float * len(r.draft_confidence))(*r.draft_confidence)
+                conf.append(arr)
+                c.draft_confidence, c.num_confidence = arr, len(r.draft_confidence)
+            else:
+                c.draft_confidence, c.num_confidence = None, 0
+        self._callback_error = None
+        self.last_result = self._plugin.plan(self._ctx, self._reqs, n, int(kv_free_tokens),
+                                             self._lens, ctypes.byref(self._depth))
+        if self._callback_error is not None:
+            log.warning("dpbalance: rank %d all-gather callback failed (%s); default lengths "
+                        "this step", self.rank, self._callback_error)
+        return list(self._lens[:n]), int(self._depth.value)
+
+    def report(self, attention_us: float, step_us: float, accepted: Sequence[Accepted]) -> int:
+        """After the verify forward: measured attention and step time (µs), accept counts."""
+        if not self._ctx:
+            raise DpBalanceError("dpbalance: report() after close()")
+        n = len(accepted)
+        if n > self._acc_cap:
+            self._acc_cap = max(n, 2 * self._acc_cap, 16)
+            self._acc = (_Accepted * self._acc_cap)()
+        for i, a in enumerate(accepted):
+            c = self._acc[i]
+            c.request_id = a.request_id
+            c.verify_len = _int_field(a.verify_len, f"accepted[{i}].verify_len", 0, 1 << 20)
+            c.accepted = _int_field(a.accepted, f"accepted[{i}].accepted", 0, 1 << 20)
+            c.finished = 1 if a.finished else 0
+        rc = self._plugin.report(self._ctx, float(attention_us), float(step_us), self._acc, n)
+        self.last_result = rc
+        return rc
+
+    def stats(self) -> dict:
+        """The plugin's live figures (dpbStats_v1_t) as a dict; {} after close()."""
+        if not self._ctx:
+            return {}
+        s = _Stats()
+        rc = self._plugin.stats(self._ctx, ctypes.byref(s))
+        if rc != SUCCESS:
+            return {"result": RESULT_NAMES.get(rc, rc)}
+        return {name: getattr(s, name) for name, _ in _Stats._fields_}
+
+    def close(self) -> None:
+        if self._ctx:
+            self._plugin.finalize(self._ctx)
+            self._ctx = ctypes.c_void_p()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def torch_allgather(group=None) -> Callable[[bytes, int], bytes]:
+    """An all-gather over a torch.distributed group (a gloo CPU group, as engines keep for
+    their per-step DP metadata). The group's own timeout bounds the call; torch has no per-call
+    one, so create the group with a timeout that suits the engine."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    box = {}
+
+    def allgather(send: bytes, _timeout_ms: int) -> bytes:
+        n = len(send)
+        if box.get("n") != n:  # buffers reused across steps
+            box["n"] = n
+            box["send"] = torch.empty(n, dtype=torch.uint8)
+            box["recv"] = [torch.empty(n, dtype=torch.uint8) for _ in range(world)]
+        box["send"].copy_(torch.frombuffer(bytearray(send), dtype=torch.uint8))
+        dist.all_gather(box["recv"], box["send"], group=group)
+        return b"".join(t.numpy().tobytes() for t in box["recv"])
+
+    return allgather

@@ -1,0 +1,258 @@
+"""The Python adapter (integration/adapters/python) against the real plugin library.
+
+Usage: python3 python_adapter_test.py PLUGIN_SO ABI_LAYOUT
+(ctest passes the built libdpbalance.so and the abi_layout program, which prints the C
+structs' layout as the compiler laid them out)
+
+Ranks are threads of one process; their all-gather is a Python callable (the engine-callback
+backend), as a Python engine's CPU group would be. With torch installed, one more case runs two
+processes over a real torch.distributed gloo group through `torch_allgather`.
+"""
+import ctypes
+import os
+import random
+import sys
+import tempfile
+import threading
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "integration", "adapters", "python"))
+import dpbalance_plugin as dpb  # noqa: E402
+
+PLUGIN = None
+ABI_LAYOUT = None
+COMMON = "mode=goodput;k_max=7;default_k=3;log_every=0;timeout_ms=5000;log_level=error"
+
+
+class ThreadGroup:
+    """An all-gather among threads: what a CPU process group does across processes."""
+
+    def __init__(self, n):
+        self.n = n
+        self.slots = [None] * n
+        self.arrive = threading.Barrier(n)
+        self.leave = threading.Barrier(n)
+        self.fail_steps = set()  # calls (counted per rank) on which every rank's callback raises
+        self.short_steps = set()  # calls on which every rank returns a truncated buffer
+        self.calls = [0] * n
+
+    def member(self, rank):
+        def allgather(send, timeout_ms):
+            call = self.calls[rank]
+            self.calls[rank] += 1
+            if call in self.fail_steps:
+                raise ConnectionError(f"injected failure on call {call}")
+            self.slots[rank] = send
+            self.arrive.wait(timeout_ms / 1000)
+            out = b"".join(self.slots)
+            self.leave.wait(timeout_ms / 1000)
+            return out[:-1] if call in self.short_steps else out
+        return allgather
+
+
+def attention_us(requests, lens):
+    # A rank's attention time grows with its query tokens and their context.
+    q = [1 + k for k in lens]
+    return 2000.0 + sum(300.0 * qi + 0.02 * qi * r.ctx_tokens for qi, r in zip(q, requests))
+
+
+def run_ranks(num_ranks, steps, group, config=COMMON, batch_of=None, seed=7):
+    """Runs `steps` decode steps on `num_ranks` threads; returns per-rank records."""
+    out = [None] * num_ranks
+    errors = []
+
+    def rank_main(rank):
+        try:
+            rng = random.Random(seed * 100 + rank)
+            bal = dpb.DpBalance(num_ranks, rank, config, allgather=group.member(rank), library=PLUGIN)
+            rec = {"lens": [], "depths": [], "results": [], "defaults": []}
+            for step in range(steps):
+                reqs = batch_of(rank, step, rng)
+                lens, depth = bal.plan(reqs)
+                rec["lens"].append(lens)
+                rec["depths"].append(depth)
+                rec["results"].append(bal.last_result)
+                rec["reqs"] = reqs
+                for r, k in zip(reqs, lens):
+                    assert r.k_min <= k <= r.k_cap, (r, k)
+                acc = [dpb.Accepted(r.request_id, k, rng.randint(0, k)) for r, k in zip(reqs, lens)]
+                a = attention_us(reqs, lens)
+                bal.report(a, a + 20000.0, acc)
+            rec["stats"] = bal.stats()
+            bal.close()
+            out[rank] = rec
+        except BaseException as e:  # surfaced by the main thread
+            errors.append((rank, e))
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(num_ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0][1]
+    return out
+
+
+def skewed_batch(rank, step, rng):
+    # Rank 0 is light (short contexts), the last rank heavy: balancing should move verify work.
+    n = 16
+    ctx = 2000 if rank == 0 else 60000
+    return [dpb.Request(rank * 1000 + i, ctx + rng.randint(0, 500), k_min=0, k_cap=7)
+            for i in range(n)]
+
+
+class AdapterTest(unittest.TestCase):
+    def test_ctypes_structs_match_the_c_layout(self):
+        import subprocess
+        mirror = {"dpbInitArgs_v1_t": dpb._InitArgs, "dpbRequest_v1_t": dpb._Request,
+                  "dpbAccepted_v1_t": dpb._Accepted, "dpbStats_v1_t": dpb._Stats,
+                  "dpbalancePlugin_v1_t": dpb._Plugin}
+        seen = {name: [] for name in mirror}
+        out = subprocess.run([ABI_LAYOUT], check=True, capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            struct, field, offset, size = line.split()
+            cls = mirror[struct]
+            if field == "sizeof":
+                self.assertEqual(ctypes.sizeof(cls), int(size), struct)
+                continue
+            seen[struct].append(field)
+            f = getattr(cls, field)
+            self.assertEqual((f.offset, f.size), (int(offset), int(size)), f"{struct}.{field}")
+        for name, cls in mirror.items():  # no field of the mirror left unchecked, in order
+            self.assertEqual(seen[name], [f[0] for f in cls._fields_], name)
+
+    def test_balances_across_thread_ranks(self):
+        recs = run_ranks(4, 60, ThreadGroup(4), batch_of=skewed_batch)
+        for step in range(60):  # one draft depth, agreed by every rank, every step
+            self.assertEqual(len({recs[r]["depths"][step] for r in range(4)}), 1, step)
+        for r in range(4):
+            s = recs[r]["stats"]
+            self.assertEqual(s["steps"], 60)
+            self.assertEqual(s["fallbacks"], 0)
+            self.assertEqual(s["enabled"], 1)
+            self.assertGreater(s["balanced_steps"], 30)
+            self.assertTrue(all(x == dpb.SUCCESS for x in recs[r]["results"]))
+        mean = [sum(map(sum, recs[r]["lens"][10:])) / sum(map(len, recs[r]["lens"][10:]))
+                for r in range(4)]
+        # The light rank absorbs more verify work than the heavy ones.
+        self.assertGreater(mean[0], max(mean[1:]) + 0.5, mean)
+
+    def check_disabled_from(self, group, at):
+        """A failed exchange on plan `at`: default lengths from then on, never an exception,
+        and the callback is not called again (the ranks may no longer be in lockstep)."""
+        recs = run_ranks(3, 12, group, batch_of=lambda r, s, rng: [
+            dpb.Request(i, 1000 * (r + 1), k_min=0, k_cap=2 if i == 0 else 7) for i in range(5)])
+        for r in range(3):
+            self.assertTrue(all(x == dpb.SUCCESS for x in recs[r]["results"][:at]), r)
+            self.assertTrue(all(x == dpb.DISABLED for x in recs[r]["results"][at:]), r)
+            for step in range(at, 12):
+                self.assertEqual(recs[r]["lens"][step], [2, 3, 3, 3, 3], (r, step))
+            self.assertEqual(recs[r]["stats"]["enabled"], 0)
+            self.assertEqual(recs[r]["stats"]["steps"], 12)
+            self.assertEqual(group.calls[r], at + 2)  # the handshake, `at` plans, the failed one
+
+    def test_callback_that_raises_disables_the_rank_without_raising(self):
+        g = ThreadGroup(3)
+        g.fail_steps = {6}  # call 0 is init's handshake: this is plan 5
+        self.check_disabled_from(g, 5)
+
+    def test_callback_that_returns_a_short_buffer_disables_the_rank(self):
+        g = ThreadGroup(3)
+        g.short_steps = {4}
+        self.check_disabled_from(g, 3)
+
+    def test_bad_flag_names_it(self):
+        with self.assertRaises(dpb.DpBalanceError) as e:
+            dpb.DpBalance(1, 0, "k_max=nine", allgather=lambda s, t: s, library=PLUGIN)
+        self.assertIn("k_max=nine", str(e.exception))
+        self.assertIn("dpbInvalidArgument", str(e.exception))
+
+    def test_bad_arguments_name_the_field(self):
+        with self.assertRaises(ValueError) as e:
+            dpb.DpBalance(2, 2, "", allgather=lambda s, t: s, library=PLUGIN)
+        self.assertIn("rank = 2", str(e.exception))
+        bal = dpb.DpBalance(1, 0, COMMON, allgather=lambda s, t: s, library=PLUGIN)
+        with self.assertRaises(ValueError) as e:
+            bal.plan([dpb.Request(1, -5)])
+        self.assertIn("requests[0].ctx_tokens = -5", str(e.exception))
+        with self.assertRaises(TypeError):
+            bal.plan([dpb.Request(1, 100, k_cap=2.5)])
+        lens, depth = bal.plan([dpb.Request(1, 100, k_cap=4), dpb.Request(2, 100, k_cap=0)])
+        self.assertEqual(len(lens), 2)
+        self.assertEqual(lens[1], 0)
+        self.assertLessEqual(lens[0], 4)
+        bal.close()
+        with self.assertRaises(dpb.DpBalanceError):
+            bal.plan([])
+
+    def test_library_resolution(self):
+        with self.assertRaises(dpb.DpBalanceError) as e:
+            dpb.DpBalance(1, 0, "", library="/nonexistent/libnope.so")
+        self.assertIn("/nonexistent/libnope.so", str(e.exception))
+        self.assertIsNone(dpb.DpBalance.load(1, 0, library="none"))
+        self.assertEqual(dpb.resolve_library("dpbalance"), "libdpbalance.so")
+        self.assertEqual(dpb.resolve_library("/x/y.so"), "/x/y.so")
+        old = os.environ.get("DPB_PLUGIN")
+        try:
+            os.environ["DPB_PLUGIN"] = PLUGIN
+            self.assertEqual(dpb.resolve_library(), PLUGIN)
+        finally:
+            if old is None:
+                os.environ.pop("DPB_PLUGIN")
+            else:
+                os.environ["DPB_PLUGIN"] = old
+
+
+def _torch_rank(rank, world, store_path, plugin, q):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    try:
+        bal = dpb.DpBalance(world, rank, COMMON, allgather=dpb.torch_allgather(), library=plugin)
+        rng = random.Random(rank)
+        depths, results = [], []
+        for step in range(20):
+            reqs = skewed_batch(0 if rank == 0 else 3, step, rng)
+            lens, depth = bal.plan(reqs)
+            depths.append(depth)
+            results.append(bal.last_result)
+            a = attention_us(reqs, lens)
+            bal.report(a, a + 20000.0, [dpb.Accepted(r.request_id, k, rng.randint(0, k))
+                                        for r, k in zip(reqs, lens)])
+        q.put((rank, depths, results, bal.stats()))
+        bal.close()
+    finally:
+        dist.destroy_process_group()
+
+
+class TorchGlooTest(unittest.TestCase):
+    def test_two_processes_over_gloo(self):
+        try:
+            import torch.multiprocessing as mp
+        except ImportError:
+            self.skipTest("torch is not installed: the gloo case did not run")
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        with tempfile.TemporaryDirectory() as d:
+            store = os.path.join(d, "store")
+            procs = [ctx.Process(target=_torch_rank, args=(r, 2, store, PLUGIN, q)) for r in range(2)]
+            for p in procs:
+                p.start()
+            got = sorted(q.get(timeout=120) for _ in procs)
+            for p in procs:
+                p.join(60)
+                self.assertEqual(p.exitcode, 0)
+        self.assertEqual(got[0][1], got[1][1])  # the same agreed depth on both ranks
+        for _, _, results, stats in got:
+            self.assertTrue(all(x == dpb.SUCCESS for x in results), results)
+            self.assertEqual(stats["fallbacks"], 0)
+            self.assertGreater(stats["balanced_steps"], 10)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3:
+        sys.exit("usage: python_adapter_test.py PLUGIN_SO ABI_LAYOUT [unittest args]")
+    PLUGIN = os.path.abspath(sys.argv.pop(1))
+    ABI_LAYOUT = os.path.abspath(sys.argv.pop(1))
+    unittest.main(verbosity=2)
