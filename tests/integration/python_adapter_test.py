@@ -174,11 +174,29 @@ class AdapterTest(unittest.TestCase):
             dpb.DpBalance(2, 2, "", allgather=lambda s, t: s, library=PLUGIN)
         self.assertIn("rank = 2", str(e.exception))
         bal = dpb.DpBalance(1, 0, COMMON, allgather=lambda s, t: s, library=PLUGIN)
+        # A value the plugin rejects: this step falls back to the default lengths, no raise.
+        lens, _ = bal.plan([dpb.Request(1, 100, k_cap=5), dpb.Request(2, -5, k_cap=1)])
+        self.assertEqual(bal.last_result, dpb.FALLBACK)
+        self.assertEqual(lens, [3, 1])
+        # Values that cannot be marshalled at all raise, naming the field.
+        with self.assertRaises(TypeError) as e:
+            bal.plan([dpb.Request(1, 100), dpb.Request(2, 100, k_cap=2.5)])
+        self.assertIn("requests[1].k_cap = 2.5", str(e.exception))
         with self.assertRaises(ValueError) as e:
-            bal.plan([dpb.Request(1, -5)])
-        self.assertIn("requests[0].ctx_tokens = -5", str(e.exception))
-        with self.assertRaises(TypeError):
-            bal.plan([dpb.Request(1, 100, k_cap=2.5)])
+            bal.plan([dpb.Request(1, 1 << 70)])
+        self.assertIn("requests[0].ctx_tokens", str(e.exception))
+        with self.assertRaises(TypeError) as e:
+            bal.report(1.0, 2.0, [dpb.Accepted(1, 2, None)])
+        self.assertIn("accepted[0].accepted = None", str(e.exception))
+        self.assertEqual(bal.plan([])[0], [])
+        self.assertEqual(bal.last_result, dpb.SUCCESS)
+        self.assertEqual(bal.report(1000.0, 2000.0, []), dpb.SUCCESS)
+        # Confidences ride along (a pointer the plugin reads during the call).
+        lens, _ = bal.plan([dpb.Request(1, 100, k_cap=4, draft_confidence=[0.9, 0.8, 0.7, 0.6])])
+        self.assertEqual(bal.last_result, dpb.SUCCESS)
+        lens, _ = bal.plan([dpb.Request(1, 100, k_cap=4, draft_confidence=[float("nan")])])
+        self.assertEqual(bal.last_result, dpb.FALLBACK)
+        self.assertEqual(lens, [3])
         lens, depth = bal.plan([dpb.Request(1, 100, k_cap=4), dpb.Request(2, 100, k_cap=0)])
         self.assertEqual(len(lens), 2)
         self.assertEqual(lens[1], 0)

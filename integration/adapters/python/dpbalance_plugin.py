@@ -29,8 +29,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+import struct
+from typing import Callable, NamedTuple, Optional, Sequence
 
 __all__ = ["DpBalance", "DpBalanceError", "Request", "Accepted", "RESULT_NAMES",
            "resolve_library", "torch_allgather"]
@@ -109,8 +109,7 @@ class _Plugin(ctypes.Structure):
 
 # --- what the engine passes --------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Request:
+class Request(NamedTuple):
     """One request of this rank's batch, this step (dpbRequest_v1_t)."""
     request_id: int
     ctx_tokens: int          # tokens in KV before this step
@@ -119,9 +118,9 @@ class Request:
     draft_confidence: Optional[Sequence[float]] = None  # per-position confidence, optional
 
 
-@dataclass(frozen=True)
-class Accepted:
-    """What a request's verify did this step (dpbAccepted_v1_t)."""
+class Accepted(NamedTuple):
+    """What a request's verify did this step (dpbAccepted_v1_t). NamedTuples, as Request: a
+    plain tuple in field order works too."""
     request_id: int
     verify_len: int
     accepted: int
@@ -146,6 +145,26 @@ def _int_field(value, what: str, lo: int, hi: int) -> int:
     if not lo <= value <= hi:
         raise ValueError(f"dpbalance: {what} = {value} is out of range {lo}..{hi}")
     return value
+
+
+# The records packed straight into the ctypes arrays (native layout, as the structs above; the
+# python_adapter test checks both against the compiler's offsets).
+_REQUEST_PACK = struct.Struct("@qqiiPi4x")
+_ACCEPTED_PACK = struct.Struct("@qiii4x")
+_I64, _I32 = (-(1 << 63), (1 << 63) - 1), (-(1 << 31), (1 << 31) - 1)
+_REQUEST_FIELDS = [("request_id", _I64), ("ctx_tokens", _I64), ("k_min", _I32), ("k_cap", _I32)]
+_ACCEPTED_FIELDS = [("request_id", _I64), ("verify_len", _I32), ("accepted", _I32)]
+
+
+def _name_the_bad_field(items, what: str, fields) -> None:
+    """Raises TypeError/ValueError naming the first field that cannot be marshalled."""
+    for i, item in enumerate(items):
+        for name, (lo, hi) in fields:
+            _int_field(getattr(item, name, None), f"{what}[{i}].{name}", lo, hi)
+
+
+if (_REQUEST_PACK.size, _ACCEPTED_PACK.size) != (ctypes.sizeof(_Request), ctypes.sizeof(_Accepted)):
+    raise ImportError("dpbalance: this platform's struct layout differs from the packed records")
 
 
 class DpBalance:
@@ -199,10 +218,9 @@ class DpBalance:
                 f"dpbalance: init of rank {rank}/{num_ranks} with config '{config}' returned "
                 f"{RESULT_NAMES.get(rc, rc)} (the plugin's log on stderr names the flag or cause)")
         # Buffers reused across steps (grown on demand): no allocation per step in steady state.
-        self._cap = 0
-        self._reqs = self._lens = None
-        self._acc_cap = 0
-        self._acc = None
+        self._cap = self._acc_cap = 0
+        self._grow(16)
+        self._grow_accepted(16)
         self._depth = ctypes.c_int32(0)
 
     # The plugin calls this from inside plan(), on this rank's thread.
@@ -223,51 +241,63 @@ class DpBalance:
         if n > self._cap:
             self._cap = max(n, 2 * self._cap, 16)
             self._reqs = (_Request * self._cap)()
+            self._reqs_view = memoryview(self._reqs).cast("B")
             self._lens = (ctypes.c_int32 * self._cap)()
+
+    def _grow_accepted(self, n: int) -> None:
+        if n > self._acc_cap:
+            self._acc_cap = max(n, 2 * self._acc_cap, 16)
+            self._acc = (_Accepted * self._acc_cap)()
+            self._acc_view = memoryview(self._acc).cast("B")
 
     def plan(self, requests: Sequence[Request], kv_free_tokens: int = -1):
         """Returns (verify lengths in request order, draft depth). Call on every rank each step.
 
-        `kv_free_tokens`: KV tokens left for extra verify tokens on this rank (< 0: no limit)."""
+        `kv_free_tokens`: KV tokens left for extra verify tokens on this rank (< 0: no limit).
+        Values the plugin rejects (a negative context, say) give this step the default lengths
+        and a log line naming the value, like any other failure; only values that cannot be
+        marshalled into the C struct at all (not an integer, out of the C type's range) raise."""
         if not self._ctx:
             raise DpBalanceError("dpbalance: plan() after close()")
         n = len(requests)
         self._grow(n)
+        buf, pack, size = self._reqs_view, _REQUEST_PACK.pack_into, _REQUEST_PACK.size
         conf = []  # keeps confidence arrays alive through the call
-        for i, r in enumerate(requests):
-            c = self._reqs[i]
-            c.request_id = _int_field(r.request_id, f"requests[{i}].request_id", -(1 << 63), (1 << 63) - 1)
-            c.ctx_tokens = _int_field(r.ctx_tokens, f"requests[{i}].ctx_tokens", 0, (1 << 63) - 1)
-            c.k_min = _int_field(r.k_min, f"requests[{i}].k_min", 0, 1 << 20)
-            c.k_cap = _int_field(r.k_cap, f"requests[{i}].k_cap", 0, 1 << 20)
-            if r.draft_confidence:
-                arr = (ctypes.c_float * len(r.draft_confidence))(*r.draft_confidence)
-                conf.append(arr)
-                c.draft_confidence, c.num_confidence = arr, len(r.draft_confidence)
-            else:
-                c.draft_confidence, c.num_confidence = None, 0
+        try:
+            for i, r in enumerate(requests):
+                c = r.draft_confidence
+                if c:
+                    arr = (ctypes.c_float * len(c))(*c)
+                    conf.append(arr)
+                    pack(buf, i * size, r.request_id, r.ctx_tokens, r.k_min, r.k_cap,
+                         ctypes.addressof(arr), len(c))
+                else:
+                    pack(buf, i * size, r.request_id, r.ctx_tokens, r.k_min, r.k_cap, 0, 0)
+        except (struct.error, TypeError, AttributeError):
+            _name_the_bad_field(requests, "requests", _REQUEST_FIELDS)
+            raise
         self._callback_error = None
         self.last_result = self._plugin.plan(self._ctx, self._reqs, n, int(kv_free_tokens),
                                              self._lens, ctypes.byref(self._depth))
         if self._callback_error is not None:
             log.warning("dpbalance: rank %d all-gather callback failed (%s); default lengths "
-                        "this step", self.rank, self._callback_error)
-        return list(self._lens[:n]), int(self._depth.value)
+                        "from now on", self.rank, self._callback_error)
+        return self._lens[:n], self._depth.value
 
     def report(self, attention_us: float, step_us: float, accepted: Sequence[Accepted]) -> int:
-        """After the verify forward: measured attention and step time (µs), accept counts."""
+        """After the verify forward: measured attention and step time (µs), accept counts.
+        Returns the plugin's result code (also in `last_result`)."""
         if not self._ctx:
             raise DpBalanceError("dpbalance: report() after close()")
         n = len(accepted)
-        if n > self._acc_cap:
-            self._acc_cap = max(n, 2 * self._acc_cap, 16)
-            self._acc = (_Accepted * self._acc_cap)()
-        for i, a in enumerate(accepted):
-            c = self._acc[i]
-            c.request_id = a.request_id
-            c.verify_len = _int_field(a.verify_len, f"accepted[{i}].verify_len", 0, 1 << 20)
-            c.accepted = _int_field(a.accepted, f"accepted[{i}].accepted", 0, 1 << 20)
-            c.finished = 1 if a.finished else 0
+        self._grow_accepted(n)
+        buf, pack, size = self._acc_view, _ACCEPTED_PACK.pack_into, _ACCEPTED_PACK.size
+        try:
+            for i, a in enumerate(accepted):
+                pack(buf, i * size, a.request_id, a.verify_len, a.accepted, 1 if a.finished else 0)
+        except (struct.error, TypeError, AttributeError):
+            _name_the_bad_field(accepted, "accepted", _ACCEPTED_FIELDS)
+            raise
         rc = self._plugin.report(self._ctx, float(attention_us), float(step_us), self._acc, n)
         self.last_result = rc
         return rc

@@ -1,0 +1,58 @@
+#!/usr/bin/env python3
+"""What the Python adapter adds to a step: plan() and report() through ctypes, against the
+plugin's own C plan on the same batch. One rank (DP1, an identity all-gather), goodput mode,
+the V2 cost model; batches of 16, 64 and 256 requests with contexts drawn from 1k-60k tokens.
+
+Usage: bench/python_adapter_bench.py PLUGIN_SO [REPETITIONS]
+Prints the median over REPETITIONS (default 5) of the mean time per call over 2,000 calls; the
+last column is what the adapter costs a step beyond the C plan (report() includes the C report).
+"""
+import ctypes
+import os
+import random
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "integration",
+                                "adapters", "python"))
+import dpbalance_plugin as dpb  # noqa: E402
+
+CALLS = 2000
+
+
+def per_call_us(fn):
+    t0 = time.perf_counter()
+    for _ in range(CALLS):
+        fn()
+    return (time.perf_counter() - t0) / CALLS * 1e6
+
+
+def main():
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    reps = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+    bal = dpb.DpBalance(1, 0, "mode=goodput;log_every=0;log_level=error",
+                        allgather=lambda send, timeout_ms: send, library=sys.argv[1])
+    rng = random.Random(1)
+    print(f"{'requests':>8} {'C plan us':>10} {'plan() us':>10} {'report() us':>12} "
+          f"{'plan()-C+report() us':>21}")
+    for n in (16, 64, 256):
+        reqs = [dpb.Request(i, rng.randint(1000, 60000), 0, 7) for i in range(n)]
+        lens, _ = bal.plan(reqs)
+        acc = [dpb.Accepted(r.request_id, k, k // 2) for r, k in zip(reqs, lens)]
+        raw = lambda: bal._plugin.plan(bal._ctx, bal._reqs, n, -1, bal._lens,  # noqa: E731
+                                       ctypes.byref(bal._depth))
+        rows = {"raw": [], "plan": [], "report": []}
+        for _ in range(reps):
+            rows["raw"].append(per_call_us(raw))
+            rows["plan"].append(per_call_us(lambda: bal.plan(reqs)))
+            rows["report"].append(per_call_us(lambda: bal.report(3000.0, 25000.0, acc)))
+        med = {k: statistics.median(v) for k, v in rows.items()}
+        print(f"{n:8d} {med['raw']:10.1f} {med['plan']:10.1f} {med['report']:12.1f} "
+              f"{med['plan'] - med['raw'] + med['report']:21.1f}")
+    bal.close()
+
+
+if __name__ == "__main__":
+    main()
