@@ -4,9 +4,10 @@ Usage: python3 python_adapter_test.py PLUGIN_SO ABI_LAYOUT
 (ctest passes the built libdpbalance.so and the abi_layout program, which prints the C
 structs' layout as the compiler laid them out)
 
-Ranks are threads of one process; their all-gather is a Python callable (the engine-callback
-backend), as a Python engine's CPU group would be. With torch installed, one more case runs two
-processes over a real torch.distributed gloo group through `torch_allgather`.
+Ranks are threads of one process, or processes sharing memory; their all-gather is a Python
+callable (the engine-callback backend), as a Python engine's CPU group would be. With torch
+installed, one more case runs two processes over a real torch.distributed gloo group through
+`torch_allgather`.
 """
 import ctypes
 import os
@@ -221,6 +222,59 @@ class AdapterTest(unittest.TestCase):
                 os.environ.pop("DPB_PLUGIN")
             else:
                 os.environ["DPB_PLUGIN"] = old
+
+
+def _process_rank(rank, world, shared, barrier, plugin, q):
+    """A rank as its own process; the all-gather goes through shared memory and a barrier."""
+    def allgather(send, timeout_ms):
+        n = len(send)
+        shared[rank * n:(rank + 1) * n] = send
+        barrier.wait(timeout_ms / 1000)
+        out = bytes(shared[:world * n])
+        barrier.wait(timeout_ms / 1000)
+        return out
+
+    bal = dpb.DpBalance(world, rank, COMMON, allgather=allgather, library=plugin)
+    rng = random.Random(rank)
+    depths, results, lens_sum, lens_n = [], [], 0, 0
+    for step in range(30):
+        reqs = skewed_batch(rank, step, rng)
+        lens, depth = bal.plan(reqs)
+        depths.append(depth)
+        results.append(bal.last_result)
+        if step >= 10:
+            lens_sum, lens_n = lens_sum + sum(lens), lens_n + len(lens)
+        a = attention_us(reqs, lens)
+        bal.report(a, a + 20000.0, [dpb.Accepted(r.request_id, k, rng.randint(0, k))
+                                    for r, k in zip(reqs, lens)])
+    q.put((rank, depths, results, bal.stats(), lens_sum / lens_n))
+    bal.close()
+
+
+class ProcessTest(unittest.TestCase):
+    def test_ranks_as_processes(self):
+        import multiprocessing as mp
+        ctx = mp.get_context("spawn")  # as an engine's workers: nothing inherited
+        world = 3
+        shared = ctx.RawArray("B", world * 4096)
+        barrier = ctx.Barrier(world)
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_process_rank, args=(r, world, shared, barrier, PLUGIN, q))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        got = sorted(q.get(timeout=120) for _ in procs)
+        for p in procs:
+            p.join(60)
+            self.assertEqual(p.exitcode, 0)
+        self.assertTrue(got[0][1] == got[1][1] == got[2][1])  # one agreed depth every step
+        for _, _, results, stats, _ in got:
+            self.assertTrue(all(x == dpb.SUCCESS for x in results), results)
+            self.assertEqual(stats["fallbacks"], 0)
+            self.assertGreater(stats["balanced_steps"], 15)
+            self.assertGreater(stats["goodput_tok_per_s"], 0)
+            self.assertTrue(0 <= stats["bubble_fraction"] < 1, stats["bubble_fraction"])
+        self.assertGreater(got[0][4], max(got[1][4], got[2][4]) + 0.5)  # the light rank verifies more
 
 
 def _torch_rank(rank, world, store_path, plugin, q):
