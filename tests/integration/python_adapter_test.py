@@ -58,6 +58,31 @@ def attention_us(requests, lens):
     return 2000.0 + sum(300.0 * qi + 0.02 * qi * r.ctx_tokens for qi, r in zip(q, requests))
 
 
+def run_steps(bal, rank, steps, batch_of, rng):
+    """One rank's decode loop: plan, check the lengths' bounds, report. Returns its record."""
+    rec = {"lens": [], "depths": [], "results": []}
+    for step in range(steps):
+        reqs = batch_of(rank, step, rng)
+        lens, depth = bal.plan(reqs)
+        rec["lens"].append(lens)
+        rec["depths"].append(depth)
+        rec["results"].append(bal.last_result)
+        for r, k in zip(reqs, lens):
+            assert r.k_min <= k <= r.k_cap, (r, k)
+        a = attention_us(reqs, lens)
+        bal.report(a, a + 20000.0, [dpb.Accepted(r.request_id, k, rng.randint(0, k))
+                                    for r, k in zip(reqs, lens)])
+    rec["stats"] = bal.stats()
+    bal.close()
+    return rec
+
+
+def mean_len(rec, skip):
+    """Mean verify length of a rank after its first `skip` steps."""
+    lens = rec["lens"][skip:]
+    return sum(map(sum, lens)) / sum(map(len, lens))
+
+
 def run_ranks(num_ranks, steps, group, config=COMMON, batch_of=None, seed=7):
     """Runs `steps` decode steps on `num_ranks` threads; returns per-rank records."""
     out = [None] * num_ranks
@@ -67,22 +92,7 @@ def run_ranks(num_ranks, steps, group, config=COMMON, batch_of=None, seed=7):
         try:
             rng = random.Random(seed * 100 + rank)
             bal = dpb.DpBalance(num_ranks, rank, config, allgather=group.member(rank), library=PLUGIN)
-            rec = {"lens": [], "depths": [], "results": [], "defaults": []}
-            for step in range(steps):
-                reqs = batch_of(rank, step, rng)
-                lens, depth = bal.plan(reqs)
-                rec["lens"].append(lens)
-                rec["depths"].append(depth)
-                rec["results"].append(bal.last_result)
-                rec["reqs"] = reqs
-                for r, k in zip(reqs, lens):
-                    assert r.k_min <= k <= r.k_cap, (r, k)
-                acc = [dpb.Accepted(r.request_id, k, rng.randint(0, k)) for r, k in zip(reqs, lens)]
-                a = attention_us(reqs, lens)
-                bal.report(a, a + 20000.0, acc)
-            rec["stats"] = bal.stats()
-            bal.close()
-            out[rank] = rec
+            out[rank] = run_steps(bal, rank, steps, batch_of, rng)
         except BaseException as e:  # surfaced by the main thread
             errors.append((rank, e))
 
@@ -135,8 +145,7 @@ class AdapterTest(unittest.TestCase):
             self.assertEqual(s["enabled"], 1)
             self.assertGreater(s["balanced_steps"], 30)
             self.assertTrue(all(x == dpb.SUCCESS for x in recs[r]["results"]))
-        mean = [sum(map(sum, recs[r]["lens"][10:])) / sum(map(len, recs[r]["lens"][10:]))
-                for r in range(4)]
+        mean = [mean_len(recs[r], 10) for r in range(4)]
         # The light rank absorbs more verify work than the heavy ones.
         self.assertGreater(mean[0], max(mean[1:]) + 0.5, mean)
 
@@ -235,20 +244,7 @@ def _process_rank(rank, world, shared, barrier, plugin, q):
         return out
 
     bal = dpb.DpBalance(world, rank, COMMON, allgather=allgather, library=plugin)
-    rng = random.Random(rank)
-    depths, results, lens_sum, lens_n = [], [], 0, 0
-    for step in range(30):
-        reqs = skewed_batch(rank, step, rng)
-        lens, depth = bal.plan(reqs)
-        depths.append(depth)
-        results.append(bal.last_result)
-        if step >= 10:
-            lens_sum, lens_n = lens_sum + sum(lens), lens_n + len(lens)
-        a = attention_us(reqs, lens)
-        bal.report(a, a + 20000.0, [dpb.Accepted(r.request_id, k, rng.randint(0, k))
-                                    for r, k in zip(reqs, lens)])
-    q.put((rank, depths, results, bal.stats(), lens_sum / lens_n))
-    bal.close()
+    q.put((rank, run_steps(bal, rank, 30, skewed_batch, random.Random(rank))))
 
 
 class ProcessTest(unittest.TestCase):
@@ -263,18 +259,20 @@ class ProcessTest(unittest.TestCase):
                  for r in range(world)]
         for p in procs:
             p.start()
-        got = sorted(q.get(timeout=120) for _ in procs)
+        got = [rec for _, rec in sorted(q.get(timeout=120) for _ in procs)]
         for p in procs:
             p.join(60)
             self.assertEqual(p.exitcode, 0)
-        self.assertTrue(got[0][1] == got[1][1] == got[2][1])  # one agreed depth every step
-        for _, _, results, stats, _ in got:
-            self.assertTrue(all(x == dpb.SUCCESS for x in results), results)
+        self.assertTrue(got[0]["depths"] == got[1]["depths"] == got[2]["depths"])  # one agreed depth
+        for rec in got:
+            self.assertTrue(all(x == dpb.SUCCESS for x in rec["results"]), rec["results"])
+            stats = rec["stats"]
             self.assertEqual(stats["fallbacks"], 0)
             self.assertGreater(stats["balanced_steps"], 15)
             self.assertGreater(stats["goodput_tok_per_s"], 0)
             self.assertTrue(0 <= stats["bubble_fraction"] < 1, stats["bubble_fraction"])
-        self.assertGreater(got[0][4], max(got[1][4], got[2][4]) + 0.5)  # the light rank verifies more
+        # The light rank verifies more.
+        self.assertGreater(mean_len(got[0], 10), max(mean_len(got[1], 10), mean_len(got[2], 10)) + 0.5)
 
 
 def _torch_rank(rank, world, store_path, plugin, q):
@@ -282,18 +280,8 @@ def _torch_rank(rank, world, store_path, plugin, q):
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     try:
         bal = dpb.DpBalance(world, rank, COMMON, allgather=dpb.torch_allgather(), library=plugin)
-        rng = random.Random(rank)
-        depths, results = [], []
-        for step in range(20):
-            reqs = skewed_batch(0 if rank == 0 else 3, step, rng)
-            lens, depth = bal.plan(reqs)
-            depths.append(depth)
-            results.append(bal.last_result)
-            a = attention_us(reqs, lens)
-            bal.report(a, a + 20000.0, [dpb.Accepted(r.request_id, k, rng.randint(0, k))
-                                        for r, k in zip(reqs, lens)])
-        q.put((rank, depths, results, bal.stats()))
-        bal.close()
+        heavy_or_light = lambda r, step, rng: skewed_batch(0 if r == 0 else 3, step, rng)  # noqa: E731
+        q.put((rank, run_steps(bal, rank, 20, heavy_or_light, random.Random(rank))))
     finally:
         dist.destroy_process_group()
 
@@ -311,15 +299,15 @@ class TorchGlooTest(unittest.TestCase):
             procs = [ctx.Process(target=_torch_rank, args=(r, 2, store, PLUGIN, q)) for r in range(2)]
             for p in procs:
                 p.start()
-            got = sorted(q.get(timeout=120) for _ in procs)
+            got = [rec for _, rec in sorted(q.get(timeout=120) for _ in procs)]
             for p in procs:
                 p.join(60)
                 self.assertEqual(p.exitcode, 0)
-        self.assertEqual(got[0][1], got[1][1])  # the same agreed depth on both ranks
-        for _, _, results, stats in got:
-            self.assertTrue(all(x == dpb.SUCCESS for x in results), results)
-            self.assertEqual(stats["fallbacks"], 0)
-            self.assertGreater(stats["balanced_steps"], 10)
+        self.assertEqual(got[0]["depths"], got[1]["depths"])  # the same agreed depth on both ranks
+        for rec in got:
+            self.assertTrue(all(x == dpb.SUCCESS for x in rec["results"]), rec["results"])
+            self.assertEqual(rec["stats"]["fallbacks"], 0)
+            self.assertGreater(rec["stats"]["balanced_steps"], 10)
 
 
 if __name__ == "__main__":

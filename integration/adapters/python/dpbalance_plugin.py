@@ -163,6 +163,12 @@ def _name_the_bad_field(items, what: str, fields) -> None:
             _int_field(getattr(item, name, None), f"{what}[{i}].{name}", lo, hi)
 
 
+def _records(struct_type, n):
+    """A ctypes array of n records and a byte view of it for struct.pack_into."""
+    arr = (struct_type * n)()
+    return arr, memoryview(arr).cast("B")
+
+
 if (_REQUEST_PACK.size, _ACCEPTED_PACK.size) != (ctypes.sizeof(_Request), ctypes.sizeof(_Accepted)):
     raise ImportError("dpbalance: this platform's struct layout differs from the packed records")
 
@@ -240,15 +246,13 @@ class DpBalance:
     def _grow(self, n: int) -> None:
         if n > self._cap:
             self._cap = max(n, 2 * self._cap, 16)
-            self._reqs = (_Request * self._cap)()
-            self._reqs_view = memoryview(self._reqs).cast("B")
+            self._reqs, self._reqs_view = _records(_Request, self._cap)
             self._lens = (ctypes.c_int32 * self._cap)()
 
     def _grow_accepted(self, n: int) -> None:
         if n > self._acc_cap:
             self._acc_cap = max(n, 2 * self._acc_cap, 16)
-            self._acc = (_Accepted * self._acc_cap)()
-            self._acc_view = memoryview(self._acc).cast("B")
+            self._acc, self._acc_view = _records(_Accepted, self._acc_cap)
 
     def plan(self, requests: Sequence[Request], kv_free_tokens: int = -1):
         """Returns (verify lengths in request order, draft depth). Call on every rank each step.
