@@ -36,8 +36,11 @@ def run(binary, args, seed, extra):
     return runs[0]
 
 
-def mean_sem(xs):
-    return statistics.mean(xs), statistics.stdev(xs) / len(xs) ** 0.5
+def cell(label, key, xs, signed=False):
+    """'label mean ± standard error' of xs, goodput to 0.1 tok/s, the rest to 5 decimals."""
+    m, e = statistics.mean(xs), statistics.stdev(xs) / len(xs) ** 0.5
+    digits = 1 if key == "goodput_tok_per_s" else 5
+    return f"{label} {m:{'+' if signed else ''}.{digits}f} ± {e:.{digits}f}"
 
 
 def main():
@@ -57,21 +60,14 @@ def main():
                   f"{r[KEYS[3][1]]:9.1f}")
     print(f"\nmean ± standard error over seeds 1-{seeds}")
     for name, rs in rows.items():
-        cells = []
-        for label, key in KEYS:
-            m, e = mean_sem([r[key] for r in rs])
-            cells.append(f"{label} {m:.5f} ± {e:.5f}" if key != "goodput_tok_per_s"
-                         else f"{label} {m:.1f} ± {e:.1f}")
+        cells = [cell(label, key, [r[key] for r in rs]) for label, key in KEYS]
         print(f"mean {name:8} " + ", ".join(cells))
     print("\npaired difference, E minus the row (negative cost ratio or bubble: E is better)")
     for name, rs in rows.items():
         if name == "E":
             continue
-        cells = []
-        for label, key in KEYS:
-            m, e = mean_sem([a[key] - b[key] for a, b in zip(rows["E"], rs)])
-            cells.append(f"{label} {m:+.5f} ± {e:.5f}" if key != "goodput_tok_per_s"
-                         else f"{label} {m:+.1f} ± {e:.1f}")
+        cells = [cell(label, key, [a[key] - b[key] for a, b in zip(rows["E"], rs)], signed=True)
+                 for label, key in KEYS]
         print(f"E - {name:8} " + ", ".join(cells))
 
 
