@@ -233,6 +233,19 @@ class AdapterTest(unittest.TestCase):
                 os.environ["DPB_PLUGIN"] = old
 
 
+def run_processes(test, ctx, q, target, args_per_rank):
+    """Starts one process per rank; returns their run_steps records in rank order. Each target
+    puts (rank, record) on `q`; every process must exit cleanly."""
+    procs = [ctx.Process(target=target, args=args) for args in args_per_rank]
+    for p in procs:
+        p.start()
+    got = [rec for _, rec in sorted(q.get(timeout=120) for _ in procs)]
+    for p in procs:
+        p.join(60)
+        test.assertEqual(p.exitcode, 0)
+    return got
+
+
 def _process_rank(rank, world, shared, barrier, plugin, q):
     """A rank as its own process; the all-gather goes through shared memory and a barrier."""
     def allgather(send, timeout_ms):
@@ -255,14 +268,8 @@ class ProcessTest(unittest.TestCase):
         shared = ctx.RawArray("B", world * 4096)
         barrier = ctx.Barrier(world)
         q = ctx.Queue()
-        procs = [ctx.Process(target=_process_rank, args=(r, world, shared, barrier, PLUGIN, q))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        got = [rec for _, rec in sorted(q.get(timeout=120) for _ in procs)]
-        for p in procs:
-            p.join(60)
-            self.assertEqual(p.exitcode, 0)
+        got = run_processes(self, ctx, q, _process_rank,
+                            [(r, world, shared, barrier, PLUGIN, q) for r in range(world)])
         self.assertTrue(got[0]["depths"] == got[1]["depths"] == got[2]["depths"])  # one agreed depth
         for rec in got:
             self.assertTrue(all(x == dpb.SUCCESS for x in rec["results"]), rec["results"])
@@ -296,13 +303,7 @@ class TorchGlooTest(unittest.TestCase):
         q = ctx.Queue()
         with tempfile.TemporaryDirectory() as d:
             store = os.path.join(d, "store")
-            procs = [ctx.Process(target=_torch_rank, args=(r, 2, store, PLUGIN, q)) for r in range(2)]
-            for p in procs:
-                p.start()
-            got = [rec for _, rec in sorted(q.get(timeout=120) for _ in procs)]
-            for p in procs:
-                p.join(60)
-                self.assertEqual(p.exitcode, 0)
+            got = run_processes(self, ctx, q, _torch_rank, [(r, 2, store, PLUGIN, q) for r in range(2)])
         self.assertEqual(got[0]["depths"], got[1]["depths"])  # the same agreed depth on both ranks
         for rec in got:
             self.assertTrue(all(x == dpb.SUCCESS for x in rec["results"]), rec["results"])
