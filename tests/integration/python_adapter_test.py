@@ -12,9 +12,11 @@ installed, one more case runs two processes over a real torch.distributed gloo g
 import ctypes
 import os
 import random
+import struct
 import sys
 import tempfile
 import threading
+import time
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -52,18 +54,47 @@ class ThreadGroup:
         return allgather
 
 
+class LateGroup:
+    """An all-gather like gloo's or NCCL's: a rank's record is delivered once it is deposited,
+    even if that rank then stops waiting. `late[(rank, call)]` delays a rank's arrival;
+    `patience[rank]` is how long it waits (default: the plugin's timeout)."""
+
+    def __init__(self, n, late, patience):
+        self.n, self.late, self.patience = n, late, patience
+        self.slots = {}
+        self.cv = threading.Condition()
+
+    def member(self, rank):
+        calls = [0]
+
+        def allgather(send, timeout_ms):
+            call = calls[0]
+            calls[0] += 1
+            time.sleep(self.late.get((rank, call), 0))
+            with self.cv:
+                got = self.slots.setdefault(call, {})
+                got[rank] = send
+                self.cv.notify_all()
+                if not self.cv.wait_for(lambda: len(got) == self.n,
+                                        self.patience.get(rank, timeout_ms / 1000)):
+                    raise TimeoutError(f"rank {rank}: a peer is late on call {call}")
+                return b"".join(got[r] for r in range(self.n))
+        return allgather
+
+
 def attention_us(requests, lens):
     # A rank's attention time grows with its query tokens and their context.
     q = [1 + k for k in lens]
     return 2000.0 + sum(300.0 * qi + 0.02 * qi * r.ctx_tokens for qi, r in zip(q, requests))
 
 
-def run_steps(bal, rank, steps, batch_of, rng):
-    """One rank's decode loop: plan, check the lengths' bounds, report. Returns its record."""
+def run_steps(bal, rank, steps, batch_of, rng, plan=None):
+    """One rank's decode loop: plan, check the lengths' bounds, report. Returns its record.
+    `plan(requests, step) -> (lens, depth)` replaces `bal.plan` (the piggyback cases)."""
     rec = {"lens": [], "depths": [], "results": []}
     for step in range(steps):
         reqs = batch_of(rank, step, rng)
-        lens, depth = bal.plan(reqs)
+        lens, depth = plan(reqs, step) if plan else bal.plan(reqs)
         rec["lens"].append(lens)
         rec["depths"].append(depth)
         rec["results"].append(bal.last_result)
@@ -83,16 +114,43 @@ def mean_len(rec, skip):
     return sum(map(sum, lens)) / sum(map(len, lens))
 
 
-def run_ranks(num_ranks, steps, group, config=COMMON, batch_of=None, seed=7):
-    """Runs `steps` decode steps on `num_ranks` threads; returns per-rank records."""
+def engine_payload(rank, step):
+    """What an engine's own per-step DP sync carries (SGLang: tokens, forward mode, ...)."""
+    return struct.pack("<qqi", rank, step, 1000 + 7 * rank + step)
+
+
+def piggyback_plan(bal, pb, rank, rec):
+    """A plan through `Piggyback.step` that checks every rank's engine payload came back."""
+    rec["payloads_ok"] = []
+
+    def plan(reqs, step):
+        res = pb.step(bal, reqs, engine_payload(rank, step))
+        rec["payloads_ok"].append(res.payloads == [engine_payload(r, step)
+                                                   for r in range(pb.num_ranks)])
+        return res.verify_len, res.draft_depth
+    return plan
+
+
+def run_ranks(num_ranks, steps, group, config=COMMON, batch_of=None, seed=7, piggyback=False,
+              configs=None):
+    """Runs `steps` decode steps on `num_ranks` threads; returns per-rank records. With
+    `piggyback` the exchange rides on an engine sync (`Piggyback`); `configs` sets per-rank
+    flags."""
     out = [None] * num_ranks
     errors = []
 
     def rank_main(rank):
         try:
             rng = random.Random(seed * 100 + rank)
-            bal = dpb.DpBalance(num_ranks, rank, config, allgather=group.member(rank), library=PLUGIN)
-            out[rank] = run_steps(bal, rank, steps, batch_of, rng)
+            member, plan, rec = group.member(rank), None, {}
+            cfg = configs[rank] if configs else config
+            if piggyback:
+                pb = dpb.Piggyback(lambda payload: member(payload, 5000), num_ranks)
+                bal = dpb.DpBalance(num_ranks, rank, cfg, allgather=pb, library=PLUGIN)
+                plan = piggyback_plan(bal, pb, rank, rec)
+            else:
+                bal = dpb.DpBalance(num_ranks, rank, cfg, allgather=member, library=PLUGIN)
+            out[rank] = {**run_steps(bal, rank, steps, batch_of, rng, plan), **rec}
         except BaseException as e:  # surfaced by the main thread
             errors.append((rank, e))
 
@@ -172,6 +230,92 @@ class AdapterTest(unittest.TestCase):
         g = ThreadGroup(3)
         g.short_steps = {4}
         self.check_disabled_from(g, 3)
+
+    def test_a_timed_collective_that_completes_late_splits_the_depth_for_one_step(self):
+        # Why `Piggyback` exists (docs/engines.md): rank 0 stops waiting after 50 ms on plan 2
+        # (call 3) while rank 3 is 300 ms late; the others still complete with rank 0's
+        # record. Rank 0 drafts the default depth and the others the agreed one on that step.
+        # Then every rank disables (a failed callback is never called again), so the split
+        # lasts one step, but an MTP draft with MoE layers needs one depth on every rank.
+        g = LateGroup(4, late={(3, 3): 0.3}, patience={0: 0.05, 1: 1, 2: 1, 3: 1})
+        recs = run_ranks(4, 6, g, batch_of=skewed_batch)
+        at2 = [recs[r]["depths"][2] for r in range(4)]
+        self.assertEqual(at2[0], 3)  # default_k
+        self.assertEqual(len(set(at2[1:])), 1)
+        self.assertNotEqual(at2[1], 3, "the agreed depth happened to be the default: no split shown")
+        for step in [0, 1, 3, 4, 5]:
+            self.assertEqual(len({recs[r]["depths"][step] for r in range(4)}), 1, step)
+        for r in range(4):
+            self.assertEqual(recs[r]["stats"]["enabled"], 0, r)
+
+    def test_piggyback_on_the_engine_sync_balances_and_returns_its_payloads(self):
+        recs = run_ranks(4, 40, ThreadGroup(4), batch_of=skewed_batch, piggyback=True)
+        for step in range(40):
+            self.assertEqual(len({recs[r]["depths"][step] for r in range(4)}), 1, step)
+        for r in range(4):
+            self.assertTrue(all(recs[r]["payloads_ok"]), r)
+            self.assertTrue(all(x == dpb.SUCCESS for x in recs[r]["results"]), r)
+            self.assertEqual(recs[r]["stats"]["fallbacks"], 0)
+        mean = [mean_len(recs[r], 10) for r in range(4)]
+        self.assertGreater(mean[0], max(mean[1:]) + 0.5, mean)
+
+    def test_piggyback_a_rank_that_disables_itself_takes_every_rank_to_the_default_depth(self):
+        # Rank 2 gives up after one failure (max_failures is local, not agreed) and sends a
+        # bad request on step 5. From step 6 its record slot goes out as zeros: every other
+        # rank rejects it and disables too, so all ranks draft the same (default) depth on
+        # every step and the engine's payloads still arrive.
+        def batch_of(rank, step, rng):
+            reqs = skewed_batch(rank, step, rng)
+            if rank == 2 and step == 5:
+                reqs[0] = reqs[0]._replace(ctx_tokens=-1)
+            return reqs
+        configs = [COMMON] * 4
+        configs[2] = COMMON + ";max_failures=1"
+        recs = run_ranks(4, 12, ThreadGroup(4), batch_of=batch_of, piggyback=True, configs=configs)
+        for step in range(12):
+            self.assertEqual(len({recs[r]["depths"][step] for r in range(4)}), 1, step)
+        for r in range(4):
+            self.assertTrue(all(recs[r]["payloads_ok"]), r)
+            self.assertEqual(recs[r]["stats"]["enabled"], 0, r)
+            self.assertEqual(recs[r]["depths"][11], 3)  # default_k
+            self.assertTrue(all(x == dpb.SUCCESS for x in recs[r]["results"][:5]), r)
+        self.assertEqual(recs[2]["results"][5], dpb.DISABLED)  # it joined that step, then stopped
+
+    def test_piggyback_without_a_plugin_still_runs_the_engine_sync(self):
+        g = ThreadGroup(2)
+        got = [None, None]
+
+        def rank_main(rank):
+            pb = dpb.Piggyback(lambda p: g.member(rank)(p, 5000), 2)
+            got[rank] = [pb.step(None, [dpb.Request(1, 100)], engine_payload(rank, s))
+                         for s in range(3)]
+        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for rank in range(2):
+            for s, res in enumerate(got[rank]):
+                self.assertEqual(res, dpb.StepResult(None, None, [engine_payload(0, s),
+                                                                  engine_payload(1, s)]))
+
+    def test_piggyback_reraises_the_engine_collectives_failure(self):
+        g = ThreadGroup(1)
+        g.fail_steps = {3}  # call 0 is init's handshake: this is step 2
+        pb = dpb.Piggyback(lambda p: g.member(0)(p, 5000), 1)
+        bal = dpb.DpBalance(1, 0, COMMON, allgather=pb, library=PLUGIN)
+        reqs = [dpb.Request(1, 100)]
+        for s in range(2):
+            self.assertEqual(pb.step(bal, reqs, b"abc").payloads, [b"abc"])
+        with self.assertRaises(ConnectionError):
+            pb.step(bal, reqs, b"abc")  # the engine's own sync failed: it must hear of it
+        self.assertEqual(bal.last_result, dpb.DISABLED)
+        res = pb.step(bal, reqs, b"abd")  # later steps: default lengths, the sync still runs
+        self.assertEqual((res.verify_len, res.draft_depth, res.payloads), ([3], 3, [b"abd"]))
+        with self.assertRaises(ValueError) as e:  # payload sizes that disagree across ranks
+            dpb.Piggyback(lambda p: p + b"x", 1).step(None, [], b"ab")
+        self.assertIn("expected 1 ranks x 514", str(e.exception))
+        bal.close()
 
     def test_bad_flag_names_it(self):
         with self.assertRaises(dpb.DpBalanceError) as e:

@@ -23,6 +23,9 @@ raises, times out or returns the wrong number of bytes disables balancing on tha
 failed collective the ranks can no longer be known to be in lockstep, so it is not called again.
 Only programming errors raise: a bad argument, a library that cannot be loaded, or `init`
 refusing the flags (DpBalanceError, naming them).
+
+`Piggyback` carries the exchange on the engine's own per-step DP sync instead of a second
+collective, so that it fails on every rank or none (docs/engines.md).
 """
 from __future__ import annotations
 
@@ -32,8 +35,8 @@ import os
 import struct
 from typing import Callable, NamedTuple, Optional, Sequence
 
-__all__ = ["DpBalance", "DpBalanceError", "Request", "Accepted", "RESULT_NAMES",
-           "resolve_library", "torch_allgather"]
+__all__ = ["DpBalance", "DpBalanceError", "Request", "Accepted", "Piggyback", "StepResult",
+           "RESULT_NAMES", "RECORD_BYTES", "resolve_library", "torch_allgather"]
 
 log = logging.getLogger("dpbalance")
 
@@ -47,6 +50,8 @@ RESULT_NAMES = {SUCCESS: "dpbSuccess", FALLBACK: "dpbFallback",
                 DISABLED: "dpbDisabled"}
 # dpbBackend_t
 BACKEND_FROM_FLAGS, BACKEND_IN_PROCESS, BACKEND_CALLBACK, BACKEND_NCCL = range(4)
+# Bytes of one rank's summary record in ABI v1 (what the all-gather callback exchanges).
+RECORD_BYTES = 512
 
 
 class DpBalanceError(RuntimeError):
@@ -332,6 +337,90 @@ class DpBalance:
             self.close()
         except Exception:
             pass
+
+
+class StepResult(NamedTuple):
+    """One step through `Piggyback.step`."""
+    verify_len: Optional[list]  # per request; None when this rank has no plugin (use defaults)
+    draft_depth: Optional[int]  # the instance's agreed depth; None without a plugin
+    payloads: list              # every rank's engine payload, rank order
+
+
+class Piggyback:
+    """Carries the plugin's per-step record on the engine's own per-step DP collective.
+
+    DP-attention engines already exchange per-rank batch facts every step, before the forward
+    (SGLang: `MLPSyncBatchInfo.all_gather`; vLLM: `coordinate_batch_across_dp`'s all-reduce;
+    docs/engines.md). Appending the plugin's 512-byte record to that exchange costs no second
+    collective, and it makes the exchange fail only when the engine's own does: every rank
+    then holds the same bytes, plans from them, and returns the same draft depth. A separate,
+    timed collective can time out on one rank and complete on the others, which would leave
+    that rank drafting the default depth while the rest draft the agreed one.
+
+    `collective(payload: bytes) -> bytes` is the engine's all-gather of equal-size byte
+    strings: every rank's payload concatenated in rank order. Pass the object as the plugin's
+    all-gather, then call `step` where the engine runs its exchange:
+
+        pb = Piggyback(my_collective, dp_size)
+        dpb = DpBalance.load(dp_size, dp_rank, config, allgather=pb)   # may be None
+        res = pb.step(dpb, requests, my_payload)  # res.payloads: what the engine gathered
+
+    Every rank must pass payloads of one size and call `step` every step (also with no plugin,
+    or a disabled one: the record slot then goes out as zeros, which every plugin that reads
+    it rejects, so all ranks fall back together). An exception from `collective` is the
+    engine's own failure: `step` re-raises it (the plugin has then disabled itself)."""
+
+    def __init__(self, collective: Callable[[bytes], bytes], num_ranks: int):
+        _int_field(num_ranks, "num_ranks", 1, 1 << 20)
+        self._collective = collective
+        self.num_ranks = num_ranks
+        self._payload: Optional[bytes] = None
+        self._payloads: Optional[list] = None
+        self._error: Optional[BaseException] = None
+
+    def _gather(self, payload: bytes, record: bytes) -> bytes:
+        """Runs the engine's collective on payload + record; keeps the payloads, returns the
+        records (rank order)."""
+        row = len(payload) + len(record)
+        out = self._collective(payload + record)
+        if len(out) != row * self.num_ranks:
+            raise ValueError(f"dpbalance: the engine's collective returned {len(out)} bytes, "
+                             f"expected {self.num_ranks} ranks x {row} (payload {len(payload)} "
+                             f"+ record {len(record)})")
+        cut = len(payload)
+        self._payloads = [out[i * row:i * row + cut] for i in range(self.num_ranks)]
+        return b"".join(out[i * row + cut:(i + 1) * row] for i in range(self.num_ranks))
+
+    def __call__(self, send: bytes, _timeout_ms: int) -> bytes:
+        """The plugin's all-gather. Outside `step` (init's handshake) the record travels alone;
+        all ranks are in init together. The engine's collective sets its own timeout."""
+        if self._payload is None:
+            return self._collective(send)
+        try:
+            if len(send) != RECORD_BYTES:
+                raise ValueError(f"dpbalance: record of {len(send)} bytes, ABI v1 has "
+                                 f"{RECORD_BYTES}")
+            return self._gather(self._payload, send)
+        except BaseException as e:
+            self._error = e
+            raise
+
+    def step(self, dpb: Optional["DpBalance"], requests: Sequence[Request], payload: bytes,
+             kv_free_tokens: int = -1) -> StepResult:
+        """One decode step's exchange: plans with `dpb` (None: no plugin) and gathers
+        `payload` from every rank, in one collective."""
+        self._payload, self._payloads, self._error = bytes(payload), None, None
+        try:
+            lens = depth = None
+            if dpb is not None:
+                lens, depth = dpb.plan(requests, kv_free_tokens)
+            if self._error is not None:
+                raise self._error
+            if self._payloads is None:  # the plugin did not exchange: the engine's sync still runs
+                self._gather(self._payload, bytes(RECORD_BYTES))
+            return StepResult(lens, depth, self._payloads)
+        finally:
+            self._payload = None
 
 
 def torch_allgather(group=None) -> Callable[[bytes, int], bytes]:
