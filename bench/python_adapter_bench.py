@@ -2,6 +2,8 @@
 """What the Python adapter adds to a step: plan() and report() through ctypes, against the
 plugin's own C plan on the same batch. One rank (DP1, an identity all-gather), goodput mode,
 the V2 cost model; batches of 16, 64 and 256 requests with contexts drawn from 1k-60k tokens.
+`Piggyback.step()` is plan() with the record riding on a 24-byte engine payload (an identity
+collective standing in for the engine's sync).
 
 Usage: bench/python_adapter_bench.py PLUGIN_SO [REPETITIONS]
 Prints the median over REPETITIONS (default 5) of the mean time per call over 2,000 calls; the
@@ -32,26 +34,31 @@ def main():
     if len(sys.argv) < 2:
         sys.exit(__doc__)
     reps = int(sys.argv[2]) if len(sys.argv) > 2 else 5
-    bal = dpb.DpBalance(1, 0, "mode=goodput;log_every=0;log_level=error",
-                        allgather=lambda send, timeout_ms: send, library=sys.argv[1])
+    flags = "mode=goodput;log_every=0;log_level=error"
+    bal = dpb.DpBalance(1, 0, flags, allgather=lambda send, timeout_ms: send, library=sys.argv[1])
+    pb = dpb.Piggyback(lambda payload: payload, 1)
+    pb_bal = dpb.DpBalance(1, 0, flags, allgather=pb, library=sys.argv[1])
+    payload = bytes(24)
     rng = random.Random(1)
     print(f"{'requests':>8} {'C plan us':>10} {'plan() us':>10} {'report() us':>12} "
-          f"{'plan()-C+report() us':>21}")
+          f"{'plan()-C+report() us':>21} {'Piggyback.step() us':>20}")
     for n in (16, 64, 256):
         reqs = [dpb.Request(i, rng.randint(1000, 60000), 0, 7) for i in range(n)]
         lens, _ = bal.plan(reqs)
         acc = [dpb.Accepted(r.request_id, k, k // 2) for r, k in zip(reqs, lens)]
         raw = lambda: bal._plugin.plan(bal._ctx, bal._reqs, n, -1, bal._lens,  # noqa: E731
                                        ctypes.byref(bal._depth))
-        rows = {"raw": [], "plan": [], "report": []}
+        rows = {"raw": [], "plan": [], "report": [], "step": []}
         for _ in range(reps):
             rows["raw"].append(per_call_us(raw))
             rows["plan"].append(per_call_us(lambda: bal.plan(reqs)))
             rows["report"].append(per_call_us(lambda: bal.report(3000.0, 25000.0, acc)))
+            rows["step"].append(per_call_us(lambda: pb.step(pb_bal, reqs, payload)))
         med = {k: statistics.median(v) for k, v in rows.items()}
         print(f"{n:8d} {med['raw']:10.1f} {med['plan']:10.1f} {med['report']:12.1f} "
-              f"{med['plan'] - med['raw'] + med['report']:21.1f}")
+              f"{med['plan'] - med['raw'] + med['report']:21.1f} {med['step']:20.1f}")
     bal.close()
+    pb_bal.close()
 
 
 if __name__ == "__main__":
