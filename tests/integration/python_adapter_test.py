@@ -426,19 +426,25 @@ class ProcessTest(unittest.TestCase):
         self.assertGreater(mean_len(got[0], 10), max(mean_len(got[1], 10), mean_len(got[2], 10)) + 0.5)
 
 
-def _torch_rank(rank, world, store_path, plugin, q):
+def _torch_rank(rank, world, store_path, plugin, q, piggyback):
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     try:
-        bal = dpb.DpBalance(world, rank, COMMON, allgather=dpb.torch_allgather(), library=plugin)
+        gather, plan, rec = dpb.torch_allgather(), None, {}
+        if piggyback:  # the engine's own sync over the same gloo group carries the record
+            pb = dpb.Piggyback(lambda payload: gather(payload, 0), world)
+            bal = dpb.DpBalance(world, rank, COMMON, allgather=pb, library=plugin)
+            plan = piggyback_plan(bal, pb, rank, rec)
+        else:
+            bal = dpb.DpBalance(world, rank, COMMON, allgather=gather, library=plugin)
         heavy_or_light = lambda r, step, rng: skewed_batch(0 if r == 0 else 3, step, rng)  # noqa: E731
-        q.put((rank, run_steps(bal, rank, 20, heavy_or_light, random.Random(rank))))
+        q.put((rank, {**run_steps(bal, rank, 20, heavy_or_light, random.Random(rank), plan), **rec}))
     finally:
         dist.destroy_process_group()
 
 
 class TorchGlooTest(unittest.TestCase):
-    def test_two_processes_over_gloo(self):
+    def run_gloo(self, piggyback):
         try:
             import torch.multiprocessing as mp
         except ImportError:
@@ -447,12 +453,21 @@ class TorchGlooTest(unittest.TestCase):
         q = ctx.Queue()
         with tempfile.TemporaryDirectory() as d:
             store = os.path.join(d, "store")
-            got = run_processes(self, ctx, q, _torch_rank, [(r, 2, store, PLUGIN, q) for r in range(2)])
+            got = run_processes(self, ctx, q, _torch_rank,
+                                [(r, 2, store, PLUGIN, q, piggyback) for r in range(2)])
         self.assertEqual(got[0]["depths"], got[1]["depths"])  # the same agreed depth on both ranks
         for rec in got:
             self.assertTrue(all(x == dpb.SUCCESS for x in rec["results"]), rec["results"])
             self.assertEqual(rec["stats"]["fallbacks"], 0)
             self.assertGreater(rec["stats"]["balanced_steps"], 10)
+            if piggyback:
+                self.assertTrue(all(rec["payloads_ok"]))
+
+    def test_two_processes_over_gloo(self):
+        self.run_gloo(piggyback=False)
+
+    def test_two_processes_piggyback_on_a_gloo_sync(self):
+        self.run_gloo(piggyback=True)
 
 
 if __name__ == "__main__":
