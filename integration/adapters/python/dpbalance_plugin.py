@@ -368,7 +368,8 @@ class Piggyback:
     Every rank must pass payloads of one size and call `step` every step (also with no plugin,
     or a disabled one: the record slot then goes out as zeros, which every plugin that reads
     it rejects, so all ranks fall back together). An exception from `collective` is the
-    engine's own failure: `step` re-raises it (the plugin has then disabled itself)."""
+    engine's own failure: `step` re-raises it (the plugin has then disabled itself). One per
+    rank, like DpBalance."""
 
     def __init__(self, collective: Callable[[bytes], bytes], num_ranks: int):
         _int_field(num_ranks, "num_ranks", 1, 1 << 20)
