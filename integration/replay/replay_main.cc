@@ -67,6 +67,9 @@ ABSL_FLAG(double, draft_ms, 1.5, "truth: draft time per draft step, ms (depth ag
 ABSL_FLAG(std::string, draft, "agreed",
           "truth: 'agreed' (one draft depth for the instance, MTP with MoE layers) or 'per_rank' "
           "(a dense draft each rank runs to its own deepest verify length, before the barrier)");
+ABSL_FLAG(std::string, granularity, "request",
+          "planner rows: 'request' (a verify length per request) or 'rank' (one per rank, for "
+          "engines that vary it per batch only)");
 ABSL_FLAG(double, noise, 0.0, "truth: multiplicative log-normal noise sigma on attention");
 ABSL_FLAG(double, acceptance_sigma, 1.0, "per-request acceptance shift, logit std-dev");
 ABSL_FLAG(uint64_t, seed, 1, "random seed");
@@ -257,6 +260,12 @@ int Main() {
   }
 
   SimConfig base;
+  if (const std::string g = absl::GetFlag(FLAGS_granularity); g == "rank") {
+    base.uniform_per_rank = true;
+  } else if (g != "request") {
+    return fail(absl::InvalidArgumentError(
+        absl::StrCat("--granularity = '", g, "' must be request or rank")));
+  }
   base.num_ranks = absl::GetFlag(FLAGS_dp);
   base.rank_capacity_tokens = absl::GetFlag(FLAGS_rank_capacity_tokens);
   base.max_batch_per_rank = absl::GetFlag(FLAGS_max_batch);

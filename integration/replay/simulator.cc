@@ -66,6 +66,7 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
   pc.global = truth.global;  // the global terms are instance facts every rank knows
   pc.max_step_slack = cfg.max_step_slack;
   pc.agreed_draft_depth = !truth.per_rank_draft;
+  pc.uniform_per_rank = cfg.uniform_per_rank;
   pc.mode = cfg.verify == VerifyMode::kLocal  ? PlanMode::kLocal
             : cfg.verify == VerifyMode::kFill ? PlanMode::kFill
                                               : PlanMode::kGoodput;

@@ -106,6 +106,11 @@ const std::map<std::string, Setter>& Table() {
       {"draft_us", Double(0, 1e9, [](PluginFlags& f, double x) { f.balancer.planner.global.draft_per_step_us = x; })},
       {"step_slack", Double(-1, 100, [](PluginFlags& f, double x) { f.balancer.planner.max_step_slack = x; })},
       {"tpot_slo_ms", Double(0, 1e6, [](PluginFlags& f, double x) { f.balancer.tpot_slo_us = x * 1000; })},
+      {"granularity", [](PluginFlags& f, const std::string& v) -> absl::Status {
+         if (v != "request" && v != "rank") return Bad("", v, "request or rank");
+         f.balancer.planner.uniform_per_rank = v == "rank";
+         return absl::OkStatus();
+       }},
       {"agreed_depth", Int(0, 1, [](PluginFlags& f, int x) { f.balancer.planner.agreed_draft_depth = x; })},
       {"online", Int(0, 1, [](PluginFlags& f, int x) { f.balancer.online_calibration = x; })},
       {"prior_strength", Double(1e-3, 1e6, [](PluginFlags& f, double x) { f.balancer.acceptance_prior_strength = x; })},

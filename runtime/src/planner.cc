@@ -177,6 +177,7 @@ uint64_t PlannerConfig::Hash() const {
   for (int32_t t : token_tiers) h.Value(t);
   h.Value(max_step_slack);
   h.Value(agreed_draft_depth);
+  h.Value(uniform_per_rank);
   h.Value(kSummaryVersion);
   return h.digest();
 }
@@ -293,7 +294,7 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
   const double multi_us = model_.AttentionUs(multi);
   st.items.clear();
   const BatchAggregates::TokenMark multi_mark = multi.Mark();
-  for (size_t i = 0; i < batch.size(); ++i) {
+  for (size_t i = 0; i < batch.size() && !config_.uniform_per_rank; ++i) {
     multi.AddQueryToken(RequestLoad{batch[i].ctx_tokens, 1 + st.base_len[i]});
     const double marginal = std::max(model_.AttentionUs(multi) - multi_us, kTinyUs);
     multi.Restore(multi_mark);
@@ -328,102 +329,106 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
   s.min_depth = static_cast<uint8_t>(min_depth);
   s.max_depth = static_cast<uint8_t>(std::max(min_depth, max_depth));
   const int64_t kv_cap = kv_free_tokens < 0 ? std::numeric_limits<int64_t>::max() : kv_free_tokens;
-  // Items available at each depth (capped by the KV budget).
-  std::array<int64_t, kMaxDraftLen + 1> avail{};
-  for (const Item& it : st.items) ++avail[it.pos()];
-  int64_t running = 0;
-  for (int d = 1; d <= kMaxDraftLen; ++d) {
-    running += avail[d];
-    avail[d] = std::min<int64_t>({running, kv_cap, 65535});
-  }
-  // Share the knot pool: every depth with items gets one knot, then rounds hand out the rest,
-  // most to the depths around the previous decision's (where the next one most likely lands:
-  // the chord between sparse knots undervalues a depth): 6 knots a round to that depth, 2 to
-  // each neighbour, 1 to the others, never more than a depth has items. Small batches get one
-  // knot per item at every depth, so small cases are exact.
-  std::array<int, kMaxDraftLen + 1> share{};
-  int pool = KnotBudget(config_.num_ranks);
-  const int d_lo = std::max(1, min_depth), d_hi = s.max_depth;
-  for (int d = d_lo; d <= d_hi && pool > 0; ++d) {
-    share[d] = avail[d] > 0 ? 1 : 0;
-    pool -= share[d];
-  }
-  const int focus = std::clamp(focus_depth_, d_lo, std::max(d_lo, d_hi));
-  auto give = [&](int d, int per_round) {
-    if (d < d_lo || d > d_hi) return false;
-    const int more = static_cast<int>(std::min<int64_t>({per_round, avail[d] - share[d], pool}));
-    if (more <= 0) return false;
-    share[d] += more;
-    pool -= more;
-    return true;
-  };
-  for (bool gave = true; gave && pool > 0;) {
-    gave = give(focus, 6);
-    for (int dist = 1; dist <= kMaxDraftLen && pool > 0; ++dist) {
-      const int per_round = dist == 1 ? 2 : 1;
-      gave |= give(focus - dist, per_round);
-      gave |= give(focus + dist, per_round);
+  if (config_.uniform_per_rank) {
+    SummarizeUniform(st, base_gain, kv_cap, s);
+  } else {
+    // Items available at each depth (capped by the KV budget).
+    std::array<int64_t, kMaxDraftLen + 1> avail{};
+    for (const Item& it : st.items) ++avail[it.pos()];
+    int64_t running = 0;
+    for (int d = 1; d <= kMaxDraftLen; ++d) {
+      running += avail[d];
+      avail[d] = std::min<int64_t>({running, kv_cap, 65535});
     }
-  }
-  // One walk down the item list serves every depth: items are summed per draft position, and
-  // depth d's totals are the base plus the sums of positions 1..d, formed only at its knots.
-  struct PositionSums {
-    double tokens = 0, pairs = 0, max_pairs = 0, gain = 0;
-  };
-  std::array<PositionSums, kMaxDraftLen + 1> pos_sums{};
-  std::array<int64_t, kMaxDraftLen + 1> taken{}, next_at{};
-  std::array<int, kMaxDraftLen + 1> knot{};
-  // A fitted model may price the multi-query kernel path below the single-query one; more
-  // verify work is never really faster, so knot costs follow the running maximum.
-  std::array<double, kMaxDraftLen + 1> cost{};
-  constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
-  // Knot i of depth d sits after item ceil(n * (i + 1) / knots) of that depth's list.
-  auto knot_at = [&](int d, int i) {
-    return i < share[d] ? (avail[d] * (i + 1) + share[d] - 1) / share[d] : kNever;
-  };
-  int next_knot = 0, depths_open = 0;
-  for (int d = d_lo; d <= d_hi; ++d) {
-    s.knot_begin[d - 1] = static_cast<uint8_t>(next_knot);
-    next_knot += avail[d] > 0 ? share[d] : 0;
-    next_at[d] = avail[d] > 0 ? knot_at(d, 0) : kNever;
-    cost[d] = st.base_attention_us;
-    depths_open += next_at[d] != kNever;
-  }
-  BatchAggregates agg = st.base_agg;  // each knot's batch, rebuilt from the base in place
-  const BatchAggregates::TokenMark base_mark = agg.Mark();
-  for (const Item& it : st.items) {
-    if (depths_open == 0) break;
-    const int p = it.pos();
-    const double ctx = static_cast<double>(batch[it.req_idx()].ctx_tokens);
-    PositionSums& ps = pos_sums[p];
-    ps.tokens += 1;
-    ps.pairs += ctx;
-    ps.max_pairs = std::max(ps.max_pairs, (p + 1.0) * ctx);
-    ps.gain += batch[it.req_idx()].acceptance.Accept(p);
-    for (int d = std::max(p, d_lo); d <= d_hi; ++d) {
-      if (++taken[d] != next_at[d]) continue;
-      agg.Restore(base_mark);
-      agg.multi_query = true;
-      double gain = base_gain;
-      int deepest = min_depth;
-      for (int q = 1; q <= d; ++q) {
-        const PositionSums& sum = pos_sums[q];
-        agg.query_tokens += sum.tokens;
-        agg.query_key_pairs += sum.pairs;
-        agg.max_query_key_pairs = std::max(agg.max_query_key_pairs, sum.max_pairs);
-        gain += sum.gain;
-        if (sum.tokens > 0) deepest = std::max(deepest, q);
+    // Share the knot pool: every depth with items gets one knot, then rounds hand out the rest,
+    // most to the depths around the previous decision's (where the next one most likely lands:
+    // the chord between sparse knots undervalues a depth): 6 knots a round to that depth, 2 to
+    // each neighbour, 1 to the others, never more than a depth has items. Small batches get one
+    // knot per item at every depth, so small cases are exact.
+    std::array<int, kMaxDraftLen + 1> share{};
+    int pool = KnotBudget(config_.num_ranks);
+    const int d_lo = std::max(1, min_depth), d_hi = s.max_depth;
+    for (int d = d_lo; d <= d_hi && pool > 0; ++d) {
+      share[d] = avail[d] > 0 ? 1 : 0;
+      pool -= share[d];
+    }
+    const int focus = std::clamp(focus_depth_, d_lo, std::max(d_lo, d_hi));
+    auto give = [&](int d, int per_round) {
+      if (d < d_lo || d > d_hi) return false;
+      const int more = static_cast<int>(std::min<int64_t>({per_round, avail[d] - share[d], pool}));
+      if (more <= 0) return false;
+      share[d] += more;
+      pool -= more;
+      return true;
+    };
+    for (bool gave = true; gave && pool > 0;) {
+      gave = give(focus, 6);
+      for (int dist = 1; dist <= kMaxDraftLen && pool > 0; ++dist) {
+        const int per_round = dist == 1 ? 2 : 1;
+        gave |= give(focus - dist, per_round);
+        gave |= give(focus + dist, per_round);
       }
-      cost[d] = std::max(cost[d], model_.AttentionUs(agg) + rank_draft_us * deepest);
-      const int k = s.knot_begin[d - 1] + knot[d];
-      s.knot_attention_us[k] = static_cast<float>(cost[d]);
-      s.knot_gain[k] = static_cast<float>(gain);
-      s.knot_tokens[k] = static_cast<uint16_t>(taken[d]);
-      next_at[d] = knot_at(d, ++knot[d]);
-      depths_open -= next_at[d] == kNever;
     }
+    // One walk down the item list serves every depth: items are summed per draft position, and
+    // depth d's totals are the base plus the sums of positions 1..d, formed only at its knots.
+    struct PositionSums {
+      double tokens = 0, pairs = 0, max_pairs = 0, gain = 0;
+    };
+    std::array<PositionSums, kMaxDraftLen + 1> pos_sums{};
+    std::array<int64_t, kMaxDraftLen + 1> taken{}, next_at{};
+    std::array<int, kMaxDraftLen + 1> knot{};
+    // A fitted model may price the multi-query kernel path below the single-query one; more
+    // verify work is never really faster, so knot costs follow the running maximum.
+    std::array<double, kMaxDraftLen + 1> cost{};
+    constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
+    // Knot i of depth d sits after item ceil(n * (i + 1) / knots) of that depth's list.
+    auto knot_at = [&](int d, int i) {
+      return i < share[d] ? (avail[d] * (i + 1) + share[d] - 1) / share[d] : kNever;
+    };
+    int next_knot = 0, depths_open = 0;
+    for (int d = d_lo; d <= d_hi; ++d) {
+      s.knot_begin[d - 1] = static_cast<uint8_t>(next_knot);
+      next_knot += avail[d] > 0 ? share[d] : 0;
+      next_at[d] = avail[d] > 0 ? knot_at(d, 0) : kNever;
+      cost[d] = st.base_attention_us;
+      depths_open += next_at[d] != kNever;
+    }
+    BatchAggregates agg = st.base_agg;  // each knot's batch, rebuilt from the base in place
+    const BatchAggregates::TokenMark base_mark = agg.Mark();
+    for (const Item& it : st.items) {
+      if (depths_open == 0) break;
+      const int p = it.pos();
+      const double ctx = static_cast<double>(batch[it.req_idx()].ctx_tokens);
+      PositionSums& ps = pos_sums[p];
+      ps.tokens += 1;
+      ps.pairs += ctx;
+      ps.max_pairs = std::max(ps.max_pairs, (p + 1.0) * ctx);
+      ps.gain += batch[it.req_idx()].acceptance.Accept(p);
+      for (int d = std::max(p, d_lo); d <= d_hi; ++d) {
+        if (++taken[d] != next_at[d]) continue;
+        agg.Restore(base_mark);
+        agg.multi_query = true;
+        double gain = base_gain;
+        int deepest = min_depth;
+        for (int q = 1; q <= d; ++q) {
+          const PositionSums& sum = pos_sums[q];
+          agg.query_tokens += sum.tokens;
+          agg.query_key_pairs += sum.pairs;
+          agg.max_query_key_pairs = std::max(agg.max_query_key_pairs, sum.max_pairs);
+          gain += sum.gain;
+          if (sum.tokens > 0) deepest = std::max(deepest, q);
+        }
+        cost[d] = std::max(cost[d], model_.AttentionUs(agg) + rank_draft_us * deepest);
+        const int k = s.knot_begin[d - 1] + knot[d];
+        s.knot_attention_us[k] = static_cast<float>(cost[d]);
+        s.knot_gain[k] = static_cast<float>(gain);
+        s.knot_tokens[k] = static_cast<uint16_t>(taken[d]);
+        next_at[d] = knot_at(d, ++knot[d]);
+        depths_open -= next_at[d] == kNever;
+      }
+    }
+    for (int d = d_lo; d <= d_hi; ++d) s.num_knots[d - 1] = static_cast<uint8_t>(knot[d]);
   }
-  for (int d = d_lo; d <= d_hi; ++d) s.num_knots[d - 1] = static_cast<uint8_t>(knot[d]);
   // Steepest slopes after each knot, from the stored (float) values Decide will read.
   for (int d = 1; d <= kMaxDraftLen; ++d) {
     const int first = s.knot_begin[d - 1], n = s.num_knots[d - 1];
@@ -608,7 +613,7 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
     Segment sg{g0, 0, t0, 0, g0, 0, false};
     if (k + 1 < dk.n) {
       const double c1 = s.knot_attention_us[first + k + 1], t1 = s.knot_tokens[first + k + 1];
-      if (t1 - t0 > 1 && c1 > c0) {
+      if (t1 - t0 > 1 && c1 > c0 && !c.uniform_per_rank) {  // uniform levels: steps
         const double inv = 1.0 / (c1 - c0);
         sg.s_gain = (s.knot_gain[first + k + 1] - g0) * inv;
         sg.s_tok = (t1 - t0) * inv;
@@ -798,6 +803,64 @@ absl::Status Planner::AssignFrom(const LocalState& st, const GlobalDecision& d,
   return absl::OkStatus();
 }
 
+double Planner::UniformLevel(const LocalState& st, int level, absl::Span<int32_t> lens,
+                             std::vector<RequestLoad>& loads) const {
+  const size_t n = st.batch.size();
+  loads.resize(n);
+  int deepest = st.min_depth;
+  for (size_t i = 0; i < n; ++i) {
+    lens[i] = std::max(st.base_len[i], std::min<int32_t>(level, st.batch[i].k_cap));
+    loads[i] = RequestLoad{st.batch[i].ctx_tokens, 1 + lens[i]};
+    deepest = std::max(deepest, static_cast<int>(lens[i]));
+  }
+  const double rank_draft_us = config_.agreed_draft_depth ? 0.0 : config_.global.draft_per_step_us;
+  return model_.AttentionUs(model_.Aggregate(loads)) + rank_draft_us * deepest;
+}
+
+void Planner::SummarizeUniform(LocalState& st, double base_gain, int64_t kv_cap,
+                               RankSummary& s) const {
+  // One knot per level that adds tokens, priced exactly (a grid model simulates the launch),
+  // stored once and shared by every depth at or above it: depth d reads the first knots, those
+  // of levels <= d. Levels past the KV budget are left out whole (a level is all or nothing).
+  const size_t n = st.batch.size();
+  std::vector<int32_t> lens(n);
+  std::vector<RequestLoad> loads;
+  std::array<int, kMaxDraftLen + 1> upto{};  // knots of levels <= d
+  int stored = 0;
+  int64_t prev_added = 0;
+  double cost = st.base_attention_us, prev_gain = base_gain;
+  const double min_gain = config_.global.padded_tokens
+                              ? 0.0
+                              : last_tokens_per_us_ * config_.global.ffn_per_token_us;
+  for (int level = 1; level <= s.max_depth; ++level) {
+    upto[level] = stored;
+    const double us = UniformLevel(st, level, absl::MakeSpan(lens), loads);
+    int64_t added = 0;
+    double gain = 0;
+    for (size_t i = 0; i < n; ++i) {
+      added += lens[i] - st.base_len[i];
+      gain += st.batch[i].acceptance.ExpectedTokens(lens[i]);
+    }
+    if (added > kv_cap || added > 65535) break;
+    if (added == prev_added) continue;  // no request can go this deep
+    // As items, a level whose extra tokens cannot pay for their FFN time at last step's goodput
+    // never helps, and nor do the deeper ones (gains fall with the position).
+    if (gain - prev_gain < min_gain * static_cast<double>(added - prev_added)) break;
+    cost = std::max(cost, us);  // more work is never cheaper (see Summarize)
+    s.knot_attention_us[stored] = static_cast<float>(cost);
+    s.knot_gain[stored] = static_cast<float>(std::max(gain, base_gain));
+    s.knot_tokens[stored] = static_cast<uint16_t>(added);
+    upto[level] = ++stored;
+    prev_added = added;
+    prev_gain = gain;
+  }
+  for (int level = 2; level <= kMaxDraftLen; ++level) upto[level] = std::max(upto[level], upto[level - 1]);
+  for (int d = std::max(1, st.min_depth); d <= s.max_depth; ++d) {
+    s.knot_begin[d - 1] = 0;
+    s.num_knots[d - 1] = static_cast<uint8_t>(upto[d]);
+  }
+}
+
 double Planner::FillUnder(const LocalState& st, const GlobalDecision& d, int depth_cap,
                           absl::Span<int32_t> verify_len) const {
   // Greedy fill in gain-per-microsecond order, skipping items that do not fit: attention (plus,
@@ -811,6 +874,36 @@ double Planner::FillUnder(const LocalState& st, const GlobalDecision& d, int dep
   const int64_t kv_cap =
       st.kv_free_tokens < 0 ? std::numeric_limits<int64_t>::max() : st.kv_free_tokens;
   const size_t n = st.batch.size();
+  if (config_.uniform_per_rank) {
+    // Levels upwards from the base (every request at its floor) while the next one fits under
+    // the barrier, the KV budget and the padded tier, and its extra tokens pay for their FFN
+    // time at the planned goodput: the knot Decide placed this rank on, as the items' rule.
+    std::vector<int32_t> trial(n);
+    std::vector<RequestLoad> loads;
+    std::copy(st.base_len.begin(), st.base_len.end(), verify_len.begin());
+    double gain = 0;
+    int64_t prev_added = 0;
+    for (size_t i = 0; i < n; ++i) gain += st.batch[i].acceptance.ExpectedTokens(st.base_len[i]);
+    for (int level = 1; level <= depth_cap; ++level) {
+      const double us = UniformLevel(st, level, absl::MakeSpan(trial), loads);
+      int64_t added = 0, tokens = 0;
+      double level_gain = 0;
+      for (size_t i = 0; i < n; ++i) {
+        added += trial[i] - st.base_len[i];
+        tokens += 1 + trial[i];
+        level_gain += st.batch[i].acceptance.ExpectedTokens(trial[i]);
+      }
+      if (added == prev_added) continue;
+      if (us > barrier || added > kv_cap || (g.padded_tokens && tokens > d.padded_rank_tokens) ||
+          level_gain - gain < min_gain * static_cast<double>(added - prev_added)) {
+        break;
+      }
+      std::copy(trial.begin(), trial.end(), verify_len.begin());
+      gain = level_gain;
+      prev_added = added;
+    }
+    return gain;
+  }
   for (size_t i = 0; i < n; ++i) verify_len[i] = st.base_len[i];
   int64_t extra = 0;
   int deepest = st.min_depth;

@@ -12,9 +12,11 @@ TEST(Flags, DefaultsEnvironmentAndConfigStringWhichWins) {
   EXPECT_EQ(f->balancer.planner.k_max, 7);
   EXPECT_DOUBLE_EQ(f->balancer.planner.max_step_slack, 0.03);
   EXPECT_EQ(f->balancer.tpot_slo_us, 0);  // no SLO unless the engine sets one
+  EXPECT_FALSE(f->balancer.planner.uniform_per_rank);
 
   f = ParseFlags({{"DPB_MODE", "fill"}, {"DPB_K_MAX", "5"}, {"DPB_TIERS", "8,16,32"}},
-                 "k_max=6; timeout_ms=20 ;ab_epoch=100;padded=1;agreed_depth=0;tpot_slo_ms=52.5");
+                 "k_max=6; timeout_ms=20 ;ab_epoch=100;padded=1;agreed_depth=0;tpot_slo_ms=52.5;"
+                 "granularity=rank");
   ASSERT_TRUE(f.ok()) << f.status();
   EXPECT_EQ(f->balancer.planner.mode, PlanMode::kFill);
   EXPECT_EQ(f->balancer.planner.k_max, 6);
@@ -24,6 +26,7 @@ TEST(Flags, DefaultsEnvironmentAndConfigStringWhichWins) {
   EXPECT_TRUE(f->balancer.planner.global.padded_tokens);
   EXPECT_FALSE(f->balancer.planner.agreed_draft_depth);
   EXPECT_DOUBLE_EQ(f->balancer.tpot_slo_us, 52500);
+  EXPECT_TRUE(f->balancer.planner.uniform_per_rank);
   // DPB_PLUGIN is the host's variable, not a flag.
   EXPECT_TRUE(ParseFlags({{"DPB_PLUGIN", "dpbalance"}}, "").ok());
 }
@@ -41,6 +44,10 @@ TEST(Flags, UnknownAndMalformedFlagsAreNamed) {
   EXPECT_NE(f.status().message().find("config string"), std::string::npos);
 
   EXPECT_FALSE(ParseFlags({}, "mode=turbo").ok());
+  f = ParseFlags({{"DPB_GRANULARITY", "batch"}}, "");
+  ASSERT_FALSE(f.ok());
+  EXPECT_NE(f.status().message().find("granularity"), std::string::npos) << f.status();
+  EXPECT_NE(f.status().message().find("batch"), std::string::npos) << f.status();
   EXPECT_FALSE(ParseFlags({}, "k_max").ok());
   EXPECT_FALSE(ParseFlags({}, "tiers=8,-1").ok());
   EXPECT_FALSE(ParseFlags({}, "k_max=2;default_k=3").ok());

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <set>
 
 #include "gtest/gtest.h"
 
@@ -293,6 +294,7 @@ TEST(PlannerProperties, WithAKernelGridEveryRankFitsUnderThePlannedBarrier) {
     c.k_max = kMaxDraftLen;
     c.global.ffn_per_token_us = 0.5;
     c.agreed_draft_depth = trial % 4 < 2;
+    c.uniform_per_rank = trial % 3 == 2;  // levels are priced by simulation: they fit exactly
     Batches b = RandomInstance(rng, ranks, 48, c.k_max, trial % 3 == 0);
     const std::vector<int64_t> kv(ranks, -1);
     const RankRun run = RunAsRanks(c, m, b, kv);
@@ -594,6 +596,82 @@ TEST(PlannerPerRankDepth, WithinOnePercentOfExhaustiveAndDeterministic) {
       EXPECT_EQ(run.k, k);
     }
     std::printf("per-rank draft depth: worst planner/exhaustive ratio over 60 instances: %.5f\n", worst);
+  }
+}
+
+// The level a rank's lengths sit at in uniform mode (every request at max(k_min, min(level,
+// k_cap))), or -1 when they are not one level.
+int UniformLevelOf(const std::vector<PlanRequest>& rank, const std::vector<int32_t>& k) {
+  for (int level = 0; level <= kMaxDraftLen; ++level) {
+    bool all = true;
+    for (size_t i = 0; i < rank.size(); ++i) {
+      all = all && k[i] == std::max(rank[i].k_min, std::min<int32_t>(level, rank[i].k_cap));
+    }
+    if (all) return level;
+  }
+  return -1;
+}
+
+// Exhaustive search over one level per rank (0..k_max each).
+double BruteForceUniform(const Batches& b, int k_max, const CostModel& m, const GlobalCost& g,
+                         bool per_rank_depth) {
+  std::vector<int> level(b.size(), 0);
+  std::vector<std::vector<int32_t>> k(b.size());
+  double best = 0;
+  while (true) {
+    int depth = 0;
+    for (size_t r = 0; r < b.size(); ++r) {
+      k[r].resize(b[r].size());
+      for (size_t i = 0; i < b[r].size(); ++i) {
+        k[r][i] = std::max(b[r][i].k_min, std::min<int32_t>(level[r], b[r][i].k_cap));
+        depth = std::max(depth, static_cast<int>(k[r][i]));
+      }
+    }
+    best = std::max(best, Objective(b, k, per_rank_depth ? kPerRankDepth : depth, m, g));
+    size_t r = 0;
+    for (; r < b.size() && level[r] == k_max; ++r) level[r] = 0;
+    if (r == b.size()) break;
+    ++level[r];
+  }
+  return best;
+}
+
+// One verify length per rank: the sweep over the ranks' level knots (steps, priced exactly) is
+// exact, so the plan's objective equals the best over every combination of levels, and every
+// rank's lengths are one level. Both draft-depth modes, floors on a third of the instances.
+TEST(PlannerUniformPerRank, EqualsExhaustiveOverLevelsAndEveryRankIsOneLevel) {
+  for (int model_idx = 0; model_idx < 2; ++model_idx) {
+    const CostModel model = model_idx == 0 ? CostModel::PublishedV2() : RegimeModel();
+    std::mt19937_64 rng(4000 + model_idx);
+    int moved = 0;
+    double worst = 1;
+    for (int trial = 0; trial < 80; ++trial) {
+      const int ranks = 2 + static_cast<int>(rng() % 4);
+      PlannerConfig c = RandomConfig(rng, ranks);
+      c.uniform_per_rank = true;
+      c.agreed_draft_depth = trial % 2 == 0;
+      Batches b = RandomInstance(rng, ranks, 12, c.k_max, /*floors=*/trial % 3 == 0);
+      const std::vector<int64_t> kv(ranks, -1);
+      Planner p = *Planner::Create(c, model);
+      std::vector<std::vector<int32_t>> k;
+      absl::StatusOr<GlobalDecision> d = p.PlanAll(b, kv, &k);
+      ASSERT_TRUE(d.ok()) << d.status();
+      std::set<int> levels;
+      for (int r = 0; r < ranks; ++r) {
+        const int level = UniformLevelOf(b[r], k[r]);
+        ASSERT_GE(level, 0) << "model " << model_idx << " trial " << trial << " rank " << r;
+        levels.insert(level);
+      }
+      moved += levels.size() > 1;
+      const bool per_rank = !c.agreed_draft_depth;
+      const double got = Objective(b, k, per_rank ? kPerRankDepth : d->draft_depth, model, c.global);
+      const double best = BruteForceUniform(b, c.k_max, model, c.global, per_rank);
+      EXPECT_GE(got, best * (1 - 1e-5)) << "model " << model_idx << " trial " << trial;
+      worst = std::min(worst, got / best);
+      EXPECT_EQ(RunAsRanks(c, model, b, kv).k, k);  // as separate ranks: the same lengths
+    }
+    EXPECT_GT(moved, 10) << "ranks rarely took different levels: the test shows little";
+    std::printf("uniform per rank: worst planner/exhaustive ratio over 80 instances: %.7f\n", worst);
   }
 }
 

@@ -64,6 +64,10 @@ struct PlannerConfig {
   // rank runs to its own depth, the deepest verify length it assigns; the draft time is then part
   // of that rank's time before the barrier.
   bool agreed_draft_depth = true;
+  // true: one verify length per rank (every request verifies min(level, k_cap), at least its
+  // floor), for engines that can vary the verify length per batch but not per request. The
+  // rank's frontier is then its few uniform levels, and Decide treats them as steps.
+  bool uniform_per_rank = false;
 
   absl::Status Validate() const;
   // Hash over everything that must agree across ranks (the cost model hash is mixed in by the
@@ -153,6 +157,10 @@ class Planner {
   // Greedy fill under the barrier with draft positions <= depth_cap; returns the expected gain.
   double FillUnder(const LocalState& st, const GlobalDecision& d, int depth_cap,
                    absl::Span<int32_t> verify_len) const;
+  // Uniform-per-rank mode: lengths at `level` and the exact attention (+ own draft) time.
+  double UniformLevel(const LocalState& st, int level, absl::Span<int32_t> lens,
+                      std::vector<RequestLoad>& loads) const;
+  void SummarizeUniform(LocalState& st, double base_gain, int64_t kv_cap, RankSummary& s) const;
   absl::Status AssignFrom(const LocalState& st, const GlobalDecision& decision,
                           absl::Span<int32_t> verify_len) const;
 
