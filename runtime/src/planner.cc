@@ -875,14 +875,17 @@ double Planner::FillUnder(const LocalState& st, const GlobalDecision& d, int dep
       st.kv_free_tokens < 0 ? std::numeric_limits<int64_t>::max() : st.kv_free_tokens;
   const size_t n = st.batch.size();
   if (config_.uniform_per_rank) {
-    // Levels upwards from the base (every request at its floor) while the next one fits under
-    // the barrier, the KV budget and the padded tier, and its extra tokens pay for their FFN
-    // time at the planned goodput: the knot Decide placed this rank on, as the items' rule.
+    // The deepest level that fits under the barrier, the KV budget and the padded tier, and
+    // whose extra tokens over the level below it taken pay for their FFN time at the planned
+    // goodput (the items' rule). Level 0 is the base (every request at its floor). Levels are
+    // priced exactly, and a kernel grid's launch is not monotone in the tokens (waves, tiles),
+    // so a level above one that does not fit may still fit: every level is tried. It is at
+    // least the knot Decide placed this rank on, whose price is the running maximum.
     std::vector<int32_t> trial(n);
     std::vector<RequestLoad> loads;
     std::copy(st.base_len.begin(), st.base_len.end(), verify_len.begin());
     double gain = 0;
-    int64_t prev_added = 0;
+    int64_t taken = 0;
     for (size_t i = 0; i < n; ++i) gain += st.batch[i].acceptance.ExpectedTokens(st.base_len[i]);
     for (int level = 1; level <= depth_cap; ++level) {
       const double us = UniformLevel(st, level, absl::MakeSpan(trial), loads);
@@ -893,14 +896,14 @@ double Planner::FillUnder(const LocalState& st, const GlobalDecision& d, int dep
         tokens += 1 + trial[i];
         level_gain += st.batch[i].acceptance.ExpectedTokens(trial[i]);
       }
-      if (added == prev_added) continue;
-      if (us > barrier || added > kv_cap || (g.padded_tokens && tokens > d.padded_rank_tokens) ||
-          level_gain - gain < min_gain * static_cast<double>(added - prev_added)) {
-        break;
+      if (added == taken || us > barrier || added > kv_cap ||
+          (g.padded_tokens && tokens > d.padded_rank_tokens) ||
+          level_gain - gain < min_gain * static_cast<double>(added - taken)) {
+        continue;
       }
       std::copy(trial.begin(), trial.end(), verify_len.begin());
       gain = level_gain;
-      prev_added = added;
+      taken = added;
     }
     return gain;
   }
