@@ -68,6 +68,20 @@ $PY bench/python_adapter_bench.py $B/plugin/libdpbalance.so | tee docs/generated
 # A dense draft that each rank runs to its own depth (docs/results.md section 1).
 $B/integration/dpbalance-replay --draft per_rank --json docs/generated/replay_mooncake_per_rank_draft.json \
   | tee docs/generated/replay_mooncake_per_rank_draft.txt
+# One verify length per rank (--granularity rank; docs/results.md section 3c): goodput and
+# oracle on the three truths, at each truth's best static k, with the default (auto) TPOT SLO.
+: > docs/generated/granularity_rank.txt
+for c in "mooncake 1" "azure 1 --trace integration/replay/data/azure_conv_2023.csv" \
+         "h200truth 5 --truth docs/generated/model_packed.json --truth_layers 61"; do
+  set -- $c
+  n=$1 k=$2
+  shift 2
+  for v in goodput oracle; do
+    echo "== $n --verify $v --k $k --granularity rank" | tee -a docs/generated/granularity_rank.txt
+    $B/integration/dpbalance-replay "$@" --compare=false --verify $v --k $k --granularity rank \
+      --json docs/generated/granularity_rank_${n}_$v.json | tee -a docs/generated/granularity_rank.txt
+  done
+done
 # The per-request TPOT floor trade-off (docs/results.md section 2).
 for t in integration/replay/data/mooncake_conversation.jsonl integration/replay/data/azure_conv_2023.csv; do
   n=$(basename $t | cut -d_ -f1)
