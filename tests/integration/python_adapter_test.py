@@ -207,6 +207,27 @@ class AdapterTest(unittest.TestCase):
         # The light rank absorbs more verify work than the heavy ones.
         self.assertGreater(mean[0], max(mean[1:]) + 0.5, mean)
 
+    def test_granularity_rank_gives_every_request_of_a_rank_one_level(self):
+        def cap(step, i):  # caps vary, so a level shows as min(level, k_cap)
+            return (1, 3, 7)[(step + i) % 3]
+
+        def batch_of(rank, step, rng):
+            return [r._replace(k_cap=cap(step, i)) for i, r in enumerate(skewed_batch(rank, step, rng))]
+        recs = run_ranks(4, 40, ThreadGroup(4), config=COMMON + ";granularity=rank",
+                         batch_of=batch_of)
+        levels = set()
+        for r in range(4):
+            self.assertEqual(recs[r]["stats"]["fallbacks"], 0)
+            for step, lens in enumerate(recs[r]["lens"]):
+                caps = [cap(step, i) for i in range(len(lens))]
+                level = max(lens)
+                self.assertEqual(lens, [min(level, c) for c in caps], (r, step))
+                if step >= 10:
+                    levels.add((r, level))
+        # The light rank runs a deeper level than the heavy ones.
+        self.assertGreater(max(l for r, l in levels if r == 0),
+                           max(l for r, l in levels if r != 0), levels)
+
     def check_disabled_from(self, group, at):
         """A failed exchange on plan `at`: default lengths from then on, never an exception,
         and the callback is not called again (the ranks may no longer be in lockstep)."""
