@@ -33,8 +33,9 @@ struct Instance {
   std::vector<std::vector<PlanRequest>> batches;
   std::vector<RankSummary> summaries;
 
-  explicit Instance(benchmark::State& state, const CostModel& model = CostModel::PublishedV2())
-      : planner(*Planner::Create(Config(static_cast<int>(state.range(0))), model)) {
+  explicit Instance(benchmark::State& state, const CostModel& model = CostModel::PublishedV2(),
+                    bool uniform_per_rank = false)
+      : planner(*Planner::Create(Config(static_cast<int>(state.range(0)), uniform_per_rank), model)) {
     const int dp = static_cast<int>(state.range(0));
     std::mt19937_64 rng(1);
     summaries.resize(dp);
@@ -45,10 +46,11 @@ struct Instance {
     // Rank 0 is the one measured: its planner keeps its own batch's state.
     if (!planner.Summarize(0, batches[0], -1, &summaries[0]).ok()) state.SkipWithError("sum");
   }
-  static PlannerConfig Config(int dp) {
+  static PlannerConfig Config(int dp, bool uniform_per_rank) {
     PlannerConfig c;
     c.num_ranks = dp;
     c.k_max = 7;
+    c.uniform_per_rank = uniform_per_rank;
     return c;
   }
 };
@@ -75,20 +77,30 @@ void BM_PlanOneRank(benchmark::State& state) {
 
 // The same with a model fitted by dpbalance-calibrate with a kernel grid (docs/generated), whose
 // planner simulates the rank's launch once per step and kernel path.
-void BM_PlanOneRankGridModel(benchmark::State& state, const char* model_file) {
+void BM_PlanOneRankGridModel(benchmark::State& state, const char* model_file, bool uniform) {
   absl::StatusOr<CostModel> model =
       CostModel::FromFile(std::string(DPB_SOURCE_DIR) + "/docs/generated/" + model_file);
   if (!model.ok()) {
     state.SkipWithError(std::string(model.status().message()).c_str());
     return;
   }
-  Instance in(state, *model);
+  Instance in(state, *model, uniform);
   PlanRankZero(state, in);
 }
-BENCHMARK_CAPTURE(BM_PlanOneRankGridModel, packed, "model_packed.json")
+BENCHMARK_CAPTURE(BM_PlanOneRankGridModel, packed, "model_packed.json", false)
     ->ArgNames({"dp", "reqs"})->Args({64, 32})->Unit(benchmark::kMicrosecond);
-BENCHMARK_CAPTURE(BM_PlanOneRankGridModel, gqa, "model_gqa.json")
+BENCHMARK_CAPTURE(BM_PlanOneRankGridModel, gqa, "model_gqa.json", false)
     ->ArgNames({"dp", "reqs"})->Args({64, 32})->Unit(benchmark::kMicrosecond);
+// One verify length per rank (granularity=rank): each level a rank may take is simulated.
+BENCHMARK_CAPTURE(BM_PlanOneRankGridModel, packed_per_rank, "model_packed.json", true)
+    ->ArgNames({"dp", "reqs"})->Args({64, 32})->Unit(benchmark::kMicrosecond);
+
+void BM_PlanOneRankPerRankGranularity(benchmark::State& state) {
+  Instance in(state, CostModel::PublishedV2(), /*uniform_per_rank=*/true);
+  PlanRankZero(state, in);
+}
+BENCHMARK(BM_PlanOneRankPerRankGranularity)
+    ->ArgNames({"dp", "reqs"})->Args({64, 64})->Args({256, 256})->Unit(benchmark::kMicrosecond);
 
 // The phases alone, to see where the time goes.
 void BM_Phase(benchmark::State& state, int phase) {

@@ -803,18 +803,13 @@ absl::Status Planner::AssignFrom(const LocalState& st, const GlobalDecision& d,
   return absl::OkStatus();
 }
 
-double Planner::UniformLevel(const LocalState& st, int level, absl::Span<int32_t> lens,
-                             std::vector<RequestLoad>& loads) const {
-  const size_t n = st.batch.size();
-  loads.resize(n);
+int Planner::UniformLens(const LocalState& st, int level, absl::Span<int32_t> lens) const {
   int deepest = st.min_depth;
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < st.batch.size(); ++i) {
     lens[i] = std::max(st.base_len[i], std::min<int32_t>(level, st.batch[i].k_cap));
-    loads[i] = RequestLoad{st.batch[i].ctx_tokens, 1 + lens[i]};
     deepest = std::max(deepest, static_cast<int>(lens[i]));
   }
-  const double rank_draft_us = config_.agreed_draft_depth ? 0.0 : config_.global.draft_per_step_us;
-  return model_.AttentionUs(model_.Aggregate(loads)) + rank_draft_us * deepest;
+  return deepest;
 }
 
 void Planner::SummarizeUniform(LocalState& st, double base_gain, int64_t kv_cap,
@@ -822,9 +817,12 @@ void Planner::SummarizeUniform(LocalState& st, double base_gain, int64_t kv_cap,
   // One knot per level that adds tokens, priced exactly (a grid model simulates the launch),
   // stored once and shared by every depth at or above it: depth d reads the first knots, those
   // of levels <= d. Levels past the KV budget are left out whole (a level is all or nothing).
+  // Every level's price is kept for Assign (st.level_us), also past the last knot.
   const size_t n = st.batch.size();
+  const double rank_draft_us = config_.agreed_draft_depth ? 0.0 : config_.global.draft_per_step_us;
   std::vector<int32_t> lens(n);
-  std::vector<RequestLoad> loads;
+  std::vector<RequestLoad> loads(n);
+  bool open = true;  // still adding knots
   std::array<int, kMaxDraftLen + 1> upto{};  // knots of levels <= d
   int stored = 0;
   int64_t prev_added = 0;
@@ -834,18 +832,24 @@ void Planner::SummarizeUniform(LocalState& st, double base_gain, int64_t kv_cap,
                               : last_tokens_per_us_ * config_.global.ffn_per_token_us;
   for (int level = 1; level <= s.max_depth; ++level) {
     upto[level] = stored;
-    const double us = UniformLevel(st, level, absl::MakeSpan(lens), loads);
+    const int deepest = UniformLens(st, level, absl::MakeSpan(lens));
     int64_t added = 0;
     double gain = 0;
     for (size_t i = 0; i < n; ++i) {
+      loads[i] = RequestLoad{st.batch[i].ctx_tokens, 1 + lens[i]};
       added += lens[i] - st.base_len[i];
       gain += st.batch[i].acceptance.ExpectedTokens(lens[i]);
     }
-    if (added > kv_cap || added > 65535) break;
-    if (added == prev_added) continue;  // no request can go this deep
-    // As items, a level whose extra tokens cannot pay for their FFN time at last step's goodput
-    // never helps, and nor do the deeper ones (gains fall with the position).
-    if (gain - prev_gain < min_gain * static_cast<double>(added - prev_added)) break;
+    const double us = model_.AttentionUs(model_.Aggregate(loads)) + rank_draft_us * deepest;
+    st.level_us[level] = us;
+    if (!open || added == prev_added) continue;  // no request can go this deep
+    // Past the KV budget, or (as items) a level whose extra tokens cannot pay for their FFN time
+    // at last step's goodput, ends the knots: the deeper ones do not help either.
+    if (added > kv_cap || added > 65535 ||
+        gain - prev_gain < min_gain * static_cast<double>(added - prev_added)) {
+      open = false;
+      continue;
+    }
     cost = std::max(cost, us);  // more work is never cheaper (see Summarize)
     s.knot_attention_us[stored] = static_cast<float>(cost);
     s.knot_gain[stored] = static_cast<float>(std::max(gain, base_gain));
@@ -853,6 +857,11 @@ void Planner::SummarizeUniform(LocalState& st, double base_gain, int64_t kv_cap,
     upto[level] = ++stored;
     prev_added = added;
     prev_gain = gain;
+  }
+  // Levels above every cap put each request where the deepest level did.
+  st.level_us[0] = st.base_attention_us;
+  for (int level = std::max(1, static_cast<int>(s.max_depth) + 1); level <= kMaxDraftLen; ++level) {
+    st.level_us[level] = st.level_us[level - 1];
   }
   for (int level = 2; level <= kMaxDraftLen; ++level) upto[level] = std::max(upto[level], upto[level - 1]);
   for (int d = std::max(1, st.min_depth); d <= s.max_depth; ++d) {
@@ -882,13 +891,13 @@ double Planner::FillUnder(const LocalState& st, const GlobalDecision& d, int dep
     // so a level above one that does not fit may still fit: every level is tried. It is at
     // least the knot Decide placed this rank on, whose price is the running maximum.
     std::vector<int32_t> trial(n);
-    std::vector<RequestLoad> loads;
     std::copy(st.base_len.begin(), st.base_len.end(), verify_len.begin());
     double gain = 0;
     int64_t taken = 0;
     for (size_t i = 0; i < n; ++i) gain += st.batch[i].acceptance.ExpectedTokens(st.base_len[i]);
     for (int level = 1; level <= depth_cap; ++level) {
-      const double us = UniformLevel(st, level, absl::MakeSpan(trial), loads);
+      UniformLens(st, level, absl::MakeSpan(trial));
+      const double us = st.level_us[level];  // priced in Summarize
       int64_t added = 0, tokens = 0;
       double level_gain = 0;
       for (size_t i = 0; i < n; ++i) {

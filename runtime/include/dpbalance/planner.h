@@ -150,6 +150,8 @@ class Planner {
     std::vector<RequestLoad> default_loads;  // the engine's default plan (scratch)
     double base_attention_us = 0;
     int min_depth = 0;  // the deepest floor
+    // Uniform-per-rank mode: each level's exact attention (+ own draft) time, from Summarize.
+    std::array<double, kMaxDraftLen + 1> level_us{};
   };
   absl::Status SummarizeInto(LocalState& st, int rank_idx, absl::Span<const PlanRequest> batch,
                              int64_t kv_free_tokens, RankSummary* out) const;
@@ -157,9 +159,8 @@ class Planner {
   // Greedy fill under the barrier with draft positions <= depth_cap; returns the expected gain.
   double FillUnder(const LocalState& st, const GlobalDecision& d, int depth_cap,
                    absl::Span<int32_t> verify_len) const;
-  // Uniform-per-rank mode: lengths at `level` and the exact attention (+ own draft) time.
-  double UniformLevel(const LocalState& st, int level, absl::Span<int32_t> lens,
-                      std::vector<RequestLoad>& loads) const;
+  // Uniform-per-rank mode: the lengths at `level`; returns the deepest.
+  int UniformLens(const LocalState& st, int level, absl::Span<int32_t> lens) const;
   void SummarizeUniform(LocalState& st, double base_gain, int64_t kv_cap, RankSummary& s) const;
   absl::Status AssignFrom(const LocalState& st, const GlobalDecision& decision,
                           absl::Span<int32_t> verify_len) const;
