@@ -41,11 +41,16 @@ struct RankLog {
   BalancerStats stats;
 };
 
+using AttentionOf = std::function<double(int, const std::vector<BalancerRequest>&,
+                                         const std::vector<int32_t>&)>;
+
 // Runs `steps` steps on `ranks` threads; `tweak(rank, config)` may change one rank's config,
-// `batch_of(rank, step, rng)` builds its batch.
+// `batch_of(rank, step, rng)` builds its batch, `attention_of(rank, batch, lens)` is the
+// attention time it reports (default: 20 ms + 0.1 ms x rank).
 std::vector<RankLog> RunRanks(int ranks, int steps, std::function<void(int, BalancerConfig&)> tweak,
                               std::function<std::vector<BalancerRequest>(int, int, std::mt19937_64&)> batch_of,
-                              std::function<bool(int, int)> skip = nullptr) {
+                              std::function<bool(int, int)> skip = nullptr,
+                              AttentionOf attention_of = nullptr) {
   auto group = *InProcessGroup::Create(ranks, sizeof(RankSummary));
   std::vector<RankLog> logs(ranks);
   std::vector<std::thread> threads;
@@ -73,7 +78,8 @@ std::vector<RankLog> RunRanks(int ranks, int steps, std::function<void(int, Bala
         }
         std::vector<BalancerAccepted> acc;
         for (size_t i = 0; i < batch.size(); ++i) acc.push_back({batch[i].request_id, v[i], v[i] / 2, false});
-        if (v.size() == batch.size()) (*b)->Report(20000 + 100 * r, 60000, acc).IgnoreError();
+        const double attn = attention_of ? attention_of(r, batch, v) : 20000 + 100 * r;
+        if (v.size() == batch.size()) (*b)->Report(attn, attn + 40000, acc).IgnoreError();
       }
       logs[r].enabled = (*b)->enabled();
       logs[r].stats = (*b)->Stats();
@@ -172,6 +178,44 @@ TEST(Balancer, ARankThatStopsCausesTimeoutsThenEveryoneDisablesNoHang) {
   }
 }
 
+// Ranks whose measured attention is `factor` x what the V2 model predicts for their plan, with
+// the model held fixed (no online refit: as a model that cannot express the kernel's shape).
+double BarrierOverPlan(double factor, int steps = 30) {
+  const auto v2_times = [factor](int, const std::vector<BalancerRequest>& batch,
+                                 const std::vector<int32_t>& lens) {
+    std::vector<RequestLoad> loads;
+    for (size_t i = 0; i < batch.size(); ++i) loads.push_back({batch[i].ctx_tokens, 1 + lens[i]});
+    return factor * CostModel::PublishedV2().AttentionUs(loads);
+  };
+  const auto logs = RunRanks(4, steps, [](int, BalancerConfig& c) { c.online_calibration = false; },
+                             Normal, nullptr, v2_times);
+  for (const RankLog& l : logs) EXPECT_DOUBLE_EQ(l.stats.barrier_over_plan, logs[0].stats.barrier_over_plan);
+  return logs[0].stats.barrier_over_plan;
+}
+
+TEST(Balancer, BarrierOverPlanMeasuresHowFarTheSlowestRankRunsPastThePlan) {
+  // Every rank's plan fits under the agreed barrier, and the slowest one about meets it.
+  const double exact = BarrierOverPlan(1.0);
+  EXPECT_LE(exact, 1.0 + 1e-6);
+  EXPECT_GT(exact, 0.8);
+  // A model that underestimates every rank by 1/1.3: the barrier runs ~30% over plan.
+  EXPECT_NEAR(BarrierOverPlan(1.3) / exact, 1.3, 1e-6);
+  // After 200 balanced steps that far over plan, each rank says once what to do about it.
+  ::testing::internal::CaptureStderr();
+  BarrierOverPlan(1.3, 230);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  size_t said = 0;
+  for (size_t at = err.find("over the planned one"); at != std::string::npos;
+       at = err.find("over the planned one", at + 1)) {
+    ++said;
+  }
+  EXPECT_EQ(said, 4u) << err;
+  EXPECT_NE(err.find("DPB_COST_MODEL=v2+fa2-packed-h200"), std::string::npos) << err;
+  ::testing::internal::CaptureStderr();
+  BarrierOverPlan(1.0, 230);
+  EXPECT_EQ(::testing::internal::GetCapturedStderr().find("over the planned one"), std::string::npos);
+}
+
 TEST(Balancer, ABEpochsAlternateByStepAndMeasureBothArms) {
   const auto logs = RunRanks(2, 40, [](int, BalancerConfig& c) { c.ab_epoch_steps = 5; }, Normal);
   for (int s = 0; s < 40; ++s) EXPECT_EQ(logs[0].balanced[s], (s / 5) % 2 == 0) << s;
@@ -224,6 +268,7 @@ TEST(Balancer, WritesJsonLinesMetricsEveryLogPeriod) {
     ++lines;
     EXPECT_NE(line.find("\"bubble_fraction\""), std::string::npos) << line;
     EXPECT_NE(line.find("\"goodput_tok_per_s\""), std::string::npos);
+    EXPECT_NE(line.find("\"barrier_over_plan\""), std::string::npos);
     EXPECT_NE(line.find("\"ab\""), std::string::npos);
   }
   EXPECT_EQ(lines, 2);  // steps 5 and 10

@@ -90,6 +90,10 @@ struct BalancerStats {
   double bubble_fraction = 0;         // instance, from measured attention times (mean over steps)
   double bubble_us = 0;               // mean idle time per rank per step
   double predicted_error = 0;         // mean |predicted - measured| / measured, this rank
+  // Instance, balanced steps with one agreed depth: measured max-rank attention / the planned
+  // barrier (1: steps run as planned; 0: no such step yet). Per-rank errors that look small
+  // add up here, since the barrier is a max: whichever rank the model underestimates sets it.
+  double barrier_over_plan = 0;
   double tokens_per_step = 0;         // instance tokens per step
   double goodput_tok_per_s = 0;       // instance tokens / instance step time
   ArmSummary arm_on, arm_off;         // A/B arms (epochs == 0 without A/B)
@@ -114,7 +118,9 @@ class Balancer {
   void Fallback(absl::Span<const BalancerRequest> batch, absl::Span<int32_t> verify_len) const;
   void Fail(const absl::Status& s);
   void Disable(const std::string& why);
-  void AccountPreviousStep(absl::Span<const RankSummary> all, bool prev_arm_on);
+  // `planned_barrier`: the previous step's agreed barrier, < 0 when it was not balanced.
+  void AccountPreviousStep(absl::Span<const RankSummary> all, bool prev_arm_on,
+                           double planned_barrier);
   void MaybeLog();
   bool ArmOn(uint64_t step) const;
 
@@ -134,6 +140,7 @@ class Balancer {
   // Previous step, for the next summary and for accounting.
   double prev_attention_us_ = -1, prev_step_us_ = -1, prev_tokens_ = -1;
   double predicted_attention_us_ = -1;
+  double planned_barrier_us_ = -1;  // this step's agreed barrier (< 0: not balanced)
   std::vector<RequestLoad> planned_loads_;
   BatchAggregates planned_agg_;                 // the batch as planned, for the online refit
   std::unique_ptr<OnlineCostModel> online_;
@@ -141,7 +148,8 @@ class Balancer {
   int64_t epoch_ = -1;
   // Metrics.
   int64_t balanced_steps_ = 0, fallbacks_ = 0;
-  RunningStat bubble_, bubble_us_, predicted_error_, tokens_per_step_;
+  RunningStat bubble_, bubble_us_, predicted_error_, tokens_per_step_, barrier_over_plan_;
+  bool warned_barrier_ = false;
   double tokens_sum_ = 0, time_sum_us_ = 0;
   ArmStats arm_on_, arm_off_;
   int64_t last_warn_step_ = -1000000;
