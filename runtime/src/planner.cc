@@ -122,6 +122,29 @@ struct Incumbent {
   }
 };
 
+// Steepest slopes after each knot (and from the base) of every depth's frontier, from the stored
+// (float) values Decide will read. Knots shared by several depths get the deepest one's
+// (a superset of later knots: still an upper bound for the shallower depths).
+void FillMaxSlopes(RankSummary& s) {
+  for (int d = 1; d <= kMaxDraftLen; ++d) {
+    const int first = s.knot_begin[d - 1], n = s.num_knots[d - 1];
+    double steepest = 0;
+    for (int i = n - 1; i >= -1; --i) {
+      if (i >= 0) {
+        s.knot_max_slope[first + i] = static_cast<float>(steepest);
+      } else {
+        s.base_max_slope[d - 1] = static_cast<float>(steepest);
+        break;
+      }
+      const double dc = s.knot_attention_us[first + i] -
+                        (i > 0 ? s.knot_attention_us[first + i - 1] : s.base_attention_us);
+      const double dg = s.knot_gain[first + i] - (i > 0 ? s.knot_gain[first + i - 1] : s.base_gain);
+      const double m = dg <= 0 ? 0.0 : dc > 0 ? dg / dc : std::numeric_limits<double>::infinity();
+      steepest = std::max(steepest, m);
+    }
+  }
+}
+
 }  // namespace
 
 std::string_view PlanModeName(PlanMode m) {
@@ -331,122 +354,106 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
   const int64_t kv_cap = kv_free_tokens < 0 ? std::numeric_limits<int64_t>::max() : kv_free_tokens;
   if (config_.uniform_per_rank) {
     SummarizeUniform(st, base_gain, kv_cap, s);
-  } else {
-    // Items available at each depth (capped by the KV budget).
-    std::array<int64_t, kMaxDraftLen + 1> avail{};
-    for (const Item& it : st.items) ++avail[it.pos()];
-    int64_t running = 0;
-    for (int d = 1; d <= kMaxDraftLen; ++d) {
-      running += avail[d];
-      avail[d] = std::min<int64_t>({running, kv_cap, 65535});
-    }
-    // Share the knot pool: every depth with items gets one knot, then rounds hand out the rest,
-    // most to the depths around the previous decision's (where the next one most likely lands:
-    // the chord between sparse knots undervalues a depth): 6 knots a round to that depth, 2 to
-    // each neighbour, 1 to the others, never more than a depth has items. Small batches get one
-    // knot per item at every depth, so small cases are exact.
-    std::array<int, kMaxDraftLen + 1> share{};
-    int pool = KnotBudget(config_.num_ranks);
-    const int d_lo = std::max(1, min_depth), d_hi = s.max_depth;
-    for (int d = d_lo; d <= d_hi && pool > 0; ++d) {
-      share[d] = avail[d] > 0 ? 1 : 0;
-      pool -= share[d];
-    }
-    const int focus = std::clamp(focus_depth_, d_lo, std::max(d_lo, d_hi));
-    auto give = [&](int d, int per_round) {
-      if (d < d_lo || d > d_hi) return false;
-      const int more = static_cast<int>(std::min<int64_t>({per_round, avail[d] - share[d], pool}));
-      if (more <= 0) return false;
-      share[d] += more;
-      pool -= more;
-      return true;
-    };
-    for (bool gave = true; gave && pool > 0;) {
-      gave = give(focus, 6);
-      for (int dist = 1; dist <= kMaxDraftLen && pool > 0; ++dist) {
-        const int per_round = dist == 1 ? 2 : 1;
-        gave |= give(focus - dist, per_round);
-        gave |= give(focus + dist, per_round);
-      }
-    }
-    // One walk down the item list serves every depth: items are summed per draft position, and
-    // depth d's totals are the base plus the sums of positions 1..d, formed only at its knots.
-    struct PositionSums {
-      double tokens = 0, pairs = 0, max_pairs = 0, gain = 0;
-    };
-    std::array<PositionSums, kMaxDraftLen + 1> pos_sums{};
-    std::array<int64_t, kMaxDraftLen + 1> taken{}, next_at{};
-    std::array<int, kMaxDraftLen + 1> knot{};
-    // A fitted model may price the multi-query kernel path below the single-query one; more
-    // verify work is never really faster, so knot costs follow the running maximum.
-    std::array<double, kMaxDraftLen + 1> cost{};
-    constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
-    // Knot i of depth d sits after item ceil(n * (i + 1) / knots) of that depth's list.
-    auto knot_at = [&](int d, int i) {
-      return i < share[d] ? (avail[d] * (i + 1) + share[d] - 1) / share[d] : kNever;
-    };
-    int next_knot = 0, depths_open = 0;
-    for (int d = d_lo; d <= d_hi; ++d) {
-      s.knot_begin[d - 1] = static_cast<uint8_t>(next_knot);
-      next_knot += avail[d] > 0 ? share[d] : 0;
-      next_at[d] = avail[d] > 0 ? knot_at(d, 0) : kNever;
-      cost[d] = st.base_attention_us;
-      depths_open += next_at[d] != kNever;
-    }
-    BatchAggregates agg = st.base_agg;  // each knot's batch, rebuilt from the base in place
-    const BatchAggregates::TokenMark base_mark = agg.Mark();
-    for (const Item& it : st.items) {
-      if (depths_open == 0) break;
-      const int p = it.pos();
-      const double ctx = static_cast<double>(batch[it.req_idx()].ctx_tokens);
-      PositionSums& ps = pos_sums[p];
-      ps.tokens += 1;
-      ps.pairs += ctx;
-      ps.max_pairs = std::max(ps.max_pairs, (p + 1.0) * ctx);
-      ps.gain += batch[it.req_idx()].acceptance.Accept(p);
-      for (int d = std::max(p, d_lo); d <= d_hi; ++d) {
-        if (++taken[d] != next_at[d]) continue;
-        agg.Restore(base_mark);
-        agg.multi_query = true;
-        double gain = base_gain;
-        int deepest = min_depth;
-        for (int q = 1; q <= d; ++q) {
-          const PositionSums& sum = pos_sums[q];
-          agg.query_tokens += sum.tokens;
-          agg.query_key_pairs += sum.pairs;
-          agg.max_query_key_pairs = std::max(agg.max_query_key_pairs, sum.max_pairs);
-          gain += sum.gain;
-          if (sum.tokens > 0) deepest = std::max(deepest, q);
-        }
-        cost[d] = std::max(cost[d], model_.AttentionUs(agg) + rank_draft_us * deepest);
-        const int k = s.knot_begin[d - 1] + knot[d];
-        s.knot_attention_us[k] = static_cast<float>(cost[d]);
-        s.knot_gain[k] = static_cast<float>(gain);
-        s.knot_tokens[k] = static_cast<uint16_t>(taken[d]);
-        next_at[d] = knot_at(d, ++knot[d]);
-        depths_open -= next_at[d] == kNever;
-      }
-    }
-    for (int d = d_lo; d <= d_hi; ++d) s.num_knots[d - 1] = static_cast<uint8_t>(knot[d]);
+    FillMaxSlopes(s);
+    return absl::OkStatus();
   }
-  // Steepest slopes after each knot, from the stored (float) values Decide will read.
+  // Items available at each depth (capped by the KV budget).
+  std::array<int64_t, kMaxDraftLen + 1> avail{};
+  for (const Item& it : st.items) ++avail[it.pos()];
+  int64_t running = 0;
   for (int d = 1; d <= kMaxDraftLen; ++d) {
-    const int first = s.knot_begin[d - 1], n = s.num_knots[d - 1];
-    double steepest = 0;
-    for (int i = n - 1; i >= -1; --i) {
-      if (i >= 0) {
-        s.knot_max_slope[first + i] = static_cast<float>(steepest);
-      } else {
-        s.base_max_slope[d - 1] = static_cast<float>(steepest);
-        break;
-      }
-      const double dc = s.knot_attention_us[first + i] -
-                        (i > 0 ? s.knot_attention_us[first + i - 1] : s.base_attention_us);
-      const double dg = s.knot_gain[first + i] - (i > 0 ? s.knot_gain[first + i - 1] : s.base_gain);
-      const double m = dg <= 0 ? 0.0 : dc > 0 ? dg / dc : std::numeric_limits<double>::infinity();
-      steepest = std::max(steepest, m);
+    running += avail[d];
+    avail[d] = std::min<int64_t>({running, kv_cap, 65535});
+  }
+  // Share the knot pool: every depth with items gets one knot, then rounds hand out the rest,
+  // most to the depths around the previous decision's (where the next one most likely lands:
+  // the chord between sparse knots undervalues a depth): 6 knots a round to that depth, 2 to
+  // each neighbour, 1 to the others, never more than a depth has items. Small batches get one
+  // knot per item at every depth, so small cases are exact.
+  std::array<int, kMaxDraftLen + 1> share{};
+  int pool = KnotBudget(config_.num_ranks);
+  const int d_lo = std::max(1, min_depth), d_hi = s.max_depth;
+  for (int d = d_lo; d <= d_hi && pool > 0; ++d) {
+    share[d] = avail[d] > 0 ? 1 : 0;
+    pool -= share[d];
+  }
+  const int focus = std::clamp(focus_depth_, d_lo, std::max(d_lo, d_hi));
+  auto give = [&](int d, int per_round) {
+    if (d < d_lo || d > d_hi) return false;
+    const int more = static_cast<int>(std::min<int64_t>({per_round, avail[d] - share[d], pool}));
+    if (more <= 0) return false;
+    share[d] += more;
+    pool -= more;
+    return true;
+  };
+  for (bool gave = true; gave && pool > 0;) {
+    gave = give(focus, 6);
+    for (int dist = 1; dist <= kMaxDraftLen && pool > 0; ++dist) {
+      const int per_round = dist == 1 ? 2 : 1;
+      gave |= give(focus - dist, per_round);
+      gave |= give(focus + dist, per_round);
     }
   }
+  // One walk down the item list serves every depth: items are summed per draft position, and
+  // depth d's totals are the base plus the sums of positions 1..d, formed only at its knots.
+  struct PositionSums {
+    double tokens = 0, pairs = 0, max_pairs = 0, gain = 0;
+  };
+  std::array<PositionSums, kMaxDraftLen + 1> pos_sums{};
+  std::array<int64_t, kMaxDraftLen + 1> taken{}, next_at{};
+  std::array<int, kMaxDraftLen + 1> knot{};
+  // A fitted model may price the multi-query kernel path below the single-query one; more
+  // verify work is never really faster, so knot costs follow the running maximum.
+  std::array<double, kMaxDraftLen + 1> cost{};
+  constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
+  // Knot i of depth d sits after item ceil(n * (i + 1) / knots) of that depth's list.
+  auto knot_at = [&](int d, int i) {
+    return i < share[d] ? (avail[d] * (i + 1) + share[d] - 1) / share[d] : kNever;
+  };
+  int next_knot = 0, depths_open = 0;
+  for (int d = d_lo; d <= d_hi; ++d) {
+    s.knot_begin[d - 1] = static_cast<uint8_t>(next_knot);
+    next_knot += avail[d] > 0 ? share[d] : 0;
+    next_at[d] = avail[d] > 0 ? knot_at(d, 0) : kNever;
+    cost[d] = st.base_attention_us;
+    depths_open += next_at[d] != kNever;
+  }
+  BatchAggregates agg = st.base_agg;  // each knot's batch, rebuilt from the base in place
+  const BatchAggregates::TokenMark base_mark = agg.Mark();
+  for (const Item& it : st.items) {
+    if (depths_open == 0) break;
+    const int p = it.pos();
+    const double ctx = static_cast<double>(batch[it.req_idx()].ctx_tokens);
+    PositionSums& ps = pos_sums[p];
+    ps.tokens += 1;
+    ps.pairs += ctx;
+    ps.max_pairs = std::max(ps.max_pairs, (p + 1.0) * ctx);
+    ps.gain += batch[it.req_idx()].acceptance.Accept(p);
+    for (int d = std::max(p, d_lo); d <= d_hi; ++d) {
+      if (++taken[d] != next_at[d]) continue;
+      agg.Restore(base_mark);
+      agg.multi_query = true;
+      double gain = base_gain;
+      int deepest = min_depth;
+      for (int q = 1; q <= d; ++q) {
+        const PositionSums& sum = pos_sums[q];
+        agg.query_tokens += sum.tokens;
+        agg.query_key_pairs += sum.pairs;
+        agg.max_query_key_pairs = std::max(agg.max_query_key_pairs, sum.max_pairs);
+        gain += sum.gain;
+        if (sum.tokens > 0) deepest = std::max(deepest, q);
+      }
+      cost[d] = std::max(cost[d], model_.AttentionUs(agg) + rank_draft_us * deepest);
+      const int k = s.knot_begin[d - 1] + knot[d];
+      s.knot_attention_us[k] = static_cast<float>(cost[d]);
+      s.knot_gain[k] = static_cast<float>(gain);
+      s.knot_tokens[k] = static_cast<uint16_t>(taken[d]);
+      next_at[d] = knot_at(d, ++knot[d]);
+      depths_open -= next_at[d] == kNever;
+    }
+  }
+  for (int d = d_lo; d <= d_hi; ++d) s.num_knots[d - 1] = static_cast<uint8_t>(knot[d]);
+  FillMaxSlopes(s);
   return absl::OkStatus();
 }
 
