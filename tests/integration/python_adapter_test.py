@@ -302,6 +302,42 @@ class AdapterTest(unittest.TestCase):
             self.assertTrue(all(x == dpb.SUCCESS for x in recs[r]["results"][:5]), r)
         self.assertEqual(recs[2]["results"][5], dpb.DISABLED)  # it joined that step, then stopped
 
+    def test_piggyback_a_request_that_cannot_be_marshalled_raises_after_the_sync(self):
+        # Rank 1 passes k_cap = 2.5 on step 3: its step raises (a programming error), but only
+        # after the engine's sync ran with a zero record, so the others finish the step (their
+        # barrier would break otherwise) and every rank falls back to the default from step 4.
+        g = ThreadGroup(3)
+        got, errors = [[] for _ in range(3)], []
+
+        def rank_main(rank):
+            pb = dpb.Piggyback(lambda p: g.member(rank)(p, 5000), 3)
+            bal = dpb.DpBalance(3, rank, COMMON, allgather=pb, library=PLUGIN)
+            rng = random.Random(rank)
+            for step in range(8):
+                reqs = skewed_batch(rank, step, rng)
+                if rank == 1 and step == 3:
+                    reqs[2] = reqs[2]._replace(k_cap=2.5)
+                try:
+                    res = pb.step(bal, reqs, engine_payload(rank, step))
+                    got[rank].append((step, res.draft_depth,
+                                      res.payloads == [engine_payload(r, step) for r in range(3)]))
+                except TypeError as e:
+                    errors.append((rank, step, str(e)))
+            bal.close()
+        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        self.assertEqual([(r, s) for r, s, _ in errors], [(1, 3)])
+        self.assertIn("k_cap = 2.5", errors[0][2])
+        for r in range(3):
+            self.assertTrue(all(ok for _, _, ok in got[r]), r)
+        for step in range(8):
+            depths = {d for r in range(3) for s, d, _ in got[r] if s == step}
+            self.assertEqual(len(depths), 1, (step, depths))
+        self.assertEqual({d for r in range(3) for s, d, _ in got[r] if s >= 4}, {3})
+
     def test_piggyback_without_a_plugin_still_runs_the_engine_sync(self):
         g = ThreadGroup(2)
         got = [None, None]

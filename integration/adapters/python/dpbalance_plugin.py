@@ -368,8 +368,9 @@ class Piggyback:
     Every rank must pass payloads of one size and call `step` every step (also with no plugin,
     or a disabled one: the record slot then goes out as zeros, which every plugin that reads
     it rejects, so all ranks fall back together). An exception from `collective` is the
-    engine's own failure: `step` re-raises it (the plugin has then disabled itself). One per
-    rank, like DpBalance."""
+    engine's own failure: `step` re-raises it (the plugin has then disabled itself). A request
+    that cannot be marshalled raises too, after the engine's sync has run with a zero record,
+    so the other ranks never wait for this one. One per rank, like DpBalance."""
 
     def __init__(self, collective: Callable[[bytes], bytes], num_ranks: int):
         _int_field(num_ranks, "num_ranks", 1, 1 << 20)
@@ -414,7 +415,14 @@ class Piggyback:
         try:
             lens = depth = None
             if dpb is not None:
-                lens, depth = dpb.plan(requests, kv_free_tokens)
+                try:
+                    lens, depth = dpb.plan(requests, kv_free_tokens)
+                except Exception:
+                    # Raised before the exchange (a value that cannot be marshalled): the peers
+                    # are in the engine's sync, so it still runs, with a zero record.
+                    if self._payloads is None and self._error is None:
+                        self._gather(self._payload, bytes(RECORD_BYTES))
+                    raise
             if self._error is not None:
                 raise self._error
             if self._payloads is None:  # the plugin did not exchange: the engine's sync still runs
