@@ -824,7 +824,7 @@ void Planner::SummarizeUniform(LocalState& st, double base_gain, int64_t kv_cap,
   // One knot per level that adds tokens, priced exactly (a grid model simulates the launch),
   // stored once and shared by every depth at or above it: depth d reads the first knots, those
   // of levels <= d. Levels past the KV budget are left out whole (a level is all or nothing).
-  // Every level's price is kept for Assign (st.level_us), also past the last knot.
+  // Every level is kept for Assign (st.levels), also past the last knot.
   const size_t n = st.batch.size();
   const double rank_draft_us = config_.agreed_draft_depth ? 0.0 : config_.global.draft_per_step_us;
   std::vector<int32_t> lens(n);
@@ -848,7 +848,7 @@ void Planner::SummarizeUniform(LocalState& st, double base_gain, int64_t kv_cap,
       gain += st.batch[i].acceptance.ExpectedTokens(lens[i]);
     }
     const double us = model_.AttentionUs(model_.Aggregate(loads)) + rank_draft_us * deepest;
-    st.level_us[level] = us;
+    st.levels[level] = {us, gain, added};
     if (!open || added == prev_added) continue;  // no request can go this deep
     // Past the KV budget, or (as items) a level whose extra tokens cannot pay for their FFN time
     // at last step's goodput, ends the knots: the deeper ones do not help either.
@@ -866,9 +866,9 @@ void Planner::SummarizeUniform(LocalState& st, double base_gain, int64_t kv_cap,
     prev_gain = gain;
   }
   // Levels above every cap put each request where the deepest level did.
-  st.level_us[0] = st.base_attention_us;
+  st.levels[0] = {st.base_attention_us, base_gain, 0};
   for (int level = std::max(1, static_cast<int>(s.max_depth) + 1); level <= kMaxDraftLen; ++level) {
-    st.level_us[level] = st.level_us[level - 1];
+    st.levels[level] = st.levels[level - 1];
   }
   for (int level = 2; level <= kMaxDraftLen; ++level) upto[level] = std::max(upto[level], upto[level - 1]);
   for (int d = std::max(1, st.min_depth); d <= s.max_depth; ++d) {
@@ -897,31 +897,19 @@ double Planner::FillUnder(const LocalState& st, const GlobalDecision& d, int dep
     // priced exactly, and a kernel grid's launch is not monotone in the tokens (waves, tiles),
     // so a level above one that does not fit may still fit: every level is tried. It is at
     // least the knot Decide placed this rank on, whose price is the running maximum.
-    std::vector<int32_t> trial(n);
-    std::copy(st.base_len.begin(), st.base_len.end(), verify_len.begin());
-    double gain = 0;
-    int64_t taken = 0;
-    for (size_t i = 0; i < n; ++i) gain += st.batch[i].acceptance.ExpectedTokens(st.base_len[i]);
+    const double base_tokens = st.base_agg.query_tokens;
+    int best = 0;
     for (int level = 1; level <= depth_cap; ++level) {
-      UniformLens(st, level, absl::MakeSpan(trial));
-      const double us = st.level_us[level];  // priced in Summarize
-      int64_t added = 0, tokens = 0;
-      double level_gain = 0;
-      for (size_t i = 0; i < n; ++i) {
-        added += trial[i] - st.base_len[i];
-        tokens += 1 + trial[i];
-        level_gain += st.batch[i].acceptance.ExpectedTokens(trial[i]);
-      }
-      if (added == taken || us > barrier || added > kv_cap ||
-          (g.padded_tokens && tokens > d.padded_rank_tokens) ||
-          level_gain - gain < min_gain * static_cast<double>(added - taken)) {
+      const LocalState::Level &l = st.levels[level], &b = st.levels[best];
+      if (l.added == b.added || l.us > barrier || l.added > kv_cap ||
+          (g.padded_tokens && base_tokens + static_cast<double>(l.added) > d.padded_rank_tokens) ||
+          l.gain - b.gain < min_gain * static_cast<double>(l.added - b.added)) {
         continue;
       }
-      std::copy(trial.begin(), trial.end(), verify_len.begin());
-      gain = level_gain;
-      taken = added;
+      best = level;
     }
-    return gain;
+    UniformLens(st, best, verify_len);
+    return st.levels[best].gain;
   }
   for (size_t i = 0; i < n; ++i) verify_len[i] = st.base_len[i];
   int64_t extra = 0;

@@ -150,8 +150,13 @@ class Planner {
     std::vector<RequestLoad> default_loads;  // the engine's default plan (scratch)
     double base_attention_us = 0;
     int min_depth = 0;  // the deepest floor
-    // Uniform-per-rank mode: each level's exact attention (+ own draft) time, from Summarize.
-    std::array<double, kMaxDraftLen + 1> level_us{};
+    // Uniform-per-rank mode, from Summarize: each level's exact attention (+ own draft) time,
+    // expected tokens and query tokens over the base (level 0 is the base).
+    struct Level {
+      double us = 0, gain = 0;
+      int64_t added = 0;
+    };
+    std::array<Level, kMaxDraftLen + 1> levels{};
   };
   absl::Status SummarizeInto(LocalState& st, int rank_idx, absl::Span<const PlanRequest> batch,
                              int64_t kv_free_tokens, RankSummary* out) const;
