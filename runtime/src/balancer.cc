@@ -250,9 +250,10 @@ PlanOutcome Balancer::Plan(absl::Span<const BalancerRequest> batch, int64_t kv_f
   ++balanced_steps_;
   out.balanced = true;
   out.draft_depth = d->draft_depth;
-  // Measured attention excludes the draft, which per-rank depths put inside the barrier.
-  if (config_.planner.agreed_draft_depth) planned_barrier_us_ = d->barrier_us;
-  if (!config_.planner.agreed_draft_depth) {  // a dense draft: this rank drafts its own depth
+  if (config_.planner.agreed_draft_depth) {
+    // Measured attention excludes the draft, which per-rank depths put inside the barrier.
+    planned_barrier_us_ = d->barrier_us;
+  } else {  // a dense draft: this rank drafts its own depth
     out.draft_depth = 0;
     for (int32_t v : verify_len) out.draft_depth = std::max(out.draft_depth, static_cast<int>(v));
   }
