@@ -137,31 +137,41 @@ def run_ranks(num_ranks, steps, group, config=COMMON, batch_of=None, seed=7, pig
     `piggyback` the exchange rides on an engine sync (`Piggyback`); `configs` sets per-rank
     flags."""
     out = [None] * num_ranks
-    errors = []
 
     def rank_main(rank):
-        try:
-            rng = random.Random(seed * 100 + rank)
-            member, plan, rec = group.member(rank), None, {}
-            cfg = configs[rank] if configs else config
-            if piggyback:
-                pb = dpb.Piggyback(lambda payload: member(payload, 5000), num_ranks)
-                bal = dpb.DpBalance(num_ranks, rank, cfg, allgather=pb, library=PLUGIN)
-                plan = piggyback_plan(bal, pb, rank, rec)
-            else:
-                bal = dpb.DpBalance(num_ranks, rank, cfg, allgather=member, library=PLUGIN)
-            out[rank] = {**run_steps(bal, rank, steps, batch_of, rng, plan), **rec}
-        except BaseException as e:  # surfaced by the main thread
-            errors.append((rank, e))
+        rng = random.Random(seed * 100 + rank)
+        member, plan, rec = group.member(rank), None, {}
+        cfg = configs[rank] if configs else config
+        if piggyback:
+            pb = dpb.Piggyback(lambda payload: member(payload, 5000), num_ranks)
+            bal = dpb.DpBalance(num_ranks, rank, cfg, allgather=pb, library=PLUGIN)
+            plan = piggyback_plan(bal, pb, rank, rec)
+        else:
+            bal = dpb.DpBalance(num_ranks, rank, cfg, allgather=member, library=PLUGIN)
+        out[rank] = {**run_steps(bal, rank, steps, batch_of, rng, plan), **rec}
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(num_ranks)]
+    run_threads(num_ranks, rank_main)
+    return out
+
+
+def run_threads(num_ranks, rank_main):
+    """Runs rank_main(rank) on one thread per rank and joins them; re-raises the first
+    exception a rank raised (a thread's own would only be printed)."""
+    errors = []
+
+    def guarded(rank):
+        try:
+            rank_main(rank)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(num_ranks)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
     if errors:
-        raise errors[0][1]
-    return out
+        raise errors[0]
 
 
 def skewed_batch(rank, step, rng):
@@ -324,11 +334,7 @@ class AdapterTest(unittest.TestCase):
                 except TypeError as e:
                     errors.append((rank, step, str(e)))
             bal.close()
-        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        run_threads(3, rank_main)
         self.assertEqual([(r, s) for r, s, _ in errors], [(1, 3)])
         self.assertIn("k_cap = 2.5", errors[0][2])
         for r in range(3):
@@ -346,11 +352,7 @@ class AdapterTest(unittest.TestCase):
             pb = dpb.Piggyback(lambda p: g.member(rank)(p, 5000), 2)
             got[rank] = [pb.step(None, [dpb.Request(1, 100)], engine_payload(rank, s))
                          for s in range(3)]
-        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        run_threads(2, rank_main)
         for rank in range(2):
             for s, res in enumerate(got[rank]):
                 self.assertEqual(res, dpb.StepResult(None, None, [engine_payload(0, s),
