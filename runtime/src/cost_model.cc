@@ -88,7 +88,9 @@ CostModel CostModel::PublishedV1() {
   Weights w{};  // base terms only: the published form has no kernel paths
   w[W(Regime::kBase, CostTerm::kQueryTokens)] = (kV1BatchWeight + kV1MixWeight) * kUsPerMs;
   w[W(Regime::kBase, CostTerm::kQueryKeyPairs)] = kV1MixWeight * kV1CtxScale * kUsPerMs;
-  return *Create(w, "published-v1");
+  CostModel m = *Create(w, "published-v1");
+  m.published_form_ = PublishedForm::kV1;
+  return m;
 }
 
 CostModel CostModel::PublishedV2() {
@@ -96,7 +98,9 @@ CostModel CostModel::PublishedV2() {
   w[W(Regime::kBase, CostTerm::kConstant)] = kV2Fixed * kUsPerMs;
   w[W(Regime::kBase, CostTerm::kQueryTokens)] = (kV2BatchWeight + kV2MixWeight) * kUsPerMs;
   w[W(Regime::kBase, CostTerm::kQueryKeyPairs)] = kV2MixWeight * kV2CtxScale * kUsPerMs;
-  return *Create(w, "published-v2");
+  CostModel m = *Create(w, "published-v2");
+  m.published_form_ = PublishedForm::kV2;
+  return m;
 }
 
 double CostModel::Term(const BatchAggregates& a, int t) const {
@@ -330,15 +334,24 @@ double PublishedRankCost(PublishedForm form, const BatchAggregates& a) {
   return PublishedInstanceCost(form, one);
 }
 
-double PublishedInstanceCost(PublishedForm form, absl::Span<const BatchAggregates> ranks) {
+PublishedTerms PublishedTermsOf(PublishedForm form, const BatchAggregates& a) {
   const double ctx_scale = form == PublishedForm::kV1 ? kV1CtxScale : kV2CtxScale;
-  double max_b = 0, max_mix = 0;
+  return {a.query_tokens, a.query_tokens + ctx_scale * a.query_key_pairs};
+}
+
+double PublishedCostOfMaxima(PublishedForm form, const PublishedTerms& m) {
+  if (form == PublishedForm::kV1) return kV1BatchWeight * m.batch + kV1MixWeight * m.mix;
+  return kV2Fixed + kV2BatchWeight * m.batch + kV2MixWeight * m.mix;
+}
+
+double PublishedInstanceCost(PublishedForm form, absl::Span<const BatchAggregates> ranks) {
+  PublishedTerms maxima;
   for (const BatchAggregates& a : ranks) {
-    max_b = std::max(max_b, a.query_tokens);
-    max_mix = std::max(max_mix, a.query_tokens + ctx_scale * a.query_key_pairs);
+    const PublishedTerms t = PublishedTermsOf(form, a);
+    maxima.batch = std::max(maxima.batch, t.batch);
+    maxima.mix = std::max(maxima.mix, t.mix);
   }
-  if (form == PublishedForm::kV1) return kV1BatchWeight * max_b + kV1MixWeight * max_mix;
-  return kV2Fixed + kV2BatchWeight * max_b + kV2MixWeight * max_mix;
+  return PublishedCostOfMaxima(form, maxima);
 }
 
 }  // namespace dpbalance

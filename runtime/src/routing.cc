@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -115,28 +116,76 @@ int Router::PickIn(RoutingStrategy s, const RouteRequest& req, absl::Span<const 
       const int under = pick(better_a, [&](int i) { return ranks[i].ctx_tokens < limit; });
       return under >= 0 ? under : pick(better_b, any);
     }
-    case RoutingStrategy::kCostAware: {
-      const double mean_out =
-          finished_ > 0 ? finished_output_sum_ / finished_ : config_.initial_output_tokens;
-      const RequestLoad load{req.input_tokens + static_cast<int64_t>(mean_out / 2),
-                             static_cast<int32_t>(config_.query_tokens_per_request)};
-      int best = -1;
-      double best_cost = 0;
-      for (int i = begin; i < end; ++i) {
-        if (!Fits(req, ranks[i])) continue;
-        BatchAggregates a = ranks[i].agg;
-        a.Add(load);
-        const double cost = model_.AttentionUs(a);
-        if (best < 0 || cost < best_cost ||
-            (cost == best_cost && ranks[i].num_requests < ranks[best].num_requests)) {
-          best = i;
-          best_cost = cost;
-        }
-      }
-      return best;
-    }
+    case RoutingStrategy::kCostAware: return PickCostAware(req, ranks, begin, end);
   }
   return -1;
+}
+
+namespace {
+
+// The largest value over ranks and the largest over every rank but the argmax, so the maximum
+// without any one rank is O(1).
+struct TopTwo {
+  double first = 0, second = 0;
+  int arg = -1;
+  void Add(int i, double v) {
+    if (arg < 0 || v > first) {
+      second = arg < 0 ? 0 : first;
+      first = v;
+      arg = i;
+    } else {
+      second = std::max(second, v);
+    }
+  }
+  double Without(int i) const { return i == arg ? second : first; }
+};
+
+}  // namespace
+
+int Router::PickCostAware(const RouteRequest& req, absl::Span<const RankLoad> ranks, int begin,
+                          int end) const {
+  const double mean_out =
+      finished_ > 0 ? finished_output_sum_ / finished_ : config_.initial_output_tokens;
+  const RequestLoad load{req.input_tokens + static_cast<int64_t>(mean_out / 2),
+                         static_cast<int32_t>(config_.query_tokens_per_request)};
+  const std::optional<PublishedForm> form = model_.published_form();
+  TopTwo max_batch, max_mix;  // published form: each max() term over the instance's ranks
+  if (form) {
+    for (int i = begin; i < end; ++i) {
+      const PublishedTerms t = PublishedTermsOf(*form, ranks[i].agg);
+      max_batch.Add(i, t.batch);
+      max_mix.Add(i, t.mix);
+    }
+  }
+  // Ordered by: predicted cost (see routing.h), fewer requests, more context, lower index.
+  int best = -1;
+  double best_cost = 0;
+  for (int i = begin; i < end; ++i) {
+    if (!Fits(req, ranks[i])) continue;
+    BatchAggregates a = ranks[i].agg;
+    a.Add(load);
+    double cost;
+    if (form) {
+      const PublishedTerms t = PublishedTermsOf(*form, a);
+      cost = PublishedCostOfMaxima(*form, {std::max(max_batch.Without(i), t.batch),
+                                           std::max(max_mix.Without(i), t.mix)});
+    } else {
+      cost = model_.AttentionUs(a);
+    }
+    if (best >= 0) {
+      const RankLoad &r = ranks[i], &b = ranks[best];
+      if (cost != best_cost) {
+        if (cost > best_cost) continue;
+      } else if (r.num_requests != b.num_requests) {
+        if (r.num_requests > b.num_requests) continue;
+      } else if (r.ctx_tokens <= b.ctx_tokens) {
+        continue;
+      }
+    }
+    best = i;
+    best_cost = cost;
+  }
+  return best;
 }
 
 absl::StatusOr<int> Router::Route(const RouteRequest& req, absl::Span<const RankLoad> ranks) {

@@ -139,6 +139,22 @@ TEST(CostModel, SpecsNameTheFormsGridsAndFiles) {
   EXPECT_NE(missing.status().message().find("/nonexistent/model.json"), std::string::npos);
 }
 
+// Which models price an instance with the published formula's two max() terms (routing E):
+// the published forms, also scaled (--truth_layers); not a copy of their weights, a grid-seeded
+// form, or a model file.
+TEST(CostModel, OnlyThePublishedFormsCarryTheirForm) {
+  EXPECT_EQ(CostModel::PublishedV1().published_form(), PublishedForm::kV1);
+  EXPECT_EQ(CostModel::FromSpec("v2")->published_form(), PublishedForm::kV2);
+  EXPECT_EQ(CostModel::PublishedV2().Scaled(61).published_form(), PublishedForm::kV2);
+  EXPECT_FALSE(CostModel::FromSpec("v2+fa2-packed-h200")->published_form().has_value());
+  const CostModel v2 = CostModel::PublishedV2();
+  absl::StatusOr<CostModel> copy = CostModel::Create(v2.weights_us(), "copy");
+  ASSERT_TRUE(copy.ok());
+  EXPECT_FALSE(copy->published_form().has_value());
+  EXPECT_FALSE(CostModel::FromJson(v2.ToJson(), "v2 json")->published_form().has_value());
+  EXPECT_FALSE(CostModel().published_form().has_value());
+}
+
 TEST(GlobalCost, ValidateNamesField) {
   GlobalCost g;
   g.ffn_per_token_us = std::nan("");

@@ -32,6 +32,19 @@ Router Make(RoutingStrategy s, int ranks, double z = 1.2, int groups = 1) {
   return *Router::Create(c, ranks, CostModel::PublishedV2());
 }
 
+// V2's coefficients as a per-rank model (what a fit with those weights would be): no published
+// form, so E prices the instance by its barrier.
+CostModel PerRankV2() { return *CostModel::Create(CostModel::PublishedV2().weights_us(), "v2-fit"); }
+
+// E with one query token per request, so a request's own batch term is small against the
+// maxima and the published form leaves them unchanged on most ranks.
+Router MakeE(CostModel model, int ranks) {
+  RoutingConfig c;
+  c.strategy = RoutingStrategy::kCostAware;
+  c.query_tokens_per_request = 1;
+  return *Router::Create(c, ranks, std::move(model));
+}
+
 TEST(Routing, AandBPickMinBatchAndMinContext) {
   const auto loads = Loads({{4, 100}, {2, 900}, {3, 50}});
   Router a = Make(RoutingStrategy::kMinBatch, 3), b = Make(RoutingStrategy::kMinContext, 3);
@@ -84,8 +97,88 @@ TEST(Routing, GroupsChooseGroupThenDualPathInside) {
 TEST(Routing, CostAwarePicksLowestPredictedCostAfterAdding) {
   // Same batch sizes; rank 1 holds far less context -> lower predicted cost.
   const auto loads = Loads({{4, 400000}, {4, 4000}, {5, 4000}});
-  Router e = Make(RoutingStrategy::kCostAware, 3);
+  Router e = MakeE(PerRankV2(), 3);
   EXPECT_EQ(*e.Route({1000, 100}, loads), 1);
+}
+
+TEST(Routing, CostAwareWithAPublishedModelKeepsItsMaximaThenTakesFewestRequestsMostContext) {
+  // Terms (B, B + s*C) under V2: max B = 6 (rank 0), max B + s*C = 12.7 (rank 1). A request of
+  // 1,000 + 150 tokens raises max B on rank 0 and the mix maximum on rank 1; ranks 2, 3, 4 leave
+  // both unchanged. Of those, ranks 2 and 4 hold 4 requests, and rank 2 the most context.
+  const auto loads = Loads({{6, 0}, {4, 300000}, {4, 150000}, {5, 0}, {4, 120000}});
+  const RouteRequest req{1000, 100};
+  EXPECT_EQ(*MakeE(CostModel::PublishedV2(), 5).Route(req, loads), 2);
+  // The same coefficients as a per-rank model water-fill: rank 4 is the cheapest after adding.
+  EXPECT_EQ(*MakeE(PerRankV2(), 5).Route(req, loads), 4);
+  // Scaling a published model (the replay's --truth_layers) keeps its form and its choice.
+  EXPECT_EQ(*MakeE(CostModel::PublishedV2().Scaled(61), 5).Route(req, loads), 2);
+}
+
+// Brute force: every fitting rank priced by the whole formula over every rank, with the request
+// added to that rank; the router must return the first rank in (cost, requests, -context) order.
+TEST(Routing, CostAwareWithAPublishedModelEqualsBruteForceOverRanks) {
+  std::mt19937_64 rng(11);
+  for (PublishedForm form : {PublishedForm::kV1, PublishedForm::kV2}) {
+    const CostModel model = form == PublishedForm::kV1 ? CostModel::PublishedV1() : CostModel::PublishedV2();
+    int checked = 0, unchanged_ties = 0;
+    for (int t = 0; t < 400; ++t) {
+      const int n = 2 + static_cast<int>(rng() % 7);
+      Router e = MakeE(model, n);
+      // The request's context as E prices it: input + half the mean output seen so far
+      // (RoutingConfig::initial_output_tokens = 300 before any request finished).
+      int64_t mid_stay = 150;
+      if (t % 2) {
+        const int64_t out = static_cast<int64_t>(rng() % 4000);
+        e.ObserveFinished(out);
+        mid_stay = static_cast<int64_t>(out / 2.0);
+      }
+      std::vector<RankLoad> loads(n);
+      for (auto& l : loads) {
+        l.num_requests = static_cast<int>(rng() % 6);
+        l.ctx_tokens = static_cast<int64_t>(rng() % 4) * 50000;
+        l.reserved_tokens = l.ctx_tokens;
+        l.capacity_tokens = rng() % 5 ? 1000000 : l.ctx_tokens + 1000;  // some ranks do not fit
+        l.agg.num_requests = l.num_requests;
+        l.agg.query_tokens = l.num_requests;
+        l.agg.query_key_pairs = static_cast<double>(l.ctx_tokens);
+      }
+      const RouteRequest req{static_cast<int64_t>(rng() % 30000), 2000};
+      absl::StatusOr<int> got = e.Route(req, loads);
+      std::vector<BatchAggregates> aggs;
+      for (const auto& l : loads) aggs.push_back(l.agg);
+      int want = -1;
+      double want_cost = 0;
+      std::vector<double> costs(n, -1);
+      for (int i = 0; i < n; ++i) {
+        if (loads[i].reserved_tokens + req.input_tokens + req.output_tokens > loads[i].capacity_tokens) continue;
+        std::vector<BatchAggregates> with = aggs;
+        with[i].Add({req.input_tokens + mid_stay, 1});
+        costs[i] = PublishedInstanceCost(form, with);
+        const bool better =
+            want < 0 || costs[i] < want_cost ||
+            (costs[i] == want_cost &&
+             (loads[i].num_requests < loads[want].num_requests ||
+              (loads[i].num_requests == loads[want].num_requests &&
+               loads[i].ctx_tokens > loads[want].ctx_tokens)));
+        if (better) {
+          want = i;
+          want_cost = costs[i];
+        }
+      }
+      if (want < 0) {
+        EXPECT_FALSE(got.ok());
+        continue;
+      }
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(*got, want) << "trial " << t;
+      ++checked;
+      int at_min = 0;
+      for (double c : costs) at_min += c == want_cost;
+      unchanged_ties += at_min > 1;
+    }
+    EXPECT_GT(checked, 300);
+    EXPECT_GT(unchanged_ties, 50);  // the tie-breaks were exercised, not only the cost
+  }
 }
 
 TEST(Routing, PropertyRouteAlwaysFitsAndIsDeterministic) {

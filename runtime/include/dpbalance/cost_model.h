@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -127,6 +128,9 @@ struct BatchAggregates {
   }
 };
 
+// The two published formulas (../shared/docs/problem.md).
+enum class PublishedForm { kV1, kV2 };
+
 class CostModel {
  public:
   using Weights = std::array<double, kNumCostFeatures>;
@@ -178,6 +182,11 @@ class CostModel {
                 unsigned paths = 3u) const;
 
   const std::string& name() const { return name_; }
+  // The published formula this model is the per-rank form of: set by PublishedV1/V2 (flags "v1",
+  // "v2") and kept by Scaled; none for every other model (fits, grids, files). Cost-aware routing
+  // then prices the instance as the formula does, with its two separate max() terms. Not in
+  // Hash(): the planner and the balancer never read it.
+  std::optional<PublishedForm> published_form() const { return published_form_; }
   // Returns a copy with every coefficient multiplied by `factor` (> 0).
   CostModel Scaled(double factor) const;
   // 64-bit FNV-1a hash of the coefficients (configs must agree across ranks).
@@ -189,6 +198,7 @@ class CostModel {
 
   Weights weights_us_{};
   std::string name_ = "zero";
+  std::optional<PublishedForm> published_form_;
   KernelGrid grid_;
   GridSlopes grid_slopes_;
   std::array<unsigned, 2> grid_mask_{};  // per path: bit t - kGrid0 set if grid term t is weighed
@@ -228,11 +238,20 @@ struct GlobalCost {
   uint64_t Hash() const;
 };
 
-// The published V1/V2 instance cost with separate max() terms, for scoring only.
+// The published V1/V2 instance cost with separate max() terms: the score of the published study,
+// and what cost-aware routing minimises when its model is a published one (routing.h).
 // `ranks[r]` is rank r's batch. Returns cost in the published units.
-enum class PublishedForm { kV1, kV2 };
 double PublishedInstanceCost(PublishedForm form, absl::Span<const BatchAggregates> ranks);
 // Per-rank value of the same formula (each max() term evaluated on that rank alone).
 double PublishedRankCost(PublishedForm form, const BatchAggregates& rank);
+// The arguments of the formula's two max() terms for one rank (B, and B + s * C), and the cost
+// given each term's maximum over the ranks: PublishedInstanceCost is the second applied to the
+// elementwise maxima of the first.
+struct PublishedTerms {
+  double batch = 0;
+  double mix = 0;
+};
+PublishedTerms PublishedTermsOf(PublishedForm form, const BatchAggregates& rank);
+double PublishedCostOfMaxima(PublishedForm form, const PublishedTerms& maxima);
 
 }  // namespace dpbalance

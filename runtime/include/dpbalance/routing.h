@@ -9,9 +9,16 @@
 //     B  min total context tokens, ties by min batch
 //     C  request longer than the Px percentile of the last N requests -> A, else -> B
 //     D  DualPath: ranks with token usage < avg * Z -> A among them, else B
-//     E  cost-aware (ours): the rank whose predicted attention time after adding the request
-//        (its context taken at the middle of its expected stay) is lowest, i.e. water-filling
-//        by the cost model the planner uses; ties by min batch. See docs/design.md.
+//     E  cost-aware (ours): the rank where adding the request least raises the instance's
+//        predicted attention cost, priced by the cost model the planner uses with the request's
+//        context taken at the middle of its expected stay. How the model prices an instance:
+//        - a per-rank model (fits, kernel grids): the barrier, max over ranks of the rank's
+//          time; E takes the rank whose time after adding is lowest (water-filling);
+//        - a published formula (`CostModel::published_form`, flags "v1"/"v2"): the formula
+//          itself, with its two separate max() terms (`PublishedInstanceCost`); most ranks then
+//          leave it unchanged, and E takes among them the fewest requests, then the most context
+//          (best fit: the emptier ranks keep room for a long request).
+//        Remaining ties: fewest requests, most context, lowest index. See docs/design.md.
 //   With G > 1 groups (contiguous blocks of ranks), a group is chosen first by A or B over the
 //   groups' totals (among groups with a rank that fits), then D inside it.
 // - Deterministic: ties break towards the lower rank index.
@@ -74,6 +81,8 @@ class Router {
   Router(RoutingConfig c, int n, CostModel m) : config_(c), num_ranks_(n), model_(std::move(m)) {}
   int PickIn(RoutingStrategy s, const RouteRequest& req, absl::Span<const RankLoad> ranks,
              int begin, int end) const;
+  int PickCostAware(const RouteRequest& req, absl::Span<const RankLoad> ranks, int begin,
+                    int end) const;
   bool Fits(const RouteRequest& req, const RankLoad& r) const;
 
   RoutingConfig config_;
