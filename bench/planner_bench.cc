@@ -2,6 +2,7 @@
 // The other ranks' summaries are built beforehand, as the all-gather would deliver them.
 // Targets (issue 2): dp:64/reqs:64 <= 20 us, dp:256/reqs:256 <= 200 us on the 2-core dev box.
 // BM_SimulateGrid: what a model with a kernel grid adds per step and kernel path.
+// BM_Route: one request routed by the runtime Router (what the router ABI's `route` runs).
 #include <cmath>
 #include <random>
 #include <string>
@@ -9,6 +10,7 @@
 #include "benchmark/benchmark.h"
 #include "dpbalance/kernel_grid.h"
 #include "dpbalance/planner.h"
+#include "dpbalance/routing.h"
 
 namespace dpbalance {
 namespace {
@@ -152,6 +154,32 @@ BENCHMARK(BM_SimulateGrid)
     ->Args({0, 32, 0})
     ->Args({0, 32, 1})
     ->Args({0, 64, 1})
+    ->Unit(benchmark::kMicrosecond);
+
+// One route over `dp` ranks of 32 Mooncake-like requests each: D, E with the published V2 (its
+// two maxima) and E with a per-rank model (V2's weights without the published form).
+void BM_Route(benchmark::State& state) {
+  const int which = static_cast<int>(state.range(0)), dp = static_cast<int>(state.range(1));
+  RoutingConfig c;
+  c.strategy = which == 0 ? RoutingStrategy::kDualPath : RoutingStrategy::kCostAware;
+  const CostModel v2 = CostModel::PublishedV2();
+  Router router = *Router::Create(c, dp, which == 2 ? *CostModel::Create(v2.weights_us(), "fit") : v2);
+  std::mt19937_64 rng(3);
+  std::vector<RankLoad> loads(dp);
+  for (RankLoad& l : loads) {
+    l.capacity_tokens = 1 << 22;
+    for (const PlanRequest& r : RandomBatch(rng, 32, 7)) {
+      l.num_requests += 1;
+      l.ctx_tokens += r.ctx_tokens;
+      l.reserved_tokens += r.ctx_tokens + 300;
+      l.agg.Add({r.ctx_tokens, 4});
+    }
+  }
+  for (auto _ : state) benchmark::DoNotOptimize(router.Route({5000, 300}, loads).ok());
+}
+BENCHMARK(BM_Route)
+    ->ArgNames({"E", "dp"})  // E: 0 = routing D, 1 = E published V2, 2 = E per-rank model
+    ->ArgsProduct({{0, 1, 2}, {64, 256}})
     ->Unit(benchmark::kMicrosecond);
 
 }  // namespace

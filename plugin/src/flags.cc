@@ -113,6 +113,23 @@ const std::map<std::string, Setter>& Table() {
        }},
       {"agreed_depth", Int(0, 1, [](PluginFlags& f, int x) { f.balancer.planner.agreed_draft_depth = x; })},
       {"online", Int(0, 1, [](PluginFlags& f, int x) { f.balancer.online_calibration = x; })},
+      {"routing", [](PluginFlags& f, const std::string& v) -> absl::Status {
+         absl::StatusOr<RoutingStrategy> s = ParseRouting(v);
+         if (!s.ok()) return Bad("", v, "A, B, C, D or E");
+         f.routing.strategy = *s;
+         return absl::OkStatus();
+       }},
+      {"z", Double(1e-6, 1e6, [](PluginFlags& f, double x) { f.routing.z = x; })},
+      {"groups", Int(1, 1 << 20, [](PluginFlags& f, int x) { f.routing.groups = x; })},
+      {"group_choice", [](PluginFlags& f, const std::string& v) -> absl::Status {
+         if (v != "A" && v != "B") return Bad("", v, "A or B");
+         f.routing.group_choice = v == "A" ? RoutingStrategy::kMinBatch : RoutingStrategy::kMinContext;
+         return absl::OkStatus();
+       }},
+      {"split_percentile", Double(1e-6, 1 - 1e-6, [](PluginFlags& f, double x) { f.routing.split_percentile = x; })},
+      {"split_window", Int(1, 100000000, [](PluginFlags& f, int x) { f.routing.split_window = x; })},
+      {"route_query_tokens", Double(1, 1 + kMaxDraftLen, [](PluginFlags& f, double x) { f.routing.query_tokens_per_request = x; })},
+      {"route_initial_output", Double(0, 1e9, [](PluginFlags& f, double x) { f.routing.initial_output_tokens = x; })},
       {"prior_strength", Double(1e-3, 1e6, [](PluginFlags& f, double x) { f.balancer.acceptance_prior_strength = x; })},
   };
   return *table;

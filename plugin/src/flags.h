@@ -9,11 +9,13 @@
 
 #include "absl/status/statusor.h"
 #include "dpbalance/balancer.h"
+#include "dpbalance/routing.h"
 
 namespace dpbalance::plugin {
 
 struct PluginFlags {
   BalancerConfig balancer;         // mode, k_max, default_k, global terms, timeout, A/B, ...
+  RoutingConfig routing;           // the router ABI's strategy (E prices with balancer.model)
   int32_t k_min = 0;               // floor added to every request's own k_min
   std::string backend = "nccl";    // inproc | callback | nccl (when init says "from flags")
   std::string group = "default";   // inproc group name

@@ -1,9 +1,10 @@
-/* Prints the C ABI v1 struct layouts (offset and size of every field, and each struct's
+/* Prints the C ABI v1 struct layouts (plugin and router) (offset and size of every field, and each struct's
  * size) so python_adapter_test.py can check the ctypes mirror against the compiler. */
 #include <cstddef>
 #include <cstdio>
 
 #include "dpbalance/plugin/dpbalance_plugin_v1.h"
+#include "dpbalance/plugin/dpbalance_router_v1.h"
 
 #define FIELD(s, f) printf("%s %s %zu %zu\n", #s, #f, offsetof(s, f), sizeof(static_cast<s*>(nullptr)->f))
 #define SIZE(s) printf("%s sizeof %zu %zu\n", #s, sizeof(s), sizeof(s))
@@ -59,5 +60,21 @@ int main() {
   FIELD(dpbalancePlugin_v1_t, stats);
   FIELD(dpbalancePlugin_v1_t, finalize);
   SIZE(dpbalancePlugin_v1_t);
+  FIELD(dpbRouterArgs_v1_t, num_ranks);
+  FIELD(dpbRouterArgs_v1_t, config);
+  SIZE(dpbRouterArgs_v1_t);
+  FIELD(dpbRankLoad_v1_t, num_requests);
+  FIELD(dpbRankLoad_v1_t, max_requests);
+  FIELD(dpbRankLoad_v1_t, ctx_tokens);
+  FIELD(dpbRankLoad_v1_t, max_ctx_tokens);
+  FIELD(dpbRankLoad_v1_t, reserved_tokens);
+  FIELD(dpbRankLoad_v1_t, capacity_tokens);
+  SIZE(dpbRankLoad_v1_t);
+  FIELD(dpbalanceRouter_v1_t, name);
+  FIELD(dpbalanceRouter_v1_t, create);
+  FIELD(dpbalanceRouter_v1_t, route);
+  FIELD(dpbalanceRouter_v1_t, observe_finished);
+  FIELD(dpbalanceRouter_v1_t, destroy);
+  SIZE(dpbalanceRouter_v1_t);
   return 0;
 }

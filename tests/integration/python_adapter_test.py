@@ -187,7 +187,8 @@ class AdapterTest(unittest.TestCase):
         import subprocess
         mirror = {"dpbInitArgs_v1_t": dpb._InitArgs, "dpbRequest_v1_t": dpb._Request,
                   "dpbAccepted_v1_t": dpb._Accepted, "dpbStats_v1_t": dpb._Stats,
-                  "dpbalancePlugin_v1_t": dpb._Plugin}
+                  "dpbalancePlugin_v1_t": dpb._Plugin, "dpbRouterArgs_v1_t": dpb._RouterArgs,
+                  "dpbRankLoad_v1_t": dpb._RankLoad, "dpbalanceRouter_v1_t": dpb._Router}
         seen = {name: [] for name in mirror}
         out = subprocess.run([ABI_LAYOUT], check=True, capture_output=True, text=True).stdout
         for line in out.splitlines():
@@ -434,6 +435,49 @@ class AdapterTest(unittest.TestCase):
                 os.environ.pop("DPB_PLUGIN")
             else:
                 os.environ["DPB_PLUGIN"] = old
+
+
+class RouterTest(unittest.TestCase):
+    # Terms (B, B + s*C) under V2 with one query token per request: rank 0 holds max B, rank 1
+    # the mix maximum; ranks 2, 3, 4 leave both unchanged, rank 2 has the fewest requests and
+    # the most context (tests/runtime/routing_test.cc has the same case through C++).
+    LOADS = [dpb.RankLoad(6, 0, 0, 10**6), dpb.RankLoad(4, 300000, 300000, 10**6),
+             dpb.RankLoad(4, 150000, 150000, 10**6), dpb.RankLoad(5, 0, 0, 10**6),
+             dpb.RankLoad(4, 120000, 120000, 10**6)]
+
+    def test_routes_through_the_router_abi(self):
+        with dpb.Router(5, "routing=E;route_query_tokens=1", library=PLUGIN) as r:
+            self.assertEqual(r.route(self.LOADS, 1000, 100), 2)
+            r.observe_finished(300)
+            # No rank with batch room: the request waits.
+            full = [l._replace(max_requests=l.num_requests) for l in self.LOADS]
+            self.assertIsNone(r.route(full, 1000, 100))
+        with dpb.Router(5, "routing=A", library=PLUGIN) as r:  # fewest requests, then context
+            self.assertEqual(r.route(self.LOADS, 1000, 100), 4)
+        self.assertIsNone(dpb.Router.load(5, library="none"))
+
+    def test_bad_router_input_is_named(self):
+        with self.assertRaises(dpb.DpBalanceError) as e:
+            dpb.Router(5, "routing=F", library=PLUGIN)
+        self.assertIn("routing=F", str(e.exception))
+        r = dpb.Router(5, "", library=PLUGIN)
+        with self.assertRaises(ValueError) as e:
+            r.route(self.LOADS[:4], 10, 10)
+        self.assertIn("4 rank loads for 5 ranks", str(e.exception))
+        bad = list(self.LOADS)
+        bad[3] = bad[3]._replace(ctx_tokens=-1)
+        with self.assertRaises(ValueError) as e:  # the plugin rejects it; its log names it
+            r.route(bad, 10, 10)
+        self.assertIn("dpbInvalidArgument", str(e.exception))
+        bad[3] = bad[3]._replace(ctx_tokens=2.5)
+        with self.assertRaises(TypeError) as e:  # cannot be marshalled: named here
+            r.route(bad, 10, 10)
+        self.assertIn("loads[3].ctx_tokens = 2.5", str(e.exception))
+        with self.assertRaises(ValueError):
+            r.observe_finished(-1)
+        r.close()
+        with self.assertRaises(dpb.DpBalanceError):
+            r.route(self.LOADS, 10, 10)
 
 
 def run_processes(test, ctx, q, target, args_per_rank):

@@ -31,6 +31,34 @@ TEST(Flags, DefaultsEnvironmentAndConfigStringWhichWins) {
   EXPECT_TRUE(ParseFlags({{"DPB_PLUGIN", "dpbalance"}}, "").ok());
 }
 
+// The router ABI's flags (dpbalance_router_v1.h) share the table: DPB_ROUTING etc. in the
+// environment must not break the balancer's init either.
+TEST(Flags, RoutingFlagsSetTheRouterAndNameBadValues) {
+  absl::StatusOr<PluginFlags> f = ParseFlags({}, "");
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ(f->routing.strategy, RoutingStrategy::kDualPath);
+  f = ParseFlags({{"DPB_ROUTING", "E"}, {"DPB_Z", "1.3"}},
+                 "groups=4;group_choice=B;split_percentile=0.8;split_window=50;"
+                 "route_query_tokens=2;route_initial_output=120");
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->routing.strategy, RoutingStrategy::kCostAware);
+  EXPECT_DOUBLE_EQ(f->routing.z, 1.3);
+  EXPECT_EQ(f->routing.groups, 4);
+  EXPECT_EQ(f->routing.group_choice, RoutingStrategy::kMinContext);
+  EXPECT_DOUBLE_EQ(f->routing.split_percentile, 0.8);
+  EXPECT_EQ(f->routing.split_window, 50);
+  EXPECT_DOUBLE_EQ(f->routing.query_tokens_per_request, 2);
+  EXPECT_DOUBLE_EQ(f->routing.initial_output_tokens, 120);
+  for (const auto& [config, value] : std::vector<std::pair<std::string, std::string>>{
+           {"routing=F", "'F'"}, {"group_choice=C", "'C'"}, {"split_percentile=1", "'1'"},
+           {"z=0", "'0'"}, {"route_query_tokens=0.5", "'0.5'"}}) {
+    f = ParseFlags({}, config);
+    ASSERT_FALSE(f.ok()) << config;
+    EXPECT_NE(f.status().message().find(config.substr(0, config.find('='))), std::string::npos) << f.status();
+    EXPECT_NE(f.status().message().find(value), std::string::npos) << f.status();
+  }
+}
+
 TEST(Flags, UnknownAndMalformedFlagsAreNamed) {
   absl::StatusOr<PluginFlags> f = ParseFlags({{"DPB_KMAX", "5"}}, "");
   ASSERT_FALSE(f.ok());

@@ -1,7 +1,7 @@
 """dpbalance for Python decode engines: the C plugin ABI (v1) through ctypes.
 
 A Python engine (SGLang, vLLM, ...) loads `libdpbalance.so` the way a C++ engine does: by
-`DPB_PLUGIN` (a name, file or path; `none` disables), the one exported symbol
+`DPB_PLUGIN` (a name, file or path; `none` disables), the exported symbol
 `dpbalancePlugin_v1`, and `DPB_*` flags (docs/flags.md). This module adds nothing to the
 plugin's logic; it only marshals the C structs and lets a Python callable be the all-gather,
 so the ranks exchange their summaries over the engine's own CPU group (no second NCCL comm):
@@ -26,6 +26,14 @@ refusing the flags (DpBalanceError, naming them).
 
 `Piggyback` carries the exchange on the engine's own per-step DP sync instead of a second
 collective, so that it fails on every rank or none (docs/engines.md).
+
+`Router` is the request routing (strategies A-E, docs/design.md "Routing") for the engine's DP
+router, through the library's second symbol `dpbalanceRouter_v1` (dpbalance_router_v1.h):
+
+    router = Router.load(num_ranks=dp_size, config="routing=E")   # None if DPB_PLUGIN=none
+    rank = router.route([RankLoad(n, ctx_sum, reserved, capacity, max_requests, max_ctx) ...],
+                        input_tokens, max_new_tokens)              # None: no rank has room yet
+    router.observe_finished(output_tokens)                          # as requests finish
 """
 from __future__ import annotations
 
@@ -36,11 +44,13 @@ import struct
 from typing import Callable, NamedTuple, Optional, Sequence
 
 __all__ = ["DpBalance", "DpBalanceError", "Request", "Accepted", "Piggyback", "StepResult",
-           "RESULT_NAMES", "RECORD_BYTES", "resolve_library", "torch_allgather"]
+           "Router", "RankLoad", "RESULT_NAMES", "RECORD_BYTES", "resolve_library",
+           "torch_allgather"]
 
 log = logging.getLogger("dpbalance")
 
 SYMBOL = "dpbalancePlugin_v1"
+ROUTER_SYMBOL = "dpbalanceRouter_v1"
 DEFAULT_LIBRARY = "libdpbalance.so"
 
 # dpbResult_t
@@ -112,6 +122,29 @@ class _Plugin(ctypes.Structure):
     ]
 
 
+class _RouterArgs(ctypes.Structure):
+    _fields_ = [("num_ranks", ctypes.c_int32), ("config", ctypes.c_char_p)]
+
+
+class _RankLoad(ctypes.Structure):
+    _fields_ = [("num_requests", ctypes.c_int32), ("max_requests", ctypes.c_int32),
+                ("ctx_tokens", ctypes.c_int64), ("max_ctx_tokens", ctypes.c_int64),
+                ("reserved_tokens", ctypes.c_int64), ("capacity_tokens", ctypes.c_int64)]
+
+
+class _Router(ctypes.Structure):
+    _fields_ = [
+        ("name", ctypes.c_char_p),
+        ("create", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(_RouterArgs),
+                                    ctypes.POINTER(ctypes.c_void_p))),
+        ("route", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(_RankLoad),
+                                   ctypes.c_int32, ctypes.c_int64, ctypes.c_int64,
+                                   ctypes.POINTER(ctypes.c_int32))),
+        ("observe_finished", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64)),
+        ("destroy", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)),
+    ]
+
+
 # --- what the engine passes --------------------------------------------------------------
 
 class Request(NamedTuple):
@@ -130,6 +163,16 @@ class Accepted(NamedTuple):
     verify_len: int
     accepted: int
     finished: bool = False
+
+
+class RankLoad(NamedTuple):
+    """One DP rank's load as the engine's router sees it (dpbRankLoad_v1_t)."""
+    num_requests: int
+    ctx_tokens: int          # sum of its requests' current contexts (token usage)
+    reserved_tokens: int     # KV reserved: contexts + the outputs still to come
+    capacity_tokens: int     # KV capacity
+    max_requests: int = 0    # batch cap; 0: none
+    max_ctx_tokens: int = 0  # its longest context (fitted models' critical path); 0: unknown
 
 
 def resolve_library(library: Optional[str] = None) -> Optional[str]:
@@ -156,9 +199,13 @@ def _int_field(value, what: str, lo: int, hi: int) -> int:
 # python_adapter test checks both against the compiler's offsets).
 _REQUEST_PACK = struct.Struct("@qqiiPi4x")
 _ACCEPTED_PACK = struct.Struct("@qiii4x")
+_RANK_LOAD_PACK = struct.Struct("@iiqqqq")
 _I64, _I32 = (-(1 << 63), (1 << 63) - 1), (-(1 << 31), (1 << 31) - 1)
 _REQUEST_FIELDS = [("request_id", _I64), ("ctx_tokens", _I64), ("k_min", _I32), ("k_cap", _I32)]
 _ACCEPTED_FIELDS = [("request_id", _I64), ("verify_len", _I32), ("accepted", _I32)]
+_RANK_LOAD_FIELDS = [("num_requests", _I32), ("max_requests", _I32), ("ctx_tokens", _I64),
+                     ("max_ctx_tokens", _I64), ("reserved_tokens", _I64),
+                     ("capacity_tokens", _I64)]
 
 
 def _name_the_bad_field(items, what: str, fields) -> None:
@@ -174,8 +221,25 @@ def _records(struct_type, n):
     return arr, memoryview(arr).cast("B")
 
 
-if (_REQUEST_PACK.size, _ACCEPTED_PACK.size) != (ctypes.sizeof(_Request), ctypes.sizeof(_Accepted)):
+if (_REQUEST_PACK.size, _ACCEPTED_PACK.size, _RANK_LOAD_PACK.size) != (
+        ctypes.sizeof(_Request), ctypes.sizeof(_Accepted), ctypes.sizeof(_RankLoad)):
     raise ImportError("dpbalance: this platform's struct layout differs from the packed records")
+
+
+def _load_symbol(library: Optional[str], symbol: str, struct_type):
+    """(CDLL, the exported const struct, path) for `library` as resolve_library reads it."""
+    path = resolve_library(library)
+    if path is None:
+        raise DpBalanceError("dpbalance: the plugin is disabled (DPB_PLUGIN=none); "
+                             "use load(), which returns None")
+    try:
+        lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
+    except OSError as e:
+        raise DpBalanceError(f"dpbalance: cannot load plugin '{path}': {e}") from e
+    try:
+        return lib, struct_type.in_dll(lib, symbol), path
+    except ValueError as e:
+        raise DpBalanceError(f"dpbalance: '{path}' has no symbol {symbol}") from e
 
 
 class DpBalance:
@@ -198,18 +262,7 @@ class DpBalance:
         Without it the backend comes from the flags (DPB_BACKEND: nccl or inproc)."""
         _int_field(num_ranks, "num_ranks", 1, 1 << 20)
         _int_field(rank, "rank", 0, num_ranks - 1)
-        path = resolve_library(library)
-        if path is None:
-            raise DpBalanceError("dpbalance: the plugin is disabled (DPB_PLUGIN=none); "
-                                 "use DpBalance.load(), which returns None")
-        try:
-            self._lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
-        except OSError as e:
-            raise DpBalanceError(f"dpbalance: cannot load plugin '{path}': {e}") from e
-        try:
-            self._plugin = _Plugin.in_dll(self._lib, SYMBOL)
-        except ValueError as e:
-            raise DpBalanceError(f"dpbalance: '{path}' has no symbol {SYMBOL}") from e
+        self._lib, self._plugin, path = _load_symbol(library, SYMBOL, _Plugin)
         self.num_ranks, self.rank, self.path = num_ranks, rank, path
         self.name = (self._plugin.name or b"").decode()
         self.last_result = SUCCESS
@@ -325,6 +378,92 @@ class DpBalance:
         if self._ctx:
             self._plugin.finalize(self._ctx)
             self._ctx = ctypes.c_void_p()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Router:
+    """The request routing strategies (A-E; docs/design.md "Routing") behind the router ABI,
+    for the engine's DP router: the same code the replay runs. Not thread-safe."""
+
+    @classmethod
+    def load(cls, num_ranks: int, config: str = "",
+             library: Optional[str] = None) -> Optional["Router"]:
+        """Like the constructor, but returns None when DPB_PLUGIN (or `library`) is `none`."""
+        if resolve_library(library) is None:
+            return None
+        return cls(num_ranks, config, library)
+
+    def __init__(self, num_ranks: int, config: str = "", library: Optional[str] = None):
+        """`config`: flags as `key=value;...` over DPB_* (routing, z, groups, cost_model, ...;
+        docs/flags.md). Raises DpBalanceError when the library or the flags are refused."""
+        _int_field(num_ranks, "num_ranks", 1, 1 << 20)
+        self._lib, self._api, self.path = _load_symbol(library, ROUTER_SYMBOL, _Router)
+        self.num_ranks = num_ranks
+        self._config = (config or "").encode()
+        self._router = ctypes.c_void_p()
+        rc = self._api.create(ctypes.byref(_RouterArgs(num_ranks, self._config)),
+                              ctypes.byref(self._router))
+        if rc != SUCCESS:
+            self._router = ctypes.c_void_p()
+            raise DpBalanceError(
+                f"dpbalance: router create for {num_ranks} ranks with config '{config}' returned "
+                f"{RESULT_NAMES.get(rc, rc)} (the plugin's log on stderr names the flag)")
+        self._loads, self._loads_view = _records(_RankLoad, num_ranks)
+        self._rank = ctypes.c_int32(-1)
+
+    def route(self, loads: Sequence[RankLoad], input_tokens: int, output_tokens: int):
+        """The rank for a new request, or None when no rank has the KV capacity or batch room
+        for it now (keep it queued). `loads`: one per rank, rank order. Raises ValueError for
+        input the router rejects (the plugin's log names the rank and field); the engine then
+        routes by its own rule."""
+        if not self._router:
+            raise DpBalanceError("dpbalance: route() after close()")
+        if len(loads) != self.num_ranks:
+            raise ValueError(f"dpbalance: {len(loads)} rank loads for {self.num_ranks} ranks")
+        buf, pack, size = self._loads_view, _RANK_LOAD_PACK.pack_into, _RANK_LOAD_PACK.size
+        try:
+            for i, l in enumerate(loads):
+                pack(buf, i * size, l.num_requests, l.max_requests, l.ctx_tokens,
+                     l.max_ctx_tokens, l.reserved_tokens, l.capacity_tokens)
+        except (struct.error, TypeError, AttributeError):
+            _name_the_bad_field(loads, "loads", _RANK_LOAD_FIELDS)
+            raise
+        _int_field(input_tokens, "input_tokens", *_I64)
+        _int_field(output_tokens, "output_tokens", *_I64)
+        rc = self._api.route(self._router, self._loads, self.num_ranks, input_tokens,
+                             output_tokens, ctypes.byref(self._rank))
+        if rc == SUCCESS:
+            return self._rank.value
+        if rc == FALLBACK:
+            return None
+        raise ValueError(f"dpbalance: route returned {RESULT_NAMES.get(rc, rc)} for input "
+                         f"{input_tokens} + {output_tokens} tokens (the plugin's log names the "
+                         f"value)")
+
+    def observe_finished(self, output_tokens: int) -> None:
+        """A request left after `output_tokens` tokens (E's running mean output length)."""
+        if not self._router:
+            raise DpBalanceError("dpbalance: observe_finished() after close()")
+        rc = self._api.observe_finished(self._router, _int_field(output_tokens, "output_tokens",
+                                                                 0, _I64[1]))
+        if rc != SUCCESS:
+            raise ValueError(f"dpbalance: observe_finished returned {RESULT_NAMES.get(rc, rc)}")
+
+    def close(self) -> None:
+        if self._router:
+            self._api.destroy(self._router)
+            self._router = ctypes.c_void_p()
 
     def __enter__(self):
         return self
