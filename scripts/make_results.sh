@@ -50,6 +50,12 @@ $B/integration/dpbalance-replay --truth docs/generated/model_packed_nogrid.json 
 $B/tests/runtime/calibration_test --gtest_filter='Online*' | tee docs/generated/online_calibration.txt
 $B/integration/dpbalance-reference-engine --json docs/generated/reference_engine.json \
   2>/dev/null | tee docs/generated/reference_engine.txt
+# The same with every request routed centrally through the library's router ABI.
+for routing in D E; do
+  $B/integration/dpbalance-reference-engine --routing $routing \
+    --json docs/generated/reference_engine_routing_$routing.json \
+    2>/dev/null | tee docs/generated/reference_engine_routing_$routing.txt
+done
 $B/bench/dpbalance_planner_bench --benchmark_repetitions=5 --benchmark_report_aggregates_only=true \
   | tee docs/generated/planner_bench.txt
 PY=python3

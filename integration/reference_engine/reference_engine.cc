@@ -7,6 +7,11 @@
 // samples acceptance and reports. The engine measures the bubble itself (wall clock, per step:
 // 1 - mean/max attention time) and the goodput (tokens per wall second), for three runs: plugin
 // off, on, and A/B epochs (where the plugin's own per-arm statistics are printed too).
+//
+// Requests: `--routing rr` (default) keeps each rank at --reqs_per_rank, a finished request
+// replaced by the rank's next one from the trace (round robin). `--routing A..E` routes every new
+// request centrally through the same library's router ABI (dpbalanceRouter_v1), as an engine's
+// DP router would: the instance keeps dp x reqs_per_rank in flight and ranks' batches differ.
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -50,6 +55,9 @@ ABSL_FLAG(double, time_scale, 0.2,
 ABSL_FLAG(int, ab_epoch, 20, "steps per A/B epoch in the A/B run");
 ABSL_FLAG(uint64_t, seed, 7, "random seed (same batch mix in every run)");
 ABSL_FLAG(std::string, json, "", "write the measured figures to this file");
+ABSL_FLAG(std::string, routing, "rr",
+          "rr (each rank replaces its own finished requests) or A, B, C, D, E (every new request "
+          "routed through the library's router ABI)");
 
 namespace dpbalance::reference {
 namespace {
@@ -80,8 +88,71 @@ void SleepUntil(Clock::time_point until) {
   while (Clock::now() < until) std::this_thread::yield();
 }
 
+// The central admission of `--routing A..E`: new requests from the trace, each routed through
+// the router ABI on the ranks' current loads. Called by one thread while the ranks wait.
+class Admission {
+ public:
+  Admission(const dpbalanceRouter_v1_t* api, void* router, const std::vector<replay::TraceRequest>& trace,
+            uint64_t seed)
+      : api_(api), router_(router), trace_(trace), rng_(seed) {}
+  // Routes `n` more requests (plus any still waiting) into `batches`.
+  void Admit(int n, std::vector<std::vector<Req>>& batches) {
+    const auto profile = MtpK8ConditionalProfile();
+    std::normal_distribution<double> shift(0, 1);
+    for (int i = 0; i < n; ++i) {
+      const replay::TraceRequest& t = trace_[next_ % trace_.size()];
+      Req q{static_cast<int64_t>(next_), t.input_tokens, t.output_tokens, {}};
+      q.rates = ShiftedProfile(profile, shift(rng_));
+      ++next_;
+      waiting_.push_back(q);
+    }
+    const int R = static_cast<int>(batches.size());
+    std::vector<dpbRankLoad_v1_t> loads(R);
+    for (int r = 0; r < R; ++r) {
+      dpbRankLoad_v1_t& l = loads[r];
+      l = {};
+      l.capacity_tokens = int64_t{1} << 40;  // the reference engine's KV never binds
+      for (const Req& q : batches[r]) {
+        l.num_requests += 1;
+        l.ctx_tokens += q.ctx;
+        l.max_ctx_tokens = std::max(l.max_ctx_tokens, q.ctx);
+        l.reserved_tokens += q.ctx + q.remaining;
+      }
+    }
+    size_t placed = 0;
+    for (; placed < waiting_.size(); ++placed) {
+      const Req& q = waiting_[placed];
+      int32_t rank = -1;
+      const dpbResult_t rc = api_->route(router_, loads.data(), R, q.ctx, q.remaining, &rank);
+      if (rc == dpbFallback) break;  // no room: waits, in order
+      if (rc != dpbSuccess) {        // the engine's own rule
+        rank = static_cast<int32_t>(next_ % R);
+        ++router_errors_;
+      }
+      batches[rank].push_back(q);
+      dpbRankLoad_v1_t& l = loads[rank];
+      l.num_requests += 1;
+      l.ctx_tokens += q.ctx;
+      l.max_ctx_tokens = std::max(l.max_ctx_tokens, q.ctx);
+      l.reserved_tokens += q.ctx + q.remaining;
+    }
+    waiting_.erase(waiting_.begin(), waiting_.begin() + static_cast<long>(placed));
+  }
+  void Finished(int64_t output_tokens) { api_->observe_finished(router_, output_tokens); }
+  int router_errors() const { return router_errors_; }
+
+ private:
+  const dpbalanceRouter_v1_t* api_;
+  void* router_;
+  const std::vector<replay::TraceRequest>& trace_;
+  std::mt19937_64 rng_;
+  size_t next_ = 0;
+  std::vector<Req> waiting_;
+  int router_errors_ = 0;
+};
+
 RunResult Run(const dpbalancePlugin_v1_t* plugin, const std::string& config,
-              const std::vector<replay::TraceRequest>& trace) {
+              const std::vector<replay::TraceRequest>& trace, Admission* admission) {
   const int R = absl::GetFlag(FLAGS_dp), per_rank = absl::GetFlag(FLAGS_reqs_per_rank);
   const int steps = absl::GetFlag(FLAGS_steps), k_max = absl::GetFlag(FLAGS_k_max);
   const int default_k = absl::GetFlag(FLAGS_default_k);
@@ -91,11 +162,14 @@ RunResult Run(const dpbalancePlugin_v1_t* plugin, const std::string& config,
   const auto profile = MtpK8ConditionalProfile();
 
   std::vector<void*> ctx(R, nullptr);
-  std::vector<double> attn_us(R), step_tokens(R);
+  std::vector<double> attn_us(R), step_tokens(R), query_tokens(R);
   std::vector<int32_t> depth(R);
   std::atomic<int> init_failures{0}, fallbacks{0};
   std::barrier sync(R);
   RunResult result;
+  std::vector<std::vector<Req>> batches(R);
+  std::vector<std::vector<int64_t>> finished_outputs(R);  // this step's, per rank (routing)
+  if (admission) admission->Admit(R * per_rank, batches);
   double bubble_num = 0, bubble_den = 0, model_time_us = 0;
   int64_t tokens = 0;
   Clock::time_point t0;
@@ -113,8 +187,10 @@ RunResult Run(const dpbalancePlugin_v1_t* plugin, const std::string& config,
       q.rates = ShiftedProfile(profile, shift(rng));
       return q;
     };
-    std::vector<Req> batch;
-    for (int i = 0; i < per_rank; ++i) batch.push_back(draw());
+    std::vector<Req>& batch = batches[r];
+    if (!admission) {
+      for (int i = 0; i < per_rank; ++i) batch.push_back(draw());
+    }
 
     if (plugin) {
       dpbInitArgs_v1_t args{};
@@ -157,12 +233,16 @@ RunResult Run(const dpbalancePlugin_v1_t* plugin, const std::string& config,
       SleepUntil(start + std::chrono::nanoseconds(static_cast<int64_t>(attention_us * scale * 1000)));
       const auto end_attn = Clock::now();
       attn_us[r] = std::chrono::duration<double, std::micro>(end_attn - start).count();
+      query_tokens[r] = agg.query_tokens;
       // MoE barrier: the slowest rank sets the pace.
       sync.arrive_and_wait();
+      // The FFN and EP communication see the instance's tokens; the draft runs the agreed depth.
       int32_t step_depth = 0;
       double q_total = 0;
-      for (int i = 0; i < R; ++i) step_depth = std::max(step_depth, depth[i]);
-      q_total = agg.query_tokens * R;  // approximately: FFN time barely depends on it
+      for (int i = 0; i < R; ++i) {
+        step_depth = std::max(step_depth, depth[i]);
+        q_total += query_tokens[i];
+      }
       SleepUntil(Clock::now() + std::chrono::nanoseconds(static_cast<int64_t>(
                                     global.StepUs(q_total, step_depth) * scale * 1000)));
       const double step_wall_us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
@@ -182,10 +262,31 @@ RunResult Run(const dpbalancePlugin_v1_t* plugin, const std::string& config,
         plugin->report(ctx[r], attn_us[r] / scale, step_wall_us / scale, acc.data(),
                        static_cast<int32_t>(acc.size()));
       }
-      for (auto& q : batch) {
-        if (q.remaining <= 0) q = draw();
+      if (admission) {  // leave; rank 0 routes the replacements below, while the others wait
+        finished_outputs[r].clear();
+        for (size_t i = 0; i < batch.size();) {
+          if (batch[i].remaining > 0) {
+            ++i;
+            continue;
+          }
+          finished_outputs[r].push_back(trace[batch[i].id % trace.size()].output_tokens);
+          batch[i] = batch.back();
+          batch.pop_back();
+        }
+      } else {
+        for (auto& q : batch) {
+          if (q.remaining <= 0) q = draw();
+        }
       }
       sync.arrive_and_wait();
+      if (r == 0 && admission) {
+        int n = 0;
+        for (const auto& f : finished_outputs) {
+          for (int64_t out : f) admission->Finished(out);
+          n += static_cast<int>(f.size());
+        }
+        admission->Admit(n, batches);
+      }
       if (r == 0) {  // engine-side measurement of this step
         double mx = 0, sum = 0;
         for (int i = 0; i < R; ++i) {
@@ -252,13 +353,57 @@ int Main() {
   }
   const std::string common = absl::StrFormat("backend=inproc;k_max=%d;default_k=%d;log_every=0;timeout_ms=2000",
                                              absl::GetFlag(FLAGS_k_max), absl::GetFlag(FLAGS_default_k));
-  std::printf("reference engine: plugin %s (%s), DP%d, %d requests/rank from %s, %d steps per run\n",
+  const std::string routing = absl::GetFlag(FLAGS_routing);
+  if (routing != "rr" && routing != "A" && routing != "B" && routing != "C" && routing != "D" &&
+      routing != "E") {
+    std::fprintf(stderr, "reference engine: --routing=%s: expected rr, A, B, C, D or E\n", routing.c_str());
+    return 2;
+  }
+  const dpbalanceRouter_v1_t* router_api = nullptr;
+  if (routing != "rr") {
+    router_api = static_cast<const dpbalanceRouter_v1_t*>(dlsym(lib, DPB_ROUTER_SYMBOL));
+    if (!router_api) {
+      std::fprintf(stderr, "reference engine: '%s' has no symbol %s (--routing=%s)\n", path.c_str(),
+                   DPB_ROUTER_SYMBOL, routing.c_str());
+      return 1;
+    }
+  }
+  std::printf("reference engine: plugin %s (%s), DP%d, %d requests/rank from %s, %d steps per run, "
+              "routing %s\n",
               path.c_str(), plugin->name, absl::GetFlag(FLAGS_dp), absl::GetFlag(FLAGS_reqs_per_rank),
-              absl::GetFlag(FLAGS_trace).c_str(), absl::GetFlag(FLAGS_steps));
-  const RunResult off = Run(plugin, absl::StrCat(common, ";mode=off;group=off"), *trace);
-  const RunResult on = Run(plugin, absl::StrCat(common, ";mode=goodput;group=on"), *trace);
-  const RunResult ab = Run(plugin, absl::StrCat(common, ";mode=goodput;group=ab;ab_epoch=",
-                                                absl::GetFlag(FLAGS_ab_epoch)), *trace);
+              absl::GetFlag(FLAGS_trace).c_str(), absl::GetFlag(FLAGS_steps),
+              routing == "rr" ? "round robin per rank" : absl::StrCat(routing, " (router ABI)").c_str());
+  // Each run routes with a fresh router and the same request sequence.
+  int router_errors = 0;
+  auto run = [&](const std::string& config) -> absl::StatusOr<RunResult> {
+    if (!router_api) return Run(plugin, config, *trace, nullptr);
+    const std::string rc = absl::StrCat("routing=", routing);
+    const dpbRouterArgs_v1_t args{absl::GetFlag(FLAGS_dp), rc.c_str()};
+    void* router = nullptr;
+    if (router_api->create(&args, &router) != dpbSuccess) {
+      return absl::InvalidArgumentError(absl::StrCat("router create with '", rc, "' failed (see the log)"));
+    }
+    Admission admission(router_api, router, *trace, absl::GetFlag(FLAGS_seed) * 1000 + 999);
+    RunResult r = Run(plugin, config, *trace, &admission);
+    router_errors += admission.router_errors();
+    router_api->destroy(router);
+    return r;
+  };
+  absl::StatusOr<RunResult> off_r = run(absl::StrCat(common, ";mode=off;group=off"));
+  absl::StatusOr<RunResult> on_r = run(absl::StrCat(common, ";mode=goodput;group=on"));
+  absl::StatusOr<RunResult> ab_r = run(absl::StrCat(common, ";mode=goodput;group=ab;ab_epoch=",
+                                                   absl::GetFlag(FLAGS_ab_epoch)));
+  for (const auto* r : {&off_r, &on_r, &ab_r}) {
+    if (!r->ok()) {
+      std::fprintf(stderr, "reference engine: %s\n", std::string(r->status().message()).c_str());
+      return 1;
+    }
+  }
+  if (router_errors > 0) {
+    std::fprintf(stderr, "reference engine: the router refused %d requests (see the log)\n", router_errors);
+    return 1;
+  }
+  const RunResult &off = *off_r, &on = *on_r, &ab = *ab_r;
   if (!off.plugin_ok || !on.plugin_ok || !ab.plugin_ok) {
     std::fprintf(stderr, "reference engine: plugin init failed (see the log)\n");
     return 1;
@@ -280,13 +425,13 @@ int Main() {
   if (const std::string j = absl::GetFlag(FLAGS_json); !j.empty()) {
     std::ofstream f(j);
     f << absl::StrFormat(
-        "{\"bubble_fraction_off\":%.6f,\"bubble_fraction_on\":%.6f,\"bubble_fraction_ab_run\":%.6f,"
+        "{\"routing\":\"%s\",\"bubble_fraction_off\":%.6f,\"bubble_fraction_on\":%.6f,\"bubble_fraction_ab_run\":%.6f,"
         "\"goodput_off_tok_per_s\":%.3f,\"goodput_on_tok_per_s\":%.3f,\"goodput_ab_run_tok_per_s\":%.3f,"
         "\"bubble_reduction\":%.6f,\"fallbacks_on\":%d,"
         "\"ab\":{\"on_epochs\":%d,\"on_bubble\":%.6f,\"on_bubble_ci95\":%.6f,\"on_goodput\":%.3f,"
         "\"on_goodput_ci95\":%.3f,\"off_epochs\":%d,\"off_bubble\":%.6f,\"off_bubble_ci95\":%.6f,"
         "\"off_goodput\":%.3f,\"off_goodput_ci95\":%.3f}}\n",
-        off.bubble_fraction, on.bubble_fraction, ab.bubble_fraction, off.goodput, on.goodput, ab.goodput,
+        routing, off.bubble_fraction, on.bubble_fraction, ab.bubble_fraction, off.goodput, on.goodput, ab.goodput,
         1 - on.bubble_fraction / off.bubble_fraction, on.fallbacks, s.ab_on_epochs, s.ab_on_bubble,
         s.ab_on_bubble_ci95, s.ab_on_goodput, s.ab_on_goodput_ci95, s.ab_off_epochs, s.ab_off_bubble,
         s.ab_off_bubble_ci95, s.ab_off_goodput, s.ab_off_goodput_ci95);
