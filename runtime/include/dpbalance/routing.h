@@ -19,6 +19,9 @@
 //          leave it unchanged, and E takes among them the fewest requests, then the most context
 //          (best fit: the emptier ranks keep room for a long request).
 //        Remaining ties: fewest requests, most context, lowest index. See docs/design.md.
+//        E reads `RankLoad::agg` as given and adds the request with `BatchAggregates::Add`,
+//        which does not simulate a kernel grid: a grid model's simulated terms read 0 unless
+//        the caller filled them, and they do not move with the added request.
 //   With G > 1 groups (contiguous blocks of ranks), a group is chosen first by A or B over the
 //   groups' totals (among groups with a rank that fits), then D inside it.
 // - Deterministic: ties break towards the lower rank index.
