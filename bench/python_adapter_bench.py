@@ -3,7 +3,8 @@
 plugin's own C plan on the same batch. One rank (DP1, an identity all-gather), goodput mode,
 the V2 cost model; batches of 16, 64 and 256 requests with contexts drawn from 1k-60k tokens.
 `Piggyback.step()` is plan() with the record riding on a 24-byte engine payload (an identity
-collective standing in for the engine's sync).
+collective standing in for the engine's sync). A second table times `Router.route()` (E, V2)
+over 64 and 256 ranks of 32 requests each, against the router ABI's C `route` on the same loads.
 
 Usage: bench/python_adapter_bench.py PLUGIN_SO [REPETITIONS]
 Prints the median over REPETITIONS (default 5) of the mean time per call over 2,000 calls; the
@@ -59,6 +60,23 @@ def main():
               f"{med['plan'] - med['raw'] + med['report']:21.1f} {med['step']:20.1f}")
     bal.close()
     pb_bal.close()
+
+    print(f"\n{'ranks':>8} {'C route us':>11} {'Router.route() us':>18}")
+    for ranks in (64, 256):
+        router = dpb.Router(ranks, "routing=E;log_level=error", library=sys.argv[1])
+        loads = []
+        for _ in range(ranks):
+            ctx = [rng.randint(1000, 60000) for _ in range(32)]
+            loads.append(dpb.RankLoad(32, sum(ctx), sum(ctx) + 32 * 300, 1 << 30, 0, max(ctx)))
+        router.route(loads, 5000, 300)  # packs the loads into the router's array
+        rank = ctypes.c_int32()
+        raw = lambda: router._api.route(router._router, router._loads, ranks, 5000, 300,  # noqa: E731
+                                        ctypes.byref(rank))
+        c_us = statistics.median(per_call_us(raw) for _ in range(reps))
+        py_us = statistics.median(per_call_us(lambda: router.route(loads, 5000, 300))
+                                  for _ in range(reps))
+        print(f"{ranks:8d} {c_us:11.1f} {py_us:18.1f}")
+        router.close()
 
 
 if __name__ == "__main__":
