@@ -489,6 +489,22 @@ int Main() {
     }
   }
 
+  // Our cost-aware routing against D at each Z, on both published cost ratios (issue: E must be
+  // at least as good as D); one seed here, scripts/routing_seeds.py for the spread over seeds.
+  if (const Row* e = find("E (cost-aware)")) {
+    const Row* best_d = nullptr;
+    for (const char* name : {"D z1.05", "D z1.2", "D z1.3"}) {
+      const Row* r = find(name);
+      if (r && (!best_d || r->r.cost_ratio_v2 < best_d->r.cost_ratio_v2)) best_d = r;
+    }
+    if (best_d) {
+      std::printf("\nrouting E vs the best D (%s) on attention cost ratio (target: E <= D):\n"
+                  "  v2 %.4f vs %.4f, v1 %.4f vs %.4f; bubble %.4f vs %.4f\n",
+                  best_d->name.c_str(), e->r.cost_ratio_v2, best_d->r.cost_ratio_v2, e->r.cost_ratio_v1,
+                  best_d->r.cost_ratio_v1, 1 - e->r.balance_efficiency, 1 - best_d->r.balance_efficiency);
+    }
+  }
+
   if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
     nlohmann::json out;
     out["trace"] = absl::GetFlag(FLAGS_trace);
