@@ -69,6 +69,8 @@ $PY scripts/plot_results.py docs/generated/replay_h200truth.json docs/results_h2
 # Routing rows A, D z1.2 / z1.3 and E at k = 1 over twenty acceptance seeds (docs/results.md
 # section 1): how far apart they are against the seed-to-seed spread, with paired differences.
 $PY scripts/routing_seeds.py $B/integration/dpbalance-replay 20 | tee docs/generated/routing_seeds.txt
+$PY scripts/routing_seeds.py $B/integration/dpbalance-replay 20 \
+  --trace integration/replay/data/azure_conv_2023.csv | tee docs/generated/routing_seeds_azure.txt
 # What the Python adapter adds to a step (docs/results.md section 5).
 $PY bench/python_adapter_bench.py $B/plugin/libdpbalance.so | tee docs/generated/python_adapter_bench.txt
 # A dense draft that each rank runs to its own depth (docs/results.md section 1).
