@@ -71,6 +71,10 @@ $PY scripts/plot_results.py docs/generated/replay_h200truth.json docs/results_h2
 $PY scripts/routing_seeds.py $B/integration/dpbalance-replay 20 | tee docs/generated/routing_seeds.txt
 $PY scripts/routing_seeds.py $B/integration/dpbalance-replay 20 \
   --trace integration/replay/data/azure_conv_2023.csv | tee docs/generated/routing_seeds_azure.txt
+# The planner's TPOT guard (step slack) against the goodput target, over five seeds.
+$PY scripts/guard_frontier.py $B/integration/dpbalance-replay 5 | tee docs/generated/guard_frontier.txt
+$PY scripts/guard_frontier.py $B/integration/dpbalance-replay 5 \
+  --trace integration/replay/data/azure_conv_2023.csv | tee docs/generated/guard_frontier_azure.txt
 # What the Python adapter adds to a step (docs/results.md section 5).
 $PY bench/python_adapter_bench.py $B/plugin/libdpbalance.so | tee docs/generated/python_adapter_bench.txt
 # A dense draft that each rank runs to its own depth (docs/results.md section 1).
