@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates every figure in docs/results.md and docs/cost-model.md (about 10 minutes on the
+# Regenerates every figure in docs/results.md and docs/cost-model.md (about 15 minutes on the
 # 2-core dev machine): the replay comparisons on both bundled traces, the calibration figures,
 # the reference engine and the planner benchmark. The plots need Debian's python3-matplotlib.
 set -euo pipefail
