@@ -9,29 +9,12 @@ TPOT p99 ratio (the issue's targets: goodput >= 1.03x, TPOT p99 <= 1.05x).
 
 Usage: scripts/guard_frontier.py REPLAY_BINARY [SEEDS] [extra replay flags...]
 """
-import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
+
+from routing_seeds import run  # one replay row as JSON: --compare=false --k 1 --seed S
 
 SLACKS = ["0.03", "0.05", "0.07", "0.1"]
-
-
-def run(binary, args, seed):
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        subprocess.run([binary, "--compare=false", "--k", "1", "--seed", str(seed), "--json", path,
-                        *args], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        with open(path) as f:
-            runs = [r for r in json.load(f)["runs"] if r["routing"] != "ideal"]
-    finally:
-        os.unlink(path)
-    if len(runs) != 1:
-        sys.exit(f"guard_frontier: expected one replay row for {args} seed {seed}, got {len(runs)}")
-    return runs[0]
 
 
 def main():
@@ -42,7 +25,7 @@ def main():
     if len(seeds) < 2:
         sys.exit("guard_frontier: SEEDS must be >= 2 (a standard error needs two)")
     extra = sys.argv[3:]
-    base = {s: run(binary, ["--routing", "D", "--z", "1.2", *extra], s) for s in seeds}
+    base = {s: run(binary, ["--routing", "D", "--z", "1.2"], s, extra) for s in seeds}
     print(f"{'routing':7} {'verify':8} {'slack':>5}  {'goodput x':>17}  {'TPOT p99 x':>17}  {'worst p99 x':>11}")
     for routing in ("D", "E"):
         for verify in ("goodput", "oracle"):
@@ -51,7 +34,7 @@ def main():
                 for s in seeds:
                     slo = base[s]["tpot_p99_ms"]
                     r = run(binary, ["--routing", routing, "--verify", verify, "--step_slack", slack,
-                                     "--tpot_slo_ms", f"{slo:.6f}", *extra], s)
+                                     "--tpot_slo_ms", f"{slo:.6f}"], s, extra)
                     good.append(r["goodput_tok_per_s"] / base[s]["goodput_tok_per_s"])
                     p99.append(r["tpot_p99_ms"] / slo)
                 se = lambda xs: statistics.stdev(xs) / len(xs) ** 0.5  # noqa: E731
