@@ -166,6 +166,7 @@ absl::StatusOr<PluginFlags> ParseFlags(const std::map<std::string, std::string>&
                                        const std::string& config) {
   PluginFlags f;
   f.balancer.planner.max_step_slack = 0.03;
+  f.routing.strategy = RoutingStrategy::kCostAware;  // the router ABI recommends ours (E)
   for (const auto& [name, value] : env) {
     if (name.rfind("DPB_", 0) != 0 || name == "DPB_PLUGIN") continue;
     const std::string key = absl::AsciiStrToLower(name.substr(4));

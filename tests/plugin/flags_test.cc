@@ -36,12 +36,12 @@ TEST(Flags, DefaultsEnvironmentAndConfigStringWhichWins) {
 TEST(Flags, RoutingFlagsSetTheRouterAndNameBadValues) {
   absl::StatusOr<PluginFlags> f = ParseFlags({}, "");
   ASSERT_TRUE(f.ok());
-  EXPECT_EQ(f->routing.strategy, RoutingStrategy::kDualPath);
-  f = ParseFlags({{"DPB_ROUTING", "E"}, {"DPB_Z", "1.3"}},
+  EXPECT_EQ(f->routing.strategy, RoutingStrategy::kCostAware);
+  f = ParseFlags({{"DPB_ROUTING", "D"}, {"DPB_Z", "1.3"}},
                  "groups=4;group_choice=B;split_percentile=0.8;split_window=50;"
                  "route_query_tokens=2;route_initial_output=120");
   ASSERT_TRUE(f.ok()) << f.status();
-  EXPECT_EQ(f->routing.strategy, RoutingStrategy::kCostAware);
+  EXPECT_EQ(f->routing.strategy, RoutingStrategy::kDualPath);
   EXPECT_DOUBLE_EQ(f->routing.z, 1.3);
   EXPECT_EQ(f->routing.groups, 4);
   EXPECT_EQ(f->routing.group_choice, RoutingStrategy::kMinContext);

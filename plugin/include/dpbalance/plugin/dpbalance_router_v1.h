@@ -16,7 +16,7 @@
  * and the log names the value. Nothing throws or blocks. A router is not thread-safe (C keeps a
  * window of recent lengths, E a running mean): one per routing thread.
  *
- * Flags: DPB_ROUTING (A, B, C, D or E; default D), DPB_Z, DPB_GROUPS, DPB_GROUP_CHOICE,
+ * Flags: DPB_ROUTING (A, B, C, D or E; default E), DPB_Z, DPB_GROUPS, DPB_GROUP_CHOICE,
  * DPB_SPLIT_PERCENTILE, DPB_SPLIT_WINDOW, DPB_ROUTE_QUERY_TOKENS, DPB_ROUTE_INITIAL_OUTPUT, and
  * DPB_COST_MODEL (E prices with the planner's model), overridden by `config` as for the plugin
  * (docs/flags.md). E reads each rank's sums and its longest context; a model's kernel-grid
