@@ -88,6 +88,21 @@ void SleepUntil(Clock::time_point until) {
   while (Clock::now() < until) std::this_thread::yield();
 }
 
+// Request `i` of the trace (cyclic), with its acceptance rates shifted by `logit_shift`.
+Req TraceReq(const std::vector<replay::TraceRequest>& trace, size_t i, double logit_shift) {
+  const replay::TraceRequest& t = trace[i % trace.size()];
+  return Req{static_cast<int64_t>(i), t.input_tokens, t.output_tokens,
+             ShiftedProfile(MtpK8ConditionalProfile(), logit_shift)};
+}
+
+// A rank's load as the router ABI reads it, with one more request.
+void AddToLoad(dpbRankLoad_v1_t& l, const Req& q) {
+  l.num_requests += 1;
+  l.ctx_tokens += q.ctx;
+  l.max_ctx_tokens = std::max(l.max_ctx_tokens, q.ctx);
+  l.reserved_tokens += q.ctx + q.remaining;
+}
+
 // The central admission of `--routing A..E`: new requests from the trace, each routed through
 // the router ABI on the ranks' current loads. Called by one thread while the ranks wait.
 class Admission {
@@ -97,14 +112,10 @@ class Admission {
       : api_(api), router_(router), trace_(trace), rng_(seed) {}
   // Routes `n` more requests (plus any still waiting) into `batches`.
   void Admit(int n, std::vector<std::vector<Req>>& batches) {
-    const auto profile = MtpK8ConditionalProfile();
     std::normal_distribution<double> shift(0, 1);
     for (int i = 0; i < n; ++i) {
-      const replay::TraceRequest& t = trace_[next_ % trace_.size()];
-      Req q{static_cast<int64_t>(next_), t.input_tokens, t.output_tokens, {}};
-      q.rates = ShiftedProfile(profile, shift(rng_));
+      waiting_.push_back(TraceReq(trace_, next_, shift(rng_)));
       ++next_;
-      waiting_.push_back(q);
     }
     const int R = static_cast<int>(batches.size());
     std::vector<dpbRankLoad_v1_t> loads(R);
@@ -112,12 +123,7 @@ class Admission {
       dpbRankLoad_v1_t& l = loads[r];
       l = {};
       l.capacity_tokens = int64_t{1} << 40;  // the reference engine's KV never binds
-      for (const Req& q : batches[r]) {
-        l.num_requests += 1;
-        l.ctx_tokens += q.ctx;
-        l.max_ctx_tokens = std::max(l.max_ctx_tokens, q.ctx);
-        l.reserved_tokens += q.ctx + q.remaining;
-      }
+      for (const Req& q : batches[r]) AddToLoad(l, q);
     }
     size_t placed = 0;
     for (; placed < waiting_.size(); ++placed) {
@@ -130,11 +136,7 @@ class Admission {
         ++router_errors_;
       }
       batches[rank].push_back(q);
-      dpbRankLoad_v1_t& l = loads[rank];
-      l.num_requests += 1;
-      l.ctx_tokens += q.ctx;
-      l.max_ctx_tokens = std::max(l.max_ctx_tokens, q.ctx);
-      l.reserved_tokens += q.ctx + q.remaining;
+      AddToLoad(loads[rank], q);
     }
     waiting_.erase(waiting_.begin(), waiting_.begin() + static_cast<long>(placed));
   }
@@ -159,7 +161,6 @@ RunResult Run(const dpbalancePlugin_v1_t* plugin, const std::string& config,
   const double scale = absl::GetFlag(FLAGS_time_scale);
   const CostModel truth = CostModel::PublishedV2();
   const GlobalCost global;  // 20 ms FFN + 2 us/token, 1.5 ms per draft step (replay defaults)
-  const auto profile = MtpK8ConditionalProfile();
 
   std::vector<void*> ctx(R, nullptr);
   std::vector<double> attn_us(R), step_tokens(R), query_tokens(R);
@@ -181,10 +182,8 @@ RunResult Run(const dpbalancePlugin_v1_t* plugin, const std::string& config,
     // Round-robin placement from the trace: request i goes to rank i % R (engine default).
     size_t next = r;
     auto draw = [&]() {
-      const replay::TraceRequest& t = trace[next % trace.size()];
-      Req q{static_cast<int64_t>(next), t.input_tokens, t.output_tokens, {}};
+      const Req q = TraceReq(trace, next, shift(rng));
       next += R;
-      q.rates = ShiftedProfile(profile, shift(rng));
       return q;
     };
     std::vector<Req>& batch = batches[r];

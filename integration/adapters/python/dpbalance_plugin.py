@@ -242,7 +242,26 @@ def _load_symbol(library: Optional[str], symbol: str, struct_type):
         raise DpBalanceError(f"dpbalance: '{path}' has no symbol {symbol}") from e
 
 
-class DpBalance:
+class _Closing:
+    """`with` support and a last close() when collected, for the classes that own a C handle."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class DpBalance(_Closing):
     """One DP rank's balancer, behind the plugin's C ABI. Not thread-safe: one per rank."""
 
     @classmethod
@@ -379,20 +398,8 @@ class DpBalance:
             self._plugin.finalize(self._ctx)
             self._ctx = ctypes.c_void_p()
 
-    def __enter__(self):
-        return self
 
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
-
-class Router:
+class Router(_Closing):
     """The request routing strategies (A-E; docs/design.md "Routing") behind the router ABI,
     for the engine's DP router: the same code the replay runs. Not thread-safe."""
 
@@ -464,18 +471,6 @@ class Router:
         if self._router:
             self._api.destroy(self._router)
             self._router = ctypes.c_void_p()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 class StepResult(NamedTuple):
