@@ -123,10 +123,11 @@ void Balancer::Fail(const absl::Status& s) {
   }
 }
 
-void Balancer::Fallback(absl::Span<const BalancerRequest> batch, absl::Span<int32_t> verify_len) const {
+void Balancer::Fallback(absl::Span<const BalancerRequest> batch, absl::Span<int32_t> verify_len,
+                        int depth_cap) const {
   const size_t n = std::min(batch.size(), verify_len.size());
   for (size_t i = 0; i < n; ++i) {
-    verify_len[i] = DefaultVerifyLen(config_.planner.default_k, batch[i].k_cap);
+    verify_len[i] = std::min(DefaultVerifyLen(config_.planner.default_k, batch[i].k_cap), depth_cap);
   }
 }
 
@@ -237,9 +238,17 @@ PlanOutcome Balancer::Plan(absl::Span<const BalancerRequest> batch, int64_t kv_f
     return out;
   }
   if (absl::Status a = planner_.Assign(*d, verify_len); !a.ok()) {
+    // Only this rank failed: every other rank drafts the agreed depth, so this one must too (an
+    // MTP draft has MoE layers; a different depth would hang the instance's EP collectives), and
+    // its default lengths may not verify more tokens than that depth drafts.
     Fail(a);
     out.status = a;
-    Fallback(batch, verify_len);
+    if (config_.planner.agreed_draft_depth) {
+      out.draft_depth = d->draft_depth;
+      Fallback(batch, verify_len, d->draft_depth);
+    } else {
+      Fallback(batch, verify_len);
+    }
     return out;
   }
   planned_loads_.clear();

@@ -37,6 +37,7 @@ std::vector<BalancerRequest> Batch(std::mt19937_64& rng, int n, int64_t id0) {
 struct RankLog {
   std::vector<int> depth;
   std::vector<bool> balanced;
+  std::vector<bool> failed;  // the outcome carried an error
   bool enabled = true;
   BalancerStats stats;
 };
@@ -50,7 +51,9 @@ using AttentionOf = std::function<double(int, const std::vector<BalancerRequest>
 std::vector<RankLog> RunRanks(int ranks, int steps, std::function<void(int, BalancerConfig&)> tweak,
                               std::function<std::vector<BalancerRequest>(int, int, std::mt19937_64&)> batch_of,
                               std::function<bool(int, int)> skip = nullptr,
-                              AttentionOf attention_of = nullptr) {
+                              AttentionOf attention_of = nullptr,
+                              std::function<std::unique_ptr<AllGather>(int, std::unique_ptr<AllGather>)> wrap =
+                                  nullptr) {
   auto group = *InProcessGroup::Create(ranks, sizeof(RankSummary));
   std::vector<RankLog> logs(ranks);
   std::vector<std::thread> threads;
@@ -59,7 +62,9 @@ std::vector<RankLog> RunRanks(int ranks, int steps, std::function<void(int, Bala
       BalancerConfig c = Config(ranks);
       if (tweak) tweak(r, c);
       if (ranks > 16) c.timeout = absl::Seconds(60);
-      auto b = Balancer::Create(c, r, *group->Join(r));
+      std::unique_ptr<AllGather> comm = *group->Join(r);
+      if (wrap) comm = wrap(r, std::move(comm));
+      auto b = Balancer::Create(c, r, std::move(comm));
       ASSERT_TRUE(b.ok()) << b.status();
       std::mt19937_64 rng(r);
       for (int s = 0; s < steps; ++s) {
@@ -69,12 +74,12 @@ std::vector<RankLog> RunRanks(int ranks, int steps, std::function<void(int, Bala
         const PlanOutcome o = (*b)->Plan(batch, -1, absl::MakeSpan(v));
         logs[r].depth.push_back(o.draft_depth);
         logs[r].balanced.push_back(o.balanced);
+        logs[r].failed.push_back(!o.status.ok());
         for (size_t i = 0; i < batch.size(); ++i) {
           EXPECT_GE(v[i], 0);
           EXPECT_LE(v[i], std::max(0, batch[i].k_cap));
-          if (o.balanced) {
-            EXPECT_LE(v[i], o.draft_depth);
-          }
+          // Balanced or not, no request verifies more tokens than the rank drafts.
+          EXPECT_LE(v[i], o.draft_depth) << "rank " << r << " step " << s;
         }
         std::vector<BalancerAccepted> acc;
         for (size_t i = 0; i < batch.size(); ++i) acc.push_back({batch[i].request_id, v[i], v[i] / 2, false});
@@ -155,6 +160,71 @@ TEST(Balancer, ARankWithGarbageFallsBackAloneWithoutStallingOthers) {
     EXPECT_GE(logs[2].depth[s], 1);  // default_k = 1 in Config()
   }
   EXPECT_EQ(logs[2].stats.fallbacks, 5);
+}
+
+// Passes every exchange through, then rewrites `victim`'s record in the gathered bytes (on every
+// rank, so all still decide from identical bytes) to claim that its floors allow any depth. That
+// is a summary that understates its own floors, as a planner bug would: the agreed depth can then
+// fall below the victim's floors, and its Assign alone fails after the exchange.
+class UnderstatedFloors : public AllGather {
+ public:
+  UnderstatedFloors(std::unique_ptr<AllGather> inner, int victim) : inner_(std::move(inner)), victim_(victim) {}
+  int num_ranks() const override { return inner_->num_ranks(); }
+  int rank() const override { return inner_->rank(); }
+  size_t record_bytes() const override { return inner_->record_bytes(); }
+  bool healthy() const override { return inner_->healthy(); }
+  std::string name() const override { return "understated-floors(" + inner_->name() + ")"; }
+  absl::Status Gather(absl::Span<const uint8_t> send, absl::Span<uint8_t> recv, absl::Duration timeout) override {
+    absl::Status s = inner_->Gather(send, recv, timeout);
+    if (s.ok()) {
+      auto* all = reinterpret_cast<RankSummary*>(recv.data());
+      if (all[victim_].magic == kSummaryMagic) all[victim_].min_depth = 0;
+    }
+    return s;
+  }
+
+ private:
+  std::unique_ptr<AllGather> inner_;
+  int victim_;
+};
+
+TEST(Balancer, ARankWhoseAssignFailsStillDraftsTheAgreedDepth) {
+  // Rank 1's requests must verify 6 tokens (k_min), default_k is 5, and its record says its
+  // floors allow depth 0: whenever the instance agrees on a depth below 6, rank 1's Assign fails.
+  // Below 5, its default lengths must also be cut to the agreed depth.
+  static constexpr int kVictim = 1;
+  auto batch_of = [](int r, int s, std::mt19937_64& rng) {
+    auto b = Batch(rng, 10, 100 * r + s % 3);
+    if (r == kVictim) {
+      for (BalancerRequest& q : b) q.k_min = 6;
+    }
+    return b;
+  };
+  const auto logs = RunRanks(
+      4, 8, [](int, BalancerConfig& c) { c.planner.default_k = 5; }, batch_of, nullptr, nullptr,
+      [](int, std::unique_ptr<AllGather> comm) -> std::unique_ptr<AllGather> {
+        return std::make_unique<UnderstatedFloors>(std::move(comm), kVictim);
+      });
+  int failed_steps = 0, below_default = 0;
+  for (int s = 0; s < 8; ++s) {
+    for (int r = 0; r < 4; ++r) {
+      if (r != kVictim) {
+        EXPECT_TRUE(logs[r].balanced[s]) << "rank " << r << " step " << s;
+      }
+      // One draft depth for the instance, whatever failed where (RunRanks also checks that no
+      // verify length exceeds it).
+      EXPECT_EQ(logs[r].depth[s], logs[0].depth[s]) << "rank " << r << " step " << s;
+    }
+    if (logs[kVictim].failed[s]) {
+      ++failed_steps;
+      EXPECT_FALSE(logs[kVictim].balanced[s]);
+      below_default += logs[0].depth[s] < 5;
+    }
+  }
+  // The test proves something only if the failure happened with an agreed depth below the
+  // default: the old fallback reported the default depth, and verified the default length.
+  EXPECT_GT(below_default, 0) << failed_steps << " failed steps, none below the default depth";
+  EXPECT_EQ(logs[kVictim].stats.fallbacks, failed_steps);
 }
 
 TEST(Balancer, MismatchedConfigsDisableEveryRankConsistently) {

@@ -71,7 +71,8 @@ struct BalancerAccepted {
 struct PlanOutcome {
   bool balanced = false;  // false: the default lengths were returned
   int draft_depth = 0;    // draft depth: the instance's agreed one, or with per-rank depths this
-                          // rank's own (its deepest verify length); the default k when not balanced
+                          // rank's own (its deepest verify length); the default k when no rank
+                          // balanced. Never below any returned verify length.
   absl::Status status;    // why not balanced, when it was a failure
 };
 
@@ -115,7 +116,9 @@ class Balancer {
  private:
   Balancer(BalancerConfig config, int rank, std::unique_ptr<AllGather> comm, Planner planner);
   absl::Status Handshake();
-  void Fallback(absl::Span<const BalancerRequest> batch, absl::Span<int32_t> verify_len) const;
+  // The engine's default lengths, never deeper than `depth_cap` (the drafted depth).
+  void Fallback(absl::Span<const BalancerRequest> batch, absl::Span<int32_t> verify_len,
+                int depth_cap = kMaxDraftLen) const;
   void Fail(const absl::Status& s);
   void Disable(const std::string& why);
   // `planned_barrier`: the previous step's agreed barrier, < 0 when it was not balanced.
