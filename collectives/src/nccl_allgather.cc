@@ -81,6 +81,7 @@ class NcclAllGather final : public AllGather {
   size_t record_bytes() const override { return bytes_; }
   bool healthy() const override { return healthy_; }
   std::string name() const override { return "nccl"; }
+  bool ordered() const override { return !own_comm_; }
 
   absl::Status Gather(absl::Span<const uint8_t> send, absl::Span<uint8_t> recv,
                       absl::Duration timeout) override {
@@ -118,6 +119,10 @@ class NcclAllGather final : public AllGather {
 
  private:
   absl::Status Fail(absl::Status s) {
+    // On the engine's communicator a timed-out all-gather stays queued and completes when the
+    // late peers join it; the next call queues behind it, so the calls stay paired across ranks
+    // and the backend stays usable (ordered()). Every other failure ends it.
+    if (!own_comm_ && absl::IsDeadlineExceeded(s)) return s;
     healthy_ = false;
     if (own_comm_ && comm_) {
       ncclCommAbort(comm_);  // NCCL's way out of a stuck collective; the comm is gone after it

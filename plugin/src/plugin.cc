@@ -5,6 +5,7 @@
 #include <memory>
 #include <vector>
 
+#include "absl/strings/str_format.h"
 #include "dpbalance/balancer.h"
 #include "dpbalance/inprocess_allgather.h"
 #include "dpbalance/log.h"
@@ -98,7 +99,18 @@ dpbResult_t Init(const dpbInitArgs_v1_t* args, void** context) {
 dpbResult_t Plan(void* context, const dpbRequest_v1_t* req, int32_t n, int64_t kv_free_tokens,
                  int32_t* verify_len, int32_t* draft_depth) {
   auto* ctx = static_cast<Context*>(context);
-  if (ctx == nullptr || n < 0 || (n > 0 && (req == nullptr || verify_len == nullptr))) {
+  if (ctx == nullptr) return dpbInvalidArgument;
+  if (n < 0 || (n > 0 && (req == nullptr || verify_len == nullptr))) {
+    // No batch to plan, but this rank still joins the step's exchange (marked unusable), so the
+    // other ranks plan without it instead of waiting for it; Abstain logs why.
+    try {
+      const PlanOutcome o = ctx->balancer->Abstain(absl::InvalidArgumentError(absl::StrFormat(
+          "plan: num_requests = %d with requests %s and verify_len %s", n, req ? "set" : "NULL",
+          verify_len ? "set" : "NULL")));
+      if (draft_depth) *draft_depth = o.draft_depth;
+    } catch (...) {
+      if (draft_depth) *draft_depth = ctx->default_k;
+    }
     return dpbInvalidArgument;
   }
   // Balancer::Plan fills the default lengths first thing; the catch below covers a throw.

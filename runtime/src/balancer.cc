@@ -137,8 +137,32 @@ bool Balancer::ArmOn(uint64_t step) const {
   return (step / config_.ab_epoch_steps) % 2 == 0;
 }
 
+void Balancer::KeepInStep() {
+  if (!comm_->ordered() || !comm_->healthy()) return;
+  // Every receiver rejects a zero record (bad magic) and disables itself too, so all ranks end
+  // up here, each still calling once per step.
+  std::memset(&mine_, 0, sizeof(mine_));
+  comm_->Gather(absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(&mine_), sizeof(mine_)),
+                absl::MakeSpan(reinterpret_cast<uint8_t*>(gathered_.data()), gathered_.size() * sizeof(RankSummary)),
+                config_.timeout)
+      .IgnoreError();
+}
+
 PlanOutcome Balancer::Plan(absl::Span<const BalancerRequest> batch, int64_t kv_free_tokens,
                            absl::Span<int32_t> verify_len) {
+  return PlanStep(batch, kv_free_tokens, verify_len,
+                  verify_len.size() == batch.size()
+                      ? absl::OkStatus()
+                      : absl::InvalidArgumentError(absl::StrFormat(
+                            "verify_len has %d slots for %d requests", verify_len.size(), batch.size())));
+}
+
+PlanOutcome Balancer::Abstain(const absl::Status& why) {
+  return PlanStep({}, -1, {}, why.ok() ? absl::InvalidArgumentError("abstained without a reason") : why);
+}
+
+PlanOutcome Balancer::PlanStep(absl::Span<const BalancerRequest> batch, int64_t kv_free_tokens,
+                               absl::Span<int32_t> verify_len, absl::Status local) {
   PlanOutcome out;
   out.draft_depth = config_.planner.default_k;
   Fallback(batch, verify_len);
@@ -146,13 +170,12 @@ PlanOutcome Balancer::Plan(absl::Span<const BalancerRequest> batch, int64_t kv_f
   // The previous step's agreed barrier (< 0: that step was not balanced), for its accounting.
   const double prev_planned_barrier = planned_barrier_us_;
   planned_barrier_us_ = -1;
-  if (!enabled_) return out;
+  if (!enabled_) {
+    KeepInStep();
+    return out;
+  }
 
   // Step 1: this rank's summary. Bad local input still joins the exchange, marked unusable.
-  absl::Status local = verify_len.size() == batch.size()
-                           ? absl::OkStatus()
-                           : absl::InvalidArgumentError(absl::StrFormat(
-                                 "verify_len has %d slots for %d requests", verify_len.size(), batch.size()));
   plan_batch_.resize(batch.size());
   for (size_t i = 0; i < batch.size() && local.ok(); ++i) {
     const BalancerRequest& q = batch[i];

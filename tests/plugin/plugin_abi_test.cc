@@ -145,6 +145,52 @@ TEST_F(PluginAbi, KernelGridModelFilePlansAndRefitsOnline) {
   std::remove(path.c_str());
 }
 
+// A rank whose engine passes plan no usable batch (here: requests NULL) still joins that step's
+// exchange, so the others balance without it instead of waiting for it until the timeout.
+TEST_F(PluginAbi, ARankWithUnusableArgumentsStillJoinsTheExchange) {
+  constexpr int kRanks = 3, kSteps = 5, kBadRank = 1, kBadStep = 2;
+  std::vector<std::vector<dpbResult_t>> result(kRanks, std::vector<dpbResult_t>(kSteps));
+  std::vector<std::vector<int32_t>> depth(kRanks, std::vector<int32_t>(kSteps, -1));
+  std::vector<dpbStats_t> stats(kRanks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      dpbInitArgs_t a{};
+      a.num_ranks = kRanks;
+      a.rank = r;
+      a.config = "backend=inproc;group=abstain3;log_every=0;default_k=1;timeout_ms=3000";
+      a.backend = dpbBackendFromFlags;
+      void* ctx = nullptr;
+      ASSERT_EQ(plugin_->init(&a, &ctx), dpbSuccess);
+      for (int s = 0; s < kSteps; ++s) {
+        std::vector<dpbRequest_t> reqs;
+        for (int i = 0; i < 5 + r; ++i) reqs.push_back({100 * r + i, 2000 + 9000 * (r == 0) + 400 * i, 0, 7, nullptr, 0});
+        std::vector<int32_t> v(reqs.size(), -1);
+        const bool bad = r == kBadRank && s == kBadStep;
+        result[r][s] = plugin_->plan(ctx, bad ? nullptr : reqs.data(), static_cast<int32_t>(reqs.size()), -1,
+                                     v.data(), &depth[r][s]);
+        if (bad) continue;
+        std::vector<dpbAccepted_t> acc;
+        for (size_t i = 0; i < reqs.size(); ++i) acc.push_back({reqs[i].request_id, v[i], v[i] > 0 ? 1 : 0, 0});
+        plugin_->report(ctx, 10000.0 + 2000 * r, 40000, acc.data(), static_cast<int32_t>(acc.size()));
+      }
+      EXPECT_EQ(plugin_->stats(ctx, &stats[r]), dpbSuccess);
+      EXPECT_EQ(plugin_->finalize(ctx), dpbSuccess);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int s = 0; s < kSteps; ++s) {
+    for (int r = 0; r < kRanks; ++r) {
+      EXPECT_EQ(result[r][s], r == kBadRank && s == kBadStep ? dpbInvalidArgument : dpbSuccess)
+          << "rank " << r << " step " << s;
+      EXPECT_EQ(depth[r][s], depth[0][s]) << "rank " << r << " step " << s;
+    }
+  }
+  EXPECT_EQ(stats[0].balanced_steps, kSteps);
+  EXPECT_EQ(stats[kBadRank].fallbacks, 1);
+  EXPECT_EQ(stats[kBadRank].balanced_steps, kSteps - 1);
+}
+
 TEST_F(PluginAbi, BadFlagsAndArgumentsFallBackToDefaults) {
   dpbInitArgs_t a{};
   a.num_ranks = 1;

@@ -1,6 +1,11 @@
 #include "dpbalance/balancer.h"
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <mutex>
 #include <cstdio>
 #include <fstream>
 #include <functional>
@@ -225,6 +230,93 @@ TEST(Balancer, ARankWhoseAssignFailsStillDraftsTheAgreedDepth) {
   // default: the old fallback reported the default depth, and verified the default length.
   EXPECT_GT(below_default, 0) << failed_steps << " failed steps, none below the default depth";
   EXPECT_EQ(logs[kVictim].stats.fallbacks, failed_steps);
+}
+
+// A model of NCCL on the engine's communicator (AllGather::ordered): calls pair up across ranks
+// by their order; a call that times out leaves its record queued, and that collective completes
+// whenever the last rank makes its matching call. `Unmatched()` counts collectives some rank
+// never joined: on the engine's communicator each would pair with the engine's own next one.
+class OrderedGroup {
+ public:
+  explicit OrderedGroup(int ranks) : ranks_(ranks) {}
+  std::unique_ptr<AllGather> Join(int rank);
+  int Unmatched() {
+    std::lock_guard<std::mutex> l(mu_);
+    int n = 0;
+    for (const auto& [seq, c] : colls_) n += c.arrived < ranks_;
+    return n;
+  }
+
+ private:
+  friend class OrderedMember;
+  struct Collective {
+    int arrived = 0;
+    std::vector<uint8_t> bytes;
+  };
+  const int ranks_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<int64_t, Collective> colls_;
+};
+
+class OrderedMember : public AllGather {
+ public:
+  OrderedMember(OrderedGroup* g, int rank) : g_(g), rank_(rank) {}
+  int num_ranks() const override { return g_->ranks_; }
+  int rank() const override { return rank_; }
+  size_t record_bytes() const override { return sizeof(RankSummary); }
+  bool healthy() const override { return true; }
+  bool ordered() const override { return true; }
+  std::string name() const override { return "ordered-model"; }
+  absl::Status Gather(absl::Span<const uint8_t> send, absl::Span<uint8_t> recv, absl::Duration timeout) override {
+    const size_t bytes = record_bytes();
+    std::unique_lock<std::mutex> l(g_->mu_);
+    OrderedGroup::Collective& c = g_->colls_[calls_++];
+    c.bytes.resize(bytes * g_->ranks_);
+    std::memcpy(c.bytes.data() + bytes * rank_, send.data(), bytes);
+    ++c.arrived;
+    g_->cv_.notify_all();
+    if (!g_->cv_.wait_for(l, absl::ToChronoNanoseconds(timeout), [&] { return c.arrived == g_->ranks_; })) {
+      return absl::DeadlineExceededError("ordered model: timed out (the record stays queued)");
+    }
+    std::memcpy(recv.data(), c.bytes.data(), c.bytes.size());
+    return absl::OkStatus();
+  }
+
+ private:
+  OrderedGroup* g_;
+  int rank_;
+  int64_t calls_ = 0;
+};
+
+std::unique_ptr<AllGather> OrderedGroup::Join(int rank) { return std::make_unique<OrderedMember>(this, rank); }
+
+TEST(Balancer, OnAnOrderedBackendADisabledRankStillJoinsEveryStep) {
+  // At step 2 rank 3 calls 1 s late. Ranks 0-2 time out after 200 ms and, with
+  // max_consecutive_failures = 1, disable themselves on the spot; rank 3's late call then
+  // completes that collective, so rank 3 balances step 2 and calls again at step 3.
+  OrderedGroup group(4);
+  auto late = [](int r, int s, std::mt19937_64& rng) {
+    if (r == 3 && s == 2) std::this_thread::sleep_for(std::chrono::seconds(1));
+    return Normal(r, s, rng);
+  };
+  const auto logs = RunRanks(
+      4, 8,
+      [](int, BalancerConfig& c) {
+        c.timeout = absl::Milliseconds(200);
+        c.max_consecutive_failures = 1;
+      },
+      late, nullptr, nullptr, [&group](int r, std::unique_ptr<AllGather>) { return group.Join(r); });
+  // Every collective was joined by every rank: none is left to pair with the engine's own.
+  EXPECT_EQ(group.Unmatched(), 0);
+  for (int r = 0; r < 3; ++r) EXPECT_TRUE(logs[r].failed[2]) << "rank " << r << " did not time out";
+  EXPECT_TRUE(logs[3].balanced[2]);
+  // Rank 3 saw the others' zero records at step 3 and disabled itself too; after that every
+  // rank drafts the default depth.
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_FALSE(logs[r].enabled) << "rank " << r;
+    for (int s = 3; s < 8; ++s) EXPECT_EQ(logs[r].depth[s], 1) << "rank " << r << " step " << s;
+  }
 }
 
 TEST(Balancer, MismatchedConfigsDisableEveryRankConsistently) {

@@ -31,6 +31,13 @@ class AllGather {
                               absl::Duration timeout) = 0;
   virtual bool healthy() const = 0;
   virtual std::string name() const = 0;
+  // True for a collective on a communicator shared with the engine that a timeout does not
+  // cancel (NCCL on the engine's comm): calls pair up across ranks by their order, so every rank
+  // must make exactly one call per step for as long as any rank does. A rank that stopped would
+  // leave its peers' next call unmatched, and the engine's next collective on that communicator
+  // would pair with it. The balancer therefore keeps calling such a backend once per step even
+  // when disabled (docs/design.md, "Collectives").
+  virtual bool ordered() const { return false; }
 
  protected:
   // Shared argument check for every backend.

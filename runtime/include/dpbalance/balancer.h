@@ -108,6 +108,10 @@ class Balancer {
 
   PlanOutcome Plan(absl::Span<const BalancerRequest> batch, int64_t kv_free_tokens,
                    absl::Span<int32_t> verify_len);
+  // A step this rank cannot plan (the engine passed arguments that describe no batch, `why`):
+  // it still joins the exchange, with a record marked unusable, so its peers plan without it
+  // instead of waiting for it. The outcome carries `why` and the depth to draft.
+  PlanOutcome Abstain(const absl::Status& why);
   absl::Status Report(double attention_us, double step_us,
                       absl::Span<const BalancerAccepted> accepted);
   BalancerStats Stats() const;
@@ -116,6 +120,10 @@ class Balancer {
  private:
   Balancer(BalancerConfig config, int rank, std::unique_ptr<AllGather> comm, Planner planner);
   absl::Status Handshake();
+  PlanOutcome PlanStep(absl::Span<const BalancerRequest> batch, int64_t kv_free_tokens,
+                       absl::Span<int32_t> verify_len, absl::Status local);
+  // Disabled, on an ordered backend: join this step's exchange with a zero record (AllGather::ordered).
+  void KeepInStep();
   // The engine's default lengths, never deeper than `depth_cap` (the drafted depth).
   void Fallback(absl::Span<const BalancerRequest> batch, absl::Span<int32_t> verify_len,
                 int depth_cap = kMaxDraftLen) const;
