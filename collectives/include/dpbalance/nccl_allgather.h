@@ -2,8 +2,10 @@
 //
 // Contract
 // - Borrowed mode: `comm` (an ncclComm_t) and `stream` (a cudaStream_t) are the engine's; they
-//   must outlive this object. dpbalance never aborts a borrowed communicator: on a timeout it
-//   returns DeadlineExceeded and reports unhealthy; the engine owns recovery.
+//   must outlive this object. dpbalance never aborts a borrowed communicator. On a timeout it
+//   returns DeadlineExceeded and stays usable: the all-gather stays queued and completes when the
+//   late ranks join it, and the next call queues behind it (ordered(): every rank calls once per
+//   step, which the balancer keeps doing even when disabled). Any other error makes it unhealthy.
 // - Owned mode: `comm` is null and `unique_id` points to the 128-byte ncclUniqueId the engine
 //   distributed; a non-blocking communicator is created (bounded by `init_timeout`) on `device`
 //   and aborted on a collective timeout, so no rank ever hangs in it.
