@@ -9,7 +9,11 @@
 //   timeout): the balanced lengths, or on any failure the engine's default length
 //   min(default_k, k_cap) with the failure counted and a rate-limited warning. A rank whose own
 //   input is bad still joins the all-gather (with a record marked unusable), so no other rank
-//   waits for it. After `max_consecutive_failures` failures in a row the balancer disables.
+//   waits for it (`Abstain` does the same for a step with no batch at all). On failure the
+//   lengths are the defaults cut to the draft depth the rank returns, which is the agreed one
+//   whenever the other ranks planned with its record. After `max_consecutive_failures`
+//   failures in a row the balancer disables; on an ordered backend (AllGather::ordered) a
+//   disabled rank still joins every step's all-gather, with a zero record.
 // - `Report(step)` feeds measured times and accept counts: the acceptance estimator, the
 //   predicted-vs-measured error, the online cost-model refit (OnlineCostModel, when
 //   `online_calibration`), and the next summary's "previous step" fields.
