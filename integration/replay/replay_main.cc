@@ -511,6 +511,11 @@ int Main() {
                   "  v2 %.4f vs %.4f, v1 %.4f vs %.4f; bubble %.4f vs %.4f\n",
                   best_d->name.c_str(), e->r.cost_ratio_v2, best_d->r.cost_ratio_v2, e->r.cost_ratio_v1,
                   best_d->r.cost_ratio_v1, 1 - e->r.balance_efficiency, 1 - best_d->r.balance_efficiency);
+      if (!base.planner_model.published_form()) {
+        std::printf("  E minimises the planner model's cost (%s), not V1's or V2's;\n"
+                    "  goodput %.1f vs %.1f tok/s\n",
+                    base.planner_model.name().c_str(), e->r.goodput_tok_per_s, best_d->r.goodput_tok_per_s);
+      }
     }
   }
 
