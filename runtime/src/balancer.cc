@@ -80,10 +80,7 @@ absl::Status Balancer::Handshake() {
   RankSummary slot{};
   Hello hello{kHelloMagic, kSummaryVersion, 0, config_.Hash()};
   std::memcpy(&slot, &hello, sizeof(hello));
-  absl::Status s = comm_->Gather(
-      absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(&slot), sizeof(slot)),
-      absl::MakeSpan(reinterpret_cast<uint8_t*>(gathered_.data()), gathered_.size() * sizeof(RankSummary)),
-      std::max(config_.timeout, absl::Seconds(10)));
+  absl::Status s = Exchange(slot, std::max(config_.timeout, absl::Seconds(10)));
   if (!s.ok()) return absl::UnavailableError(absl::StrCat("handshake all-gather failed: ", s.message()));
   for (size_t r = 0; r < gathered_.size(); ++r) {
     Hello h;
@@ -137,15 +134,19 @@ bool Balancer::ArmOn(uint64_t step) const {
   return (step / config_.ab_epoch_steps) % 2 == 0;
 }
 
+absl::Status Balancer::Exchange(const RankSummary& send, absl::Duration timeout) {
+  return comm_->Gather(
+      absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(&send), sizeof(send)),
+      absl::MakeSpan(reinterpret_cast<uint8_t*>(gathered_.data()), gathered_.size() * sizeof(RankSummary)),
+      timeout);
+}
+
 void Balancer::KeepInStep() {
   if (!comm_->ordered() || !comm_->healthy()) return;
   // Every receiver rejects a zero record (bad magic) and disables itself too, so all ranks end
   // up here, each still calling once per step.
   std::memset(&mine_, 0, sizeof(mine_));
-  comm_->Gather(absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(&mine_), sizeof(mine_)),
-                absl::MakeSpan(reinterpret_cast<uint8_t*>(gathered_.data()), gathered_.size() * sizeof(RankSummary)),
-                config_.timeout)
-      .IgnoreError();
+  Exchange(mine_, config_.timeout).IgnoreError();
 }
 
 PlanOutcome Balancer::Plan(absl::Span<const BalancerRequest> batch, int64_t kv_free_tokens,
@@ -210,10 +211,7 @@ PlanOutcome Balancer::PlanStep(absl::Span<const BalancerRequest> batch, int64_t 
   mine_.prev_accepted_tokens = static_cast<float>(prev_tokens_);
 
   // Step 2: the exchange.
-  absl::Status s = comm_->Gather(
-      absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(&mine_), sizeof(mine_)),
-      absl::MakeSpan(reinterpret_cast<uint8_t*>(gathered_.data()), gathered_.size() * sizeof(RankSummary)),
-      config_.timeout);
+  absl::Status s = Exchange(mine_, config_.timeout);
   if (!s.ok()) {
     Fail(s);
     out.status = s;

@@ -124,6 +124,8 @@ class Balancer {
  private:
   Balancer(BalancerConfig config, int rank, std::unique_ptr<AllGather> comm, Planner planner);
   absl::Status Handshake();
+  // The one all-gather: `send` out, every rank's record into gathered_.
+  absl::Status Exchange(const RankSummary& send, absl::Duration timeout);
   PlanOutcome PlanStep(absl::Span<const BalancerRequest> batch, int64_t kv_free_tokens,
                        absl::Span<int32_t> verify_len, absl::Status local);
   // Disabled, on an ordered backend: join this step's exchange with a zero record (AllGather::ordered).
