@@ -15,6 +15,9 @@
 namespace dpbalance {
 namespace {
 
+using internal::DecideScratch;
+using internal::FrontierSegment;
+
 constexpr double kTinyUs = 1e-3;  // floor on a marginal cost, so ratios stay finite
 
 // Relative slack when testing "fits under the barrier": the barrier itself came from the same
@@ -95,35 +98,193 @@ bool SummaryUsable(const RankSummary& s, size_t idx) {
   return true;
 }
 
-// The best plan found so far. Within the TPOT guard the best goodput wins; if nothing fits the
-// guard, the shortest step.
-struct Incumbent {
-  double max_step_us;
-  GlobalDecision best;
-  double best_j = -1;
-  bool within_guard = false;
+// Prices a candidate plan's step and keeps the best plan so far (Decide's objective): within the
+// TPOT guard the highest goodput wins; while nothing fits the guard, the shortest step.
+class BestPlan {
+ public:
+  // `num_usable_ranks` (>= 1): the ranks whose summaries take part.
+  BestPlan(const PlannerConfig& config, int num_usable_ranks)
+      : config_(config), ffn_scale_(static_cast<double>(config.num_ranks) / num_usable_ranks) {
+    best_.draft_depth = config.default_k;
+  }
 
-  void Consider(int depth, double barrier, double gain, double step_us, double ffn_tokens,
-                int32_t padded_rank_tokens) {
-    const double j = gain / step_us;
-    const bool within = step_us <= max_step_us;
-    const bool better = within ? (!within_guard || j > best_j)
-                               : (!within_guard && (best_j < 0 || step_us < best.step_us));
+  // Tokens the FFN term is charged for: padded mode charges every rank at the tier of the
+  // largest; otherwise the sum, scaled up for ranks that sent no usable summary (or, in local
+  // mode, for all other ranks).
+  double FfnTokens(double sum_tokens, double max_tokens) const {
+    const PlannerConfig& c = config_;
+    if (c.global.padded_tokens) {
+      return c.num_ranks * static_cast<double>(TierFor(c.token_tiers, std::llround(max_tokens)));
+    }
+    return sum_tokens * ffn_scale_;
+  }
+  // FFN microseconds per extra token of the instance (0 when padded: the tier counts).
+  double FfnUsPerToken() const {
+    return config_.global.padded_tokens ? 0.0 : config_.global.ffn_per_token_us * ffn_scale_;
+  }
+  // The instance-wide part of a step with `depth` draft steps.
+  double GlobalUs(double sum_tokens, double max_tokens, int depth) const {
+    return config_.global.StepUs(FfnTokens(sum_tokens, max_tokens), depth);
+  }
+  // The step time of the engine's default plan: the TPOT guard's reference.
+  void SetDefaultStep(double default_step_us) {
+    best_.default_step_us = default_step_us;
+    max_step_us_ = config_.max_step_slack < 0 ? std::numeric_limits<double>::infinity()
+                                              : default_step_us * (1 + config_.max_step_slack);
+  }
+
+  // A plan at `barrier_us` with `depth` draft steps (paid globally only when the depth is
+  // agreed), `gain` expected tokens and the instance's tokens summed and at the largest rank.
+  void Consider(int depth, double barrier_us, double gain, double sum_tokens, double max_tokens) {
+    const double ffn = FfnTokens(sum_tokens, max_tokens);
+    const double step_us =
+        barrier_us + config_.global.StepUs(ffn, config_.agreed_draft_depth ? depth : 0);
+    // Most barriers of a sweep lose to the best so far: decide that with one multiplication.
+    if (within_guard_ && step_us <= max_step_us_ && gain <= tokens_per_us_ * step_us) return;
+    const double tokens_per_us = gain / step_us;
+    const bool within = step_us <= max_step_us_;
+    const bool better = within ? (!within_guard_ || tokens_per_us > tokens_per_us_)
+                               : (!within_guard_ && (tokens_per_us_ < 0 || step_us < best_.step_us));
     if (!better) return;
-    within_guard = within;
-    best_j = j;
-    best.draft_depth = depth;
-    best.barrier_us = barrier;
-    best.step_us = step_us;
-    best.expected_tokens = gain;
-    best.tokens_per_us = j;
-    best.ffn_tokens = std::llround(ffn_tokens);
-    best.padded_rank_tokens = padded_rank_tokens;
+    within_guard_ = within;
+    tokens_per_us_ = tokens_per_us;
+    best_.draft_depth = depth;
+    best_.barrier_us = barrier_us;
+    best_.step_us = step_us;
+    best_.expected_tokens = gain;
+    best_.tokens_per_us = tokens_per_us;
+    best_.ffn_tokens = std::llround(ffn);
+    best_.padded_rank_tokens =
+        config_.global.padded_tokens ? TierFor(config_.token_tiers, std::llround(max_tokens)) : 0;
+  }
+  // Whether an upper bound on goodput is clearly below the best within the guard (only clearly:
+  // rounding in the bound never drops a barrier that would tie or narrowly win).
+  bool CannotWin(double goodput_bound) const {
+    return within_guard_ && goodput_bound <= tokens_per_us_ * (1 - 1e-12);
+  }
+  bool within_guard() const { return within_guard_; }
+  double tokens_per_us() const { return tokens_per_us_; }  // the best's goodput; < 0: none yet
+  double max_step_us() const { return max_step_us_; }
+  const GlobalDecision& best() const { return best_; }
+
+ private:
+  const PlannerConfig& config_;
+  double ffn_scale_;
+  double max_step_us_ = std::numeric_limits<double>::infinity();
+  GlobalDecision best_;
+  double tokens_per_us_ = -1;
+  bool within_guard_ = false;
+};
+
+// A Decide event: a rank's knot (cost key in the upper 32 bits, then rank, then knot index).
+uint64_t KnotEvent(float cost_us, uint32_t rank, int knot) {
+  return (uint64_t{FloatKey(cost_us)} << 32) | (uint64_t{rank} << 8) | static_cast<uint64_t>(knot);
+}
+uint32_t EventCostKey(uint64_t ev) { return static_cast<uint32_t>(ev >> 32); }
+uint32_t EventRank(uint64_t ev) { return static_cast<uint32_t>((ev >> 8) & 0xffffffu); }
+int EventKnot(uint64_t ev) { return static_cast<int>(ev & 0xff); }
+constexpr uint32_t kProbeRank = 0xffffffu;  // an event that only evaluates a barrier
+
+// A binary min-heap over Decide's events, in place in `v`.
+class EventHeap {
+ public:
+  explicit EventHeap(std::vector<uint64_t>& v) : v_(v) {
+    for (size_t i = v_.size() / 2; i-- > 0;) SiftDown(i);
+  }
+  bool empty() const { return v_.empty(); }
+  uint64_t top() const { return v_[0]; }
+  void Pop() {
+    v_[0] = v_.back();
+    v_.pop_back();
+    if (!v_.empty()) SiftDown(0);
+  }
+  void ReplaceTop(uint64_t ev) {
+    v_[0] = ev;
+    SiftDown(0);
+  }
+
+ private:
+  void SiftDown(size_t i) {  // restores the heap below i
+    const size_t n = v_.size();
+    const uint64_t v = v_[i];
+    for (size_t child = 2 * i + 1; child < n; child = 2 * i + 1) {
+      if (child + 1 < n && v_[child + 1] < v_[child]) ++child;
+      if (v_[child] >= v) break;
+      v_[i] = v_[child];
+      i = child;
+    }
+    v_[i] = v;
+  }
+  std::vector<uint64_t>& v_;
+};
+
+// The barrier a fill must stay under: the agreed one, with room for the float storage of the
+// summary record it came through.
+double FillBarrierUs(const GlobalDecision& d) { return d.barrier_us * (1 + kBarrierSlack) + kBarrierSlack; }
+
+// Tokens of KV capacity left for extra verify tokens (an engine's negative value: unlimited).
+int64_t KvCap(int64_t kv_free_tokens) {
+  return kv_free_tokens < 0 ? std::numeric_limits<int64_t>::max() : kv_free_tokens;
+}
+
+// Shares one rank's knot pool among the draft depths d_lo..d_hi: every depth with items gets one
+// knot, then rounds hand out the rest, most to the depths around the previous decision's (where
+// the next one most likely lands: the chord between sparse knots undervalues a depth): 6 knots
+// a round to that depth, 2 to each neighbour, 1 to the others, never more than a depth has
+// items (`avail`). Small batches get one knot per item at every depth, so small cases are exact.
+std::array<int, kMaxDraftLen + 1> ShareKnotPool(const std::array<int64_t, kMaxDraftLen + 1>& avail,
+                                               int d_lo, int d_hi, int focus_depth, int pool) {
+  std::array<int, kMaxDraftLen + 1> share{};
+  for (int d = d_lo; d <= d_hi && pool > 0; ++d) {
+    share[d] = avail[d] > 0 ? 1 : 0;
+    pool -= share[d];
+  }
+  const int focus = std::clamp(focus_depth, d_lo, std::max(d_lo, d_hi));
+  auto give = [&](int d, int per_round) {
+    if (d < d_lo || d > d_hi) return false;
+    const int more = static_cast<int>(std::min<int64_t>({per_round, avail[d] - share[d], pool}));
+    if (more <= 0) return false;
+    share[d] += more;
+    pool -= more;
+    return true;
+  };
+  for (bool gave = true; gave && pool > 0;) {
+    gave = give(focus, 6);
+    for (int dist = 1; dist <= kMaxDraftLen && pool > 0; ++dist) {
+      const int per_round = dist == 1 ? 2 : 1;
+      gave |= give(focus - dist, per_round);
+      gave |= give(focus + dist, per_round);
+    }
+  }
+  return share;
+}
+
+// The instance's lines at one depth: the sum of every usable rank's segment.
+struct SegmentSum {
+  double gain0 = 0, gain_slope = 0, tokens0 = 0, tokens_slope = 0;
+  double bound0 = 0, bound_slope = 0;
+  int unbounded = 0;  // ranks whose gain has no line above it
+
+  void Add(const FrontierSegment& s) {
+    gain0 += s.gain0;
+    gain_slope += s.gain_slope;
+    tokens0 += s.tokens0;
+    tokens_slope += s.tokens_slope;
+    bound0 += s.bound0;
+    bound_slope += s.bound_slope;
+    unbounded += s.unbounded;
+  }
+  void Replace(const FrontierSegment& was, const FrontierSegment& now) {
+    gain0 += now.gain0 - was.gain0;
+    gain_slope += now.gain_slope - was.gain_slope;
+    tokens0 += now.tokens0 - was.tokens0;
+    tokens_slope += now.tokens_slope - was.tokens_slope;
+    bound0 += now.bound0 - was.bound0;
+    bound_slope += now.bound_slope - was.bound_slope;
+    unbounded += static_cast<int>(now.unbounded) - static_cast<int>(was.unbounded);
   }
 };
 
-// Steepest slopes after each knot (and from the base) of every depth's frontier, from the stored
-// (float) values Decide will read. Knots shared by several depths get the deepest one's
 // (a superset of later knots: still an upper bound for the shallower depths).
 void FillMaxSlopes(RankSummary& s) {
   for (int d = 1; d <= kMaxDraftLen; ++d) {
@@ -145,7 +306,271 @@ void FillMaxSlopes(RankSummary& s) {
   }
 }
 
+// A rank's knots at draft depth d: its frontier of the deepest depth it can use up to d.
+struct DepthKnots {
+  int slot = 0, first = 0, count = 0;  // slot 0: none
+};
+DepthKnots KnotsAtDepth(const RankSummary& s, int depth) {
+  const int slot = std::min<int>(depth, s.max_depth);
+  if (slot <= 0) return DepthKnots{};
+  return DepthKnots{slot, s.knot_begin[slot - 1], s.num_knots[slot - 1]};
+}
+
+// Rank r's segment from knot k (-1: its base) among its knots `dk` at the depth swept. Between
+// knots that skip items the gain is the chord; `steps_only` (uniform levels): steps.
+FrontierSegment SegmentFrom(const RankSummary& s, DepthKnots dk, int k, bool steps_only) {
+  const int first = dk.first;
+  const double c0 = k < 0 ? s.base_attention_us : s.knot_attention_us[first + k];
+  const double g0 = k < 0 ? s.base_gain : s.knot_gain[first + k];
+  const double t0 = k < 0 ? 0.0 : s.knot_tokens[first + k];
+  FrontierSegment sg{g0, 0, t0, 0, g0, 0, false};
+  if (k + 1 < dk.count) {
+    const double c1 = s.knot_attention_us[first + k + 1], t1 = s.knot_tokens[first + k + 1];
+    if (t1 - t0 > 1 && c1 > c0 && !steps_only) {
+      const double inv = 1.0 / (c1 - c0);
+      sg.gain_slope = (s.knot_gain[first + k + 1] - g0) * inv;
+      sg.tokens_slope = (t1 - t0) * inv;
+      sg.gain0 = g0 - sg.gain_slope * c0;
+      sg.tokens0 = t0 - sg.tokens_slope * c0;
+    }
+  }
+  const double m = k >= 0        ? s.knot_max_slope[first + k]
+                   : dk.slot > 0 ? s.base_max_slope[dk.slot - 1]
+                                 : 0.0;
+  if (std::isinf(m)) {
+    sg.unbounded = true;
+  } else {
+    sg.bound_slope = m;
+    sg.bound0 = g0 - m * c0;
+  }
+  return sg;
+}
+
+// What Decide reads off the usable summaries before it sweeps.
+struct UsableTotals {
+  int depth_lo = 0;     // the deepest floor of any usable rank: no shallower depth is feasible
+  double floor_us = 0;  // the barrier with every rank at its floors
+  double base_gain = 0, base_tokens = 0, max_base_tokens = 0;
+  double default_barrier = 0, default_tokens = 0, max_default_tokens = 0;
+};
+
+// Checks every summary (a wrong magic, version or config hash is an error) and totals the usable
+// ones (garbage in a valid-looking record excludes that rank, on every rank alike). `usable`
+// receives their indices.
+absl::StatusOr<UsableTotals> TotalUsable(absl::Span<const RankSummary> summaries, bool local,
+                                         uint64_t config_hash, std::vector<uint32_t>& usable) {
+  usable.clear();
+  UsableTotals t;
+  for (size_t r = 0; r < summaries.size(); ++r) {
+    const RankSummary& s = summaries[r];
+    const size_t idx = local ? s.rank_idx : r;
+    if (absl::Status st = CheckSummary(s, idx, config_hash); !st.ok()) return st;
+    if (!SummaryUsable(s, idx)) continue;
+    usable.push_back(static_cast<uint32_t>(r));
+    t.default_barrier = std::max<double>(t.default_barrier, s.default_attention_us);
+    t.default_tokens += s.default_tokens;
+    t.max_default_tokens = std::max<double>(t.max_default_tokens, s.default_tokens);
+    t.depth_lo = std::max<int>(t.depth_lo, s.min_depth);
+    t.floor_us = std::max<double>(t.floor_us, s.base_attention_us);
+    t.base_gain += s.base_gain;
+    t.base_tokens += s.base_tokens;
+    t.max_base_tokens = std::max<double>(t.max_base_tokens, s.base_tokens);
+  }
+  if (usable.empty()) {
+    return absl::UnavailableError("planner: no rank sent a usable summary this step");
+  }
+  return t;
+}
+
+// Per-rank draft depths: every knot of every depth is a candidate for its rank, whose cost
+// already holds its own draft time. At barrier T each rank takes its best-gain knot with cost
+// <= T (not a prefix across depths, so gains are steps, without chords).
+void SweepPerRankDepths(const PlannerConfig& c, absl::Span<const RankSummary> summaries,
+                        const UsableTotals& t, DecideScratch& scratch, BestPlan& plans) {
+  std::vector<uint64_t>& events = scratch.events;
+  events.clear();
+  // Per rank, gain0 is its current gain and tokens0 its current extra tokens.
+  scratch.segments.assign(summaries.size(), FrontierSegment{});
+  for (uint32_t r : scratch.usable_ranks) {
+    const RankSummary& s = summaries[r];
+    scratch.segments[r].gain0 = s.base_gain;
+    for (int d = 0; d < kMaxDraftLen; ++d) {
+      for (int k = s.knot_begin[d]; k < s.knot_begin[d] + s.num_knots[d]; ++k) {
+        events.push_back(KnotEvent(s.knot_attention_us[k], r, k));
+      }
+    }
+  }
+  SortByCost(events, scratch.sort_tmp);
+  double gain = t.base_gain, sum_tokens = t.base_tokens, max_tokens = t.max_base_tokens;
+  auto apply = [&](uint64_t ev) {
+    const RankSummary& s = summaries[EventRank(ev)];
+    const int k = EventKnot(ev);
+    FrontierSegment& now = scratch.segments[EventRank(ev)];
+    if (s.knot_gain[k] <= now.gain0) return;
+    gain += s.knot_gain[k] - now.gain0;
+    sum_tokens += s.knot_tokens[k] - now.tokens0;
+    now.gain0 = s.knot_gain[k];
+    now.tokens0 = s.knot_tokens[k];
+    max_tokens = std::max<double>(max_tokens, s.base_tokens + s.knot_tokens[k]);
+  };
+  size_t e = 0;
+  for (; e < events.size() && std::bit_cast<float>(EventCostKey(events[e])) <= t.floor_us; ++e) {
+    apply(events[e]);
+  }
+  plans.Consider(c.k_max, t.floor_us, gain, sum_tokens, max_tokens);
+  while (e < events.size()) {
+    const uint32_t key = EventCostKey(events[e]);
+    for (; e < events.size() && EventCostKey(events[e]) == key; ++e) apply(events[e]);
+    plans.Consider(c.k_max, std::bit_cast<float>(key), gain, sum_tokens, max_tokens);
+  }
+}
+
+// The instance at one agreed depth as lines in the barrier T: gain and tokens at T, and what
+// bounds the sweep.
+struct DepthLines {
+  SegmentSum sum;
+  double base_tokens = 0;
+  double max_tokens = 0;  // tokens of the largest rank so far (padded tiers)
+  double max_gain = 0;    // every rank at its last knot
+  double top_cost = 0;    // the costliest knot that can be reached (the sweep's end)
+  double GainAt(double t) const { return sum.gain0 + sum.gain_slope * t; }
+  double TokensAt(double t) const { return base_tokens + sum.tokens0 + sum.tokens_slope * t; }
+};
+
+// Upper bound on goodput at every barrier T' >= T of one depth. Each rank's gain from T on lies
+// under the line bound0 + bound_slope * T' (from its segment's left knot, with its steepest
+// later slope), so the instance's gain G' <= min(A + S * T', G_max). The step is at least T'
+// plus the global terms at today's tokens, plus the FFN time of G' - gain more tokens (an extra
+// token adds at most one expected token). That ratio is monotone in T' between T and the T*
+// where the line meets G_max and falls after, so the bound is its larger end value.
+double GoodputBound(double barrier, double gain, const DepthLines& lines, double global_us,
+                    double ffn_us_per_token) {
+  auto at = [&](double t, double g_hi) {
+    return g_hi / (t + global_us + ffn_us_per_token * std::max(0.0, g_hi - gain));
+  };
+  const SegmentSum& sum = lines.sum;
+  if (sum.unbounded > 0) return at(barrier, lines.max_gain);
+  const double g_now = std::min(sum.bound0 + sum.bound_slope * barrier, lines.max_gain);
+  double v = at(barrier, g_now);
+  if (sum.bound_slope > 0 && g_now < lines.max_gain) {
+    v = std::max(v, at((lines.max_gain - sum.bound0) / sum.bound_slope, lines.max_gain));
+  }
+  return v;
+}
+
+// Every usable rank on the segment that contains the floor barrier; `events` gets each rank's
+// next knot (none in fill mode: the barrier stays at the floor).
+DepthLines EnterDepth(const PlannerConfig& c, int d, absl::Span<const RankSummary> summaries,
+                      const UsableTotals& t, DecideScratch& scratch) {
+  DepthLines lines;
+  lines.base_tokens = t.base_tokens;
+  lines.max_tokens = t.max_base_tokens;
+  lines.max_gain = t.base_gain;
+  lines.top_cost = t.floor_us;
+  scratch.events.clear();
+  for (uint32_t r : scratch.usable_ranks) {
+    const RankSummary& s = summaries[r];
+    const DepthKnots dk = KnotsAtDepth(s, d);
+    int k = 0;
+    for (; k < dk.count && s.knot_attention_us[dk.first + k] <= t.floor_us; ++k) {}
+    // The rank sits on the segment starting at knot k-1 (k-1 = -1: its base).
+    const FrontierSegment sg = SegmentFrom(s, dk, k - 1, c.uniform_per_rank);
+    scratch.segments[r] = sg;
+    lines.sum.Add(sg);
+    if (k > 0) {
+      lines.max_tokens = std::max<double>(lines.max_tokens, s.base_tokens + s.knot_tokens[dk.first + k - 1]);
+    }
+    if (dk.count > 0) lines.max_gain += s.knot_gain[dk.first + dk.count - 1] - s.base_gain;
+    if (c.mode == PlanMode::kFill || k == dk.count) continue;
+    lines.top_cost = std::max<double>(lines.top_cost, s.knot_attention_us[dk.first + dk.count - 1]);
+    scratch.events.push_back(KnotEvent(s.knot_attention_us[dk.first + k], r, k));
+  }
+  return lines;
+}
+
+// Merges the ranks' knot lists (each ascending in cost) with a min-heap holding each rank's next
+// knot: only the knots the sweep reaches are ever ordered. Keys are unique (rank and knot in the
+// low bits), so the order is deterministic. Knots above `top_key` never enter.
+void MergeKnots(int d, absl::Span<const RankSummary> summaries, bool steps_only, uint32_t top_key,
+                DepthLines& lines, DecideScratch& scratch, BestPlan& plans) {
+  std::erase_if(scratch.events, [&](uint64_t ev) { return EventCostKey(ev) > top_key; });
+  EventHeap heap(scratch.events);
+  int groups = 0;
+  while (!heap.empty()) {
+    const uint32_t key = EventCostKey(heap.top());
+    const double barrier = std::bit_cast<float>(key);
+    // The bound every other barrier: it costs a few divisions, an event a few additions.
+    if (plans.within_guard() && (groups++ & 1) == 0) {
+      const double global_now = plans.GlobalUs(lines.TokensAt(barrier), lines.max_tokens, d);
+      if (barrier + global_now > plans.max_step_us() ||
+          plans.CannotWin(GoodputBound(barrier, lines.GainAt(barrier), lines, global_now,
+                                       plans.FfnUsPerToken()))) {
+        break;  // no later barrier can win (steps only grow from here)
+      }
+    }
+    while (!heap.empty() && EventCostKey(heap.top()) == key) {
+      const uint64_t ev = heap.top();
+      const uint32_t r = EventRank(ev);
+      if (r == kProbeRank) {
+        heap.Pop();
+        continue;
+      }
+      const int k = EventKnot(ev);
+      const RankSummary& s = summaries[r];
+      const DepthKnots dk = KnotsAtDepth(s, d);
+      const FrontierSegment sg = SegmentFrom(s, dk, k, steps_only);
+      lines.sum.Replace(scratch.segments[r], sg);
+      scratch.segments[r] = sg;
+      lines.max_tokens = std::max<double>(lines.max_tokens, s.base_tokens + s.knot_tokens[dk.first + k]);
+      // The rank's next knot takes its place in the heap, unless it lies past the cut-off.
+      const uint32_t next_key =
+          k + 1 < dk.count ? FloatKey(s.knot_attention_us[dk.first + k + 1]) : top_key + 1;
+      if (next_key <= top_key) {
+        heap.ReplaceTop((uint64_t{next_key} << 32) | (uint64_t{r} << 8) | static_cast<uint64_t>(k + 1));
+      } else {
+        heap.Pop();
+      }
+    }
+    plans.Consider(d, barrier, lines.GainAt(barrier), lines.TokensAt(barrier), lines.max_tokens);
+  }
+}
+
+// One agreed draft depth: sweeps the barrier T upwards over the knot costs. Every rank sits on
+// the segment of its frontier that contains T: between knots that are single items its gain is
+// a step (exact: items are indivisible); between knots that skip items it is the chord (the
+// frontier is concave, so the chord is a conservative estimate that Assign's fill achieves).
+// Totals are linear in T between events, so goodput (linear-fractional) peaks at an event. The
+// sweep stops once the bound says no higher barrier can win; knots above the barrier where even
+// the largest gain cannot beat the best never enter the merge.
+void SweepDepth(const PlannerConfig& c, int d, absl::Span<const RankSummary> summaries,
+                const UsableTotals& t, DecideScratch& scratch, BestPlan& plans) {
+  DepthLines lines = EnterDepth(c, d, summaries, t, scratch);
+  plans.Consider(d, t.floor_us, lines.GainAt(t.floor_us), lines.TokensAt(t.floor_us),
+                 lines.max_tokens);
+  if (c.mode == PlanMode::kFill || scratch.events.empty()) return;
+  if (t.default_barrier > t.floor_us) {  // the default plan's barrier is always evaluated
+    scratch.events.push_back(KnotEvent(static_cast<float>(t.default_barrier), kProbeRank, 0));
+    lines.top_cost = std::max(lines.top_cost, t.default_barrier);
+  }
+  const double global_floor = plans.GlobalUs(lines.TokensAt(t.floor_us), lines.max_tokens, d);
+  if (plans.CannotWin(GoodputBound(t.floor_us, lines.GainAt(t.floor_us), lines, global_floor,
+                                   plans.FfnUsPerToken()))) {
+    return;
+  }
+  // Goodput at barrier T is at most G_max / (T + global terms at the floor): knots above `top`
+  // can never win (nor can steps past the TPOT guard).
+  double top = lines.top_cost;
+  if (plans.within_guard()) {
+    top = std::min({top, lines.max_gain / plans.tokens_per_us() - global_floor,
+                    plans.max_step_us() - global_floor});
+  }
+  if (!(top > t.floor_us)) return;  // nothing above the floor can win (NaN-safe)
+  MergeKnots(d, summaries, c.uniform_per_rank, FloatKey(static_cast<float>(top)), lines, scratch,
+             plans);
+}
+
 }  // namespace
+
 
 std::string_view PlanModeName(PlanMode m) {
   switch (m) {
@@ -257,21 +682,43 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
         "planner: rank_idx = %d outside 0..%d", rank_idx, config_.num_ranks - 1));
   }
   if (absl::Status s = ValidateBatch(batch); !s.ok()) return s;
+  RankSummary& s = *out;
+  // Step 1: the base plan (every request at its floor) and the engine's default plan.
+  SetBase(st, batch, kv_free_tokens);
+  StartSummary(st, rank_idx, s);
+  SummarizeDefault(st, s);
+  const int64_t kv_cap = kv_free_tokens < 0 ? std::numeric_limits<int64_t>::max() : kv_free_tokens;
+  if (config_.uniform_per_rank) {
+    st.items.clear();
+    SummarizeUniform(st, kv_cap, s);
+  } else {
+    // Step 2: extra-token items ordered by expected tokens per marginal microsecond.
+    OrderItems(st);
+    // Step 3: per draft depth, knots spread along the frontier, costs evaluated exactly.
+    std::array<int64_t, kMaxDraftLen + 1> avail = ItemsPerDepth(st.items, kv_cap);
+    const int d_lo = std::max(1, static_cast<int>(s.min_depth));
+    WalkKnots(st, avail, ShareKnotPool(avail, d_lo, s.max_depth, focus_depth_, KnotBudget(config_.num_ranks)), s);
+  }
+  FillMaxSlopes(s);
+  return absl::OkStatus();
+}
 
-  // Step 1: base assignment (every request at its floor).
+void Planner::SetBase(LocalState& st, absl::Span<const PlanRequest> batch,
+                      int64_t kv_free_tokens) const {
   st.batch.assign(batch.begin(), batch.end());
   st.kv_free_tokens = kv_free_tokens;
   st.base_len.resize(batch.size());
   st.base_agg = BatchAggregates{};
-  double base_gain = 0;
-  int min_depth = 0, max_depth = 0;
+  st.base_gain = 0;
+  st.min_depth = 0;
+  st.max_cap = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     const int32_t k = Floor(batch[i]);
     st.base_len[i] = k;
     st.base_agg.Add(RequestLoad{batch[i].ctx_tokens, 1 + k});
-    base_gain += batch[i].acceptance.ExpectedTokens(k);
-    min_depth = std::max(min_depth, k);
-    max_depth = std::max(max_depth, static_cast<int>(batch[i].k_cap));
+    st.base_gain += batch[i].acceptance.ExpectedTokens(k);
+    st.min_depth = std::max(st.min_depth, static_cast<int>(k));
+    st.max_cap = std::max(st.max_cap, static_cast<int>(batch[i].k_cap));
   }
   if (model_.uses_grid()) {  // one simulation per kernel path; later steps move it linearly
     st.base_loads.clear();
@@ -280,60 +727,10 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
     }
     model_.FillGrid(st.base_loads, &st.base_agg);
   }
-  // A dense draft run to this rank's own depth is part of its time before the barrier.
-  const double rank_draft_us = config_.agreed_draft_depth ? 0.0 : config_.global.draft_per_step_us;
-  st.min_depth = min_depth;
-  st.base_attention_us = model_.AttentionUs(st.base_agg) + rank_draft_us * min_depth;
-  double default_gain = 0;
-  int default_depth = 0;
-  st.default_loads.clear();
-  for (size_t i = 0; i < batch.size(); ++i) {
-    const int32_t k = DefaultVerifyLen(config_.default_k, batch[i].k_cap);
-    st.default_loads.push_back(RequestLoad{batch[i].ctx_tokens, 1 + k});
-    default_gain += batch[i].acceptance.ExpectedTokens(k);
-    default_depth = std::max(default_depth, static_cast<int>(k));
-  }
-  // The default plan is the TPOT guard's reference. Where the base's simulation moves exactly
-  // with the query tokens (no grid, or a head-major one) it is priced from the base's;
-  // otherwise it is simulated.
-  BatchAggregates default_agg;
-  if (model_.uses_grid() &&
-      model_.kernel_grid().VerifyTermsDependOnQueryTokens(1 + config_.default_k)) {
-    default_agg = model_.Aggregate(st.default_loads);
-  } else {
-    for (const RequestLoad& l : st.default_loads) default_agg.Add(l);
-    default_agg.grid = st.base_agg.grid;
-  }
+  st.base_attention_us = model_.AttentionUs(st.base_agg) + RankDraftUs() * st.min_depth;
+}
 
-  // Step 2: extra-token items ordered by expected tokens per marginal microsecond. An item whose
-  // gain cannot pay for its FFN cost at last step's goodput never helps, so it is dropped.
-  const double min_gain = config_.global.padded_tokens
-                              ? 0.0
-                              : last_tokens_per_us_ * config_.global.ffn_per_token_us;
-  // Marginal cost (us) of one more query token for a request, at the base batch in the
-  // multi-query regime. It only orders the items; knot costs are evaluated exactly.
-  BatchAggregates multi = st.base_agg;
-  multi.multi_query = true;
-  const double multi_us = model_.AttentionUs(multi);
-  st.items.clear();
-  const BatchAggregates::TokenMark multi_mark = multi.Mark();
-  for (size_t i = 0; i < batch.size() && !config_.uniform_per_rank; ++i) {
-    multi.AddQueryToken(RequestLoad{batch[i].ctx_tokens, 1 + st.base_len[i]});
-    const double marginal = std::max(model_.AttentionUs(multi) - multi_us, kTinyUs);
-    multi.Restore(multi_mark);
-    for (int j = st.base_len[i] + 1; j <= batch[i].k_cap; ++j) {
-      const double gain = batch[i].acceptance.Accept(j);
-      if (gain <= min_gain) break;  // gains fall with j
-      const uint32_t ratio_bits = FloatKey(static_cast<float>(gain / marginal));
-      st.items.push_back(Item{(uint64_t{~ratio_bits} << 32) |
-                              (uint64_t{static_cast<uint32_t>(i)} << 8) | static_cast<uint64_t>(j)});
-    }
-  }
-  std::sort(st.items.begin(), st.items.end(),
-            [](const Item& a, const Item& b) { return a.key < b.key; });
-
-  // Step 3: per draft depth, knots spread evenly along the frontier, costs evaluated exactly.
-  RankSummary& s = *out;
+void Planner::StartSummary(const LocalState& st, int rank_idx, RankSummary& s) const {
   std::memset(&s, 0, sizeof(s));
   s.magic = kSummaryMagic;
   s.version = kSummaryVersion;
@@ -342,58 +739,81 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
   s.rank_idx = static_cast<uint32_t>(rank_idx);
   s.prev_attention_us = s.prev_step_us = s.prev_accepted_tokens = -1.f;
   s.base_attention_us = static_cast<float>(st.base_attention_us);
-  s.base_gain = static_cast<float>(base_gain);
+  s.base_gain = static_cast<float>(st.base_gain);
   s.base_tokens = static_cast<uint32_t>(st.base_agg.query_tokens);
-  s.num_requests = static_cast<uint16_t>(batch.size());
+  s.num_requests = static_cast<uint16_t>(st.batch.size());
+  s.min_depth = static_cast<uint8_t>(st.min_depth);
+  s.max_depth = static_cast<uint8_t>(std::max(st.min_depth, st.max_cap));
+}
+
+void Planner::SummarizeDefault(LocalState& st, RankSummary& s) const {
+  double default_gain = 0;
+  int default_depth = 0;
+  st.default_loads.clear();
+  for (const PlanRequest& r : st.batch) {
+    const int32_t k = DefaultVerifyLen(config_.default_k, r.k_cap);
+    st.default_loads.push_back(RequestLoad{r.ctx_tokens, 1 + k});
+    default_gain += r.acceptance.ExpectedTokens(k);
+    default_depth = std::max(default_depth, static_cast<int>(k));
+  }
+  // Where the base's simulation moves exactly with the query tokens (no grid, or a head-major
+  // one) the default plan is priced from the base's; otherwise it is simulated.
+  BatchAggregates default_agg;
+  if (model_.uses_grid() &&
+      model_.kernel_grid().VerifyTermsDependOnQueryTokens(1 + config_.default_k)) {
+    default_agg = model_.Aggregate(st.default_loads);
+  } else {
+    for (const RequestLoad& l : st.default_loads) default_agg.Add(l);
+    default_agg.grid = st.base_agg.grid;
+  }
   s.default_attention_us =
-      static_cast<float>(model_.AttentionUs(default_agg) + rank_draft_us * default_depth);
+      static_cast<float>(model_.AttentionUs(default_agg) + RankDraftUs() * default_depth);
   s.default_gain = static_cast<float>(default_gain);
   s.default_tokens = static_cast<uint32_t>(default_agg.query_tokens);
-  s.min_depth = static_cast<uint8_t>(min_depth);
-  s.max_depth = static_cast<uint8_t>(std::max(min_depth, max_depth));
-  const int64_t kv_cap = kv_free_tokens < 0 ? std::numeric_limits<int64_t>::max() : kv_free_tokens;
-  if (config_.uniform_per_rank) {
-    SummarizeUniform(st, base_gain, kv_cap, s);
-    FillMaxSlopes(s);
-    return absl::OkStatus();
+}
+
+void Planner::OrderItems(LocalState& st) const {
+  // An item whose gain cannot pay for its FFN cost at last step's goodput never helps, so it is
+  // dropped.
+  const double min_gain = MinItemGain(last_tokens_per_us_);
+  // Marginal cost (us) of one more query token for a request, at the base batch in the
+  // multi-query regime. It only orders the items; knot costs are evaluated exactly.
+  BatchAggregates multi = st.base_agg;
+  multi.multi_query = true;
+  const double multi_us = model_.AttentionUs(multi);
+  st.items.clear();
+  const BatchAggregates::TokenMark multi_mark = multi.Mark();
+  for (size_t i = 0; i < st.batch.size(); ++i) {
+    const PlanRequest& r = st.batch[i];
+    multi.AddQueryToken(RequestLoad{r.ctx_tokens, 1 + st.base_len[i]});
+    const double marginal = std::max(model_.AttentionUs(multi) - multi_us, kTinyUs);
+    multi.Restore(multi_mark);
+    for (int j = st.base_len[i] + 1; j <= r.k_cap; ++j) {
+      const double gain = r.acceptance.Accept(j);
+      if (gain <= min_gain) break;  // gains fall with j
+      const uint32_t ratio_bits = FloatKey(static_cast<float>(gain / marginal));
+      st.items.push_back(Item{(uint64_t{~ratio_bits} << 32) |
+                              (uint64_t{static_cast<uint32_t>(i)} << 8) | static_cast<uint64_t>(j)});
+    }
   }
-  // Items available at each depth (capped by the KV budget).
+  std::sort(st.items.begin(), st.items.end(),
+            [](const Item& a, const Item& b) { return a.key < b.key; });
+}
+
+std::array<int64_t, kMaxDraftLen + 1> Planner::ItemsPerDepth(absl::Span<const Item> items,
+                                                             int64_t kv_cap) {
   std::array<int64_t, kMaxDraftLen + 1> avail{};
-  for (const Item& it : st.items) ++avail[it.pos()];
+  for (const Item& it : items) ++avail[it.pos()];
   int64_t running = 0;
   for (int d = 1; d <= kMaxDraftLen; ++d) {
     running += avail[d];
     avail[d] = std::min<int64_t>({running, kv_cap, 65535});
   }
-  // Share the knot pool: every depth with items gets one knot, then rounds hand out the rest,
-  // most to the depths around the previous decision's (where the next one most likely lands:
-  // the chord between sparse knots undervalues a depth): 6 knots a round to that depth, 2 to
-  // each neighbour, 1 to the others, never more than a depth has items. Small batches get one
-  // knot per item at every depth, so small cases are exact.
-  std::array<int, kMaxDraftLen + 1> share{};
-  int pool = KnotBudget(config_.num_ranks);
-  const int d_lo = std::max(1, min_depth), d_hi = s.max_depth;
-  for (int d = d_lo; d <= d_hi && pool > 0; ++d) {
-    share[d] = avail[d] > 0 ? 1 : 0;
-    pool -= share[d];
-  }
-  const int focus = std::clamp(focus_depth_, d_lo, std::max(d_lo, d_hi));
-  auto give = [&](int d, int per_round) {
-    if (d < d_lo || d > d_hi) return false;
-    const int more = static_cast<int>(std::min<int64_t>({per_round, avail[d] - share[d], pool}));
-    if (more <= 0) return false;
-    share[d] += more;
-    pool -= more;
-    return true;
-  };
-  for (bool gave = true; gave && pool > 0;) {
-    gave = give(focus, 6);
-    for (int dist = 1; dist <= kMaxDraftLen && pool > 0; ++dist) {
-      const int per_round = dist == 1 ? 2 : 1;
-      gave |= give(focus - dist, per_round);
-      gave |= give(focus + dist, per_round);
-    }
-  }
+  return avail;
+}
+
+void Planner::WalkKnots(const LocalState& st, const std::array<int64_t, kMaxDraftLen + 1>& avail,
+                        const std::array<int, kMaxDraftLen + 1>& share, RankSummary& s) const {
   // One walk down the item list serves every depth: items are summed per draft position, and
   // depth d's totals are the base plus the sums of positions 1..d, formed only at its knots.
   struct PositionSums {
@@ -410,6 +830,7 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
   auto knot_at = [&](int d, int i) {
     return i < share[d] ? (avail[d] * (i + 1) + share[d] - 1) / share[d] : kNever;
   };
+  const int d_lo = std::max(1, st.min_depth), d_hi = s.max_depth;
   int next_knot = 0, depths_open = 0;
   for (int d = d_lo; d <= d_hi; ++d) {
     s.knot_begin[d - 1] = static_cast<uint8_t>(next_knot);
@@ -418,23 +839,25 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
     cost[d] = st.base_attention_us;
     depths_open += next_at[d] != kNever;
   }
+  const double rank_draft_us = RankDraftUs();
   BatchAggregates agg = st.base_agg;  // each knot's batch, rebuilt from the base in place
   const BatchAggregates::TokenMark base_mark = agg.Mark();
   for (const Item& it : st.items) {
     if (depths_open == 0) break;
     const int p = it.pos();
-    const double ctx = static_cast<double>(batch[it.req_idx()].ctx_tokens);
+    const PlanRequest& r = st.batch[it.req_idx()];
+    const double ctx = static_cast<double>(r.ctx_tokens);
     PositionSums& ps = pos_sums[p];
     ps.tokens += 1;
     ps.pairs += ctx;
     ps.max_pairs = std::max(ps.max_pairs, (p + 1.0) * ctx);
-    ps.gain += batch[it.req_idx()].acceptance.Accept(p);
+    ps.gain += r.acceptance.Accept(p);
     for (int d = std::max(p, d_lo); d <= d_hi; ++d) {
       if (++taken[d] != next_at[d]) continue;
       agg.Restore(base_mark);
       agg.multi_query = true;
-      double gain = base_gain;
-      int deepest = min_depth;
+      double gain = st.base_gain;
+      int deepest = st.min_depth;
       for (int q = 1; q <= d; ++q) {
         const PositionSums& sum = pos_sums[q];
         agg.query_tokens += sum.tokens;
@@ -453,8 +876,6 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
     }
   }
   for (int d = d_lo; d <= d_hi; ++d) s.num_knots[d - 1] = static_cast<uint8_t>(knot[d]);
-  FillMaxSlopes(s);
-  return absl::OkStatus();
 }
 
 absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> summaries) const {
@@ -465,308 +886,52 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
     return absl::InvalidArgumentError(absl::StrFormat(
         "planner: %d summaries for %d ranks", summaries.size(), c.num_ranks));
   }
-  GlobalDecision best;
-  best.draft_depth = c.default_k;
-  if (c.mode == PlanMode::kOff) return best;
-
+  if (c.mode == PlanMode::kOff) {
+    GlobalDecision off;
+    off.draft_depth = c.default_k;
+    return off;
+  }
   // Step 1: which ranks take part; the floor barrier and the feasible depths.
-  valid_.clear();
-  int depth_lo = 0;
-  double floor_us = 0, base_gain = 0, base_tokens = 0, max_base_tokens = 0;
-  double default_barrier = 0, default_tokens = 0, max_default_tokens = 0;
-  for (size_t r = 0; r < summaries.size(); ++r) {
-    const RankSummary& s = summaries[r];
-    const size_t idx = local ? s.rank_idx : r;
-    if (absl::Status st = CheckSummary(s, idx, config_hash_); !st.ok()) return st;
-    if (!SummaryUsable(s, idx)) continue;
-    valid_.push_back(static_cast<uint32_t>(r));
-    default_barrier = std::max<double>(default_barrier, s.default_attention_us);
-    default_tokens += s.default_tokens;
-    max_default_tokens = std::max<double>(max_default_tokens, s.default_tokens);
-    depth_lo = std::max<int>(depth_lo, s.min_depth);
-    floor_us = std::max<double>(floor_us, s.base_attention_us);
-    base_gain += s.base_gain;
-    base_tokens += s.base_tokens;
-    max_base_tokens = std::max<double>(max_base_tokens, s.base_tokens);
-  }
-  const int num_valid = static_cast<int>(valid_.size());
-  if (num_valid == 0) {
-    return absl::UnavailableError("planner: no rank sent a usable summary this step");
-  }
-  const GlobalCost& g = c.global;
-  // FFN tokens: padded mode charges every rank at the tier of the largest; otherwise the sum,
-  // scaled up for ranks that sent no usable summary (or, in local mode, for all other ranks).
-  const double ffn_scale = static_cast<double>(c.num_ranks) / num_valid;
-  auto ffn_tokens = [&](double sum_tokens, double max_tokens) -> double {
-    if (g.padded_tokens) return c.num_ranks * static_cast<double>(TierFor(c.token_tiers,
-                                                                         std::llround(max_tokens)));
-    return sum_tokens * ffn_scale;
-  };
-  // A rank's knots at depth d: its frontier of the deepest depth it can use up to d.
-  struct DepthKnots {
-    int slot = 0, first = 0, n = 0;  // slot 0: none
-  };
-  auto depth_knots = [&](const RankSummary& s, int d) {
-    const int slot = std::min<int>(d, s.max_depth);
-    if (slot <= 0) return DepthKnots{};
-    return DepthKnots{slot, s.knot_begin[slot - 1], s.num_knots[slot - 1]};
-  };
-
-  // With per-rank draft depths the draft time is already inside each rank's costs.
-  const int global_draft_depth = c.agreed_draft_depth ? c.default_k : 0;
-  const double default_step =
-      default_barrier + g.StepUs(ffn_tokens(default_tokens, max_default_tokens), global_draft_depth);
-  const double max_step =
-      c.max_step_slack < 0 ? std::numeric_limits<double>::infinity()
-                           : default_step * (1 + c.max_step_slack);
-  best.default_step_us = default_step;
-  Incumbent inc{max_step, best};
-  // Aliases keep the sweep below readable.
-  double& best_j = inc.best_j;
-  bool& best_within_guard = inc.within_guard;
-  // `d` is the decision's depth; the step pays for it globally only when the depth is agreed.
-  auto consider = [&](int d, double barrier, double gain, double sum_tok, double max_tok) {
-    const double ffn = ffn_tokens(sum_tok, max_tok);
-    const double step = barrier + g.StepUs(ffn, c.agreed_draft_depth ? d : 0);
-    // Most barriers of a sweep lose to the best so far: decide that with one multiplication.
-    if (inc.within_guard && step <= max_step && gain <= inc.best_j * step) return;
-    inc.Consider(d, barrier, gain, step, ffn,
-                 g.padded_tokens ? TierFor(c.token_tiers, std::llround(max_tok)) : 0);
-  };
-
+  absl::StatusOr<UsableTotals> totals =
+      TotalUsable(summaries, local, config_hash_, decide_.usable_ranks);
+  if (!totals.ok()) return totals.status();
+  const int num_usable = static_cast<int>(decide_.usable_ranks.size());
+  // Step 2: the engine's default plan prices the TPOT guard. With per-rank draft depths the
+  // draft time is already inside each rank's costs.
+  BestPlan plans(c, num_usable);
+  plans.SetDefaultStep(totals->default_barrier +
+                       plans.GlobalUs(totals->default_tokens, totals->max_default_tokens,
+                                      c.agreed_draft_depth ? c.default_k : 0));
+  // Step 3: sweep the barrier over the ranks' knots, for each feasible depth.
   if (!c.agreed_draft_depth) {
-    // Per-rank draft depths: every knot of every depth is a candidate for its rank, whose cost
-    // already holds its own draft time. At barrier T each rank takes its best-gain knot with
-    // cost <= T (not a prefix across depths, so gains are steps, without chords).
-    events_.clear();
-    seg_.assign(summaries.size(), Segment{});
-    for (uint32_t r : valid_) {
-      const RankSummary& s = summaries[r];
-      seg_[r].a_gain = s.base_gain;  // the rank's current gain; a_tok: its current extra tokens
-      for (int d = 0; d < kMaxDraftLen; ++d) {
-        for (int k = s.knot_begin[d]; k < s.knot_begin[d] + s.num_knots[d]; ++k) {
-          events_.push_back((uint64_t{FloatKey(s.knot_attention_us[k])} << 32) | (uint64_t{r} << 8) |
-                            static_cast<uint64_t>(k));
-        }
-      }
-    }
-    SortByCost(events_, sort_tmp_);
-    double gain = base_gain, sum_tok = base_tokens, max_tok = max_base_tokens;
-    auto apply = [&](uint64_t ev) {
-      const uint32_t r = static_cast<uint32_t>((ev >> 8) & 0xffffffu);
-      const int k = static_cast<int>(ev & 0xff);
-      const RankSummary& s = summaries[r];
-      if (s.knot_gain[k] <= seg_[r].a_gain) return;
-      gain += s.knot_gain[k] - seg_[r].a_gain;
-      sum_tok += s.knot_tokens[k] - seg_[r].a_tok;
-      seg_[r].a_gain = s.knot_gain[k];
-      seg_[r].a_tok = s.knot_tokens[k];
-      max_tok = std::max<double>(max_tok, s.base_tokens + s.knot_tokens[k]);
-    };
-    size_t e = 0;
-    for (; e < events_.size() && std::bit_cast<float>(static_cast<uint32_t>(events_[e] >> 32)) <= floor_us; ++e) {
-      apply(events_[e]);
-    }
-    consider(c.k_max, floor_us, gain, sum_tok, max_tok);
-    while (e < events_.size()) {
-      const uint32_t key = static_cast<uint32_t>(events_[e] >> 32);
-      for (; e < events_.size() && static_cast<uint32_t>(events_[e] >> 32) == key; ++e) apply(events_[e]);
-      consider(c.k_max, std::bit_cast<float>(key), gain, sum_tok, max_tok);
-    }
-    best = inc.best;
+    SweepPerRankDepths(c, summaries, *totals, decide_, plans);
+    GlobalDecision best = plans.best();
     best.draft_depth = c.k_max;  // a cap: each rank drafts to its deepest assigned length
-    best.num_planned_ranks = num_valid;
+    best.num_planned_ranks = num_usable;
     return best;
   }
-
-  // Upper bound on goodput at every barrier T' >= T of one depth. Each rank's gain from T on lies
-  // under the line a_ub + s_ub * T' (from its segment's left knot, with its steepest later
-  // slope), so the instance's gain G' <= min(A + S * T', G_max). The step is at least T' plus the
-  // global terms at today's tokens, plus the FFN time of G' - gain more tokens (an extra token
-  // adds at most one expected token). That ratio is monotone in T' between T and the T* where
-  // the line meets G_max and falls after, so the bound is its larger end value.
-  const double ffn_slope = g.padded_tokens ? 0.0 : g.ffn_per_token_us * ffn_scale;
-  auto bound = [&](double barrier, double gain, double ub_a, double ub_s, bool unbounded,
-                   double ub_gain, double global_us) {
-    auto at = [&](double t, double g_hi) {
-      return g_hi / (t + global_us + ffn_slope * std::max(0.0, g_hi - gain));
-    };
-    if (unbounded) return at(barrier, ub_gain);
-    const double g_now = std::min(ub_a + ub_s * barrier, ub_gain);
-    double v = at(barrier, g_now);
-    if (ub_s > 0 && g_now < ub_gain) v = std::max(v, at((ub_gain - ub_a) / ub_s, ub_gain));
-    return v;
-  };
-  // Prune only clearly below the best, so rounding in the bound never drops a barrier that
-  // would tie or narrowly win.
-  auto cannot_win = [&](double ub) { return best_within_guard && ub <= best_j * (1 - 1e-12); };
-
-  // Step 2: for each feasible depth, sweep the barrier T upwards over the knot costs. Every rank
-  // sits on the segment of its frontier that contains T: between knots that are single items its
-  // gain is a step (exact: items are indivisible); between knots that skip items it is the chord
-  // (the frontier is concave, so the chord is a conservative estimate that Assign's fill
-  // achieves). Totals are linear in T between events, so goodput (linear-fractional) peaks at an
-  // event. The sweep stops once the bound says no higher barrier can win; knots above the barrier
-  // where even the largest gain cannot beat the best never enter the merge.
-  const int depth_hi = std::max(depth_lo, c.k_max);
-  seg_.resize(summaries.size());
-  constexpr uint32_t kProbe = 0xffffffu;  // an event that only evaluates a barrier
-  // Rank r's segment from knot k (-1: its base) among its knots `dk` at the depth swept.
-  auto segment = [&](const RankSummary& s, DepthKnots dk, int k) {
-    const int first = dk.first;
-    const double c0 = k < 0 ? s.base_attention_us : s.knot_attention_us[first + k];
-    const double g0 = k < 0 ? s.base_gain : s.knot_gain[first + k];
-    const double t0 = k < 0 ? 0.0 : s.knot_tokens[first + k];
-    Segment sg{g0, 0, t0, 0, g0, 0, false};
-    if (k + 1 < dk.n) {
-      const double c1 = s.knot_attention_us[first + k + 1], t1 = s.knot_tokens[first + k + 1];
-      if (t1 - t0 > 1 && c1 > c0 && !c.uniform_per_rank) {  // uniform levels: steps
-        const double inv = 1.0 / (c1 - c0);
-        sg.s_gain = (s.knot_gain[first + k + 1] - g0) * inv;
-        sg.s_tok = (t1 - t0) * inv;
-        sg.a_gain = g0 - sg.s_gain * c0;
-        sg.a_tok = t0 - sg.s_tok * c0;
-      }
-    }
-    const double m = k >= 0        ? s.knot_max_slope[first + k]
-                     : dk.slot > 0 ? s.base_max_slope[dk.slot - 1]
-                                   : 0.0;
-    if (std::isinf(m)) {
-      sg.unbounded = true;
-    } else {
-      sg.s_ub = m;
-      sg.a_ub = g0 - m * c0;
-    }
-    return sg;
-  };
-
-  for (int d = depth_lo; d <= depth_hi; ++d) {
-    double a_gain = 0, s_gain = 0, a_tok = 0, s_tok = 0, ub_a = 0, ub_s = 0;
-    int unbounded = 0;
-    double max_tok = max_base_tokens, ub_gain = base_gain, top_cost = floor_us;
-    events_.clear();
-    for (uint32_t r : valid_) {
-      const RankSummary& s = summaries[r];
-      const DepthKnots dk = depth_knots(s, d);
-      const int first = dk.first, n = dk.n;
-      int k = 0;
-      for (; k < n && s.knot_attention_us[first + k] <= floor_us; ++k) {}
-      // The rank sits on the segment starting at knot k-1 (k-1 = -1: its base).
-      const Segment sg = segment(s, dk, k - 1);
-      seg_[r] = sg;
-      a_gain += sg.a_gain;
-      s_gain += sg.s_gain;
-      a_tok += sg.a_tok;
-      s_tok += sg.s_tok;
-      ub_a += sg.a_ub;
-      ub_s += sg.s_ub;
-      unbounded += sg.unbounded;
-      if (k > 0) max_tok = std::max<double>(max_tok, s.base_tokens + s.knot_tokens[first + k - 1]);
-      if (n > 0) ub_gain += s.knot_gain[first + n - 1] - s.base_gain;
-      if (c.mode == PlanMode::kFill || k == n) continue;  // fill: the barrier stays at the floor
-      top_cost = std::max<double>(top_cost, s.knot_attention_us[first + n - 1]);
-      // The rank's next knot; the merge below brings in the rest one by one.
-      events_.push_back((uint64_t{FloatKey(s.knot_attention_us[first + k])} << 32) |
-                        (uint64_t{r} << 8) | static_cast<uint64_t>(k));
-    }
-    // Knot gains are totals (base included); knot tokens are extra over the base.
-    auto gain_at = [&](double t) { return a_gain + s_gain * t; };
-    auto tokens_at = [&](double t) { return base_tokens + a_tok + s_tok * t; };
-    consider(d, floor_us, gain_at(floor_us), tokens_at(floor_us), max_tok);
-    if (c.mode == PlanMode::kFill || events_.empty()) continue;
-    if (default_barrier > floor_us) {
-      events_.push_back((uint64_t{FloatKey(static_cast<float>(default_barrier))} << 32) |
-                        (uint64_t{kProbe} << 8));
-      top_cost = std::max(top_cost, default_barrier);
-    }
-    const double global_floor = g.StepUs(ffn_tokens(tokens_at(floor_us), max_tok), d);
-    if (cannot_win(bound(floor_us, gain_at(floor_us), ub_a, ub_s, unbounded > 0,
-                         ub_gain, global_floor))) {
-      continue;
-    }
-    // Goodput at barrier T is at most G_max / (T + global terms at the floor): knots above
-    // `top` can never win (nor can steps past the TPOT guard).
-    double top = top_cost;
-    if (best_within_guard) top = std::min({top, ub_gain / best_j - global_floor, max_step - global_floor});
-    if (!(top > floor_us)) continue;  // nothing above the floor can win (NaN-safe)
-    // Merge the ranks' knot lists (each ascending in cost) with a min-heap holding each rank's
-    // next knot: only the knots the sweep reaches are ever ordered. Keys are unique (rank and
-    // knot in the low bits), so the order is deterministic.
-    const uint32_t top_key = FloatKey(static_cast<float>(top));
-    std::erase_if(events_, [&](uint64_t ev) { return static_cast<uint32_t>(ev >> 32) > top_key; });
-    auto sift_down = [&](size_t i) {  // restore the min-heap below i
-      const size_t n = events_.size();
-      const uint64_t v = events_[i];
-      for (size_t child = 2 * i + 1; child < n; child = 2 * i + 1) {
-        if (child + 1 < n && events_[child + 1] < events_[child]) ++child;
-        if (events_[child] >= v) break;
-        events_[i] = events_[child];
-        i = child;
-      }
-      events_[i] = v;
-    };
-    auto pop_top = [&] {
-      events_[0] = events_.back();
-      events_.pop_back();
-      if (!events_.empty()) sift_down(0);
-    };
-    for (size_t i = events_.size() / 2; i-- > 0;) sift_down(i);
-    int groups = 0;
-    while (!events_.empty()) {
-      const uint32_t key = static_cast<uint32_t>(events_[0] >> 32);
-      const double barrier = std::bit_cast<float>(key);
-      // The bound every other barrier: it costs a few divisions, an event a few additions.
-      if (best_within_guard && (groups++ & 1) == 0) {
-        const double global_now = g.StepUs(ffn_tokens(tokens_at(barrier), max_tok), d);
-        if (barrier + global_now > max_step ||
-            cannot_win(bound(barrier, gain_at(barrier), ub_a, ub_s, unbounded > 0,
-                             ub_gain, global_now))) {
-          break;  // no later barrier can win (steps only grow from here)
-        }
-      }
-      while (!events_.empty() && static_cast<uint32_t>(events_[0] >> 32) == key) {
-        const uint64_t ev = events_[0];
-        const uint32_t r = static_cast<uint32_t>((ev >> 8) & 0xffffffu);
-        if (r == kProbe) {
-          pop_top();
-          continue;
-        }
-        const int k = static_cast<int>(ev & 0xff);
-        const RankSummary& s = summaries[r];
-        const DepthKnots dk = depth_knots(s, d);
-        const Segment sg = segment(s, dk, k);
-        Segment& cur = seg_[r];
-        a_gain += sg.a_gain - cur.a_gain;
-        s_gain += sg.s_gain - cur.s_gain;
-        a_tok += sg.a_tok - cur.a_tok;
-        s_tok += sg.s_tok - cur.s_tok;
-        ub_a += sg.a_ub - cur.a_ub;
-        ub_s += sg.s_ub - cur.s_ub;
-        unbounded += static_cast<int>(sg.unbounded) - static_cast<int>(cur.unbounded);
-        cur = sg;
-        max_tok = std::max<double>(max_tok, s.base_tokens + s.knot_tokens[dk.first + k]);
-        // The rank's next knot takes its place in the heap, unless it lies past the cut-off.
-        const uint32_t next_key =
-            k + 1 < dk.n ? FloatKey(s.knot_attention_us[dk.first + k + 1]) : top_key + 1;
-        if (next_key <= top_key) {
-          events_[0] = (uint64_t{next_key} << 32) | (uint64_t{r} << 8) | static_cast<uint64_t>(k + 1);
-          sift_down(0);
-        } else {
-          pop_top();
-        }
-      }
-      consider(d, barrier, gain_at(barrier), tokens_at(barrier), max_tok);
-    }
+  decide_.segments.resize(summaries.size());
+  const int depth_hi = std::max(totals->depth_lo, c.k_max);
+  for (int d = totals->depth_lo; d <= depth_hi; ++d) {
+    SweepDepth(c, d, summaries, *totals, decide_, plans);
   }
-  best = inc.best;
-  best.num_planned_ranks = num_valid;
-  // A rank that sent no usable summary runs the engine's default lengths; every rank sees that
-  // in the same bytes, so all agree to draft deep enough for it (an MTP draft has MoE layers:
-  // one depth for the whole instance).
-  if (!local && num_valid < static_cast<int>(summaries.size())) {
+  // Step 4: a rank that sent no usable summary runs the engine's default lengths; every rank
+  // sees that in the same bytes, so all agree to draft deep enough for it (an MTP draft has MoE
+  // layers: one depth for the whole instance).
+  GlobalDecision best = plans.best();
+  best.num_planned_ranks = num_usable;
+  if (!local && num_usable < static_cast<int>(summaries.size())) {
     best.draft_depth = std::max(best.draft_depth, c.default_k);
   }
   return best;
+}
+
+double Planner::MinItemGain(double tokens_per_us) const {
+  return config_.global.padded_tokens ? 0.0 : tokens_per_us * config_.global.ffn_per_token_us;
+}
+
+double Planner::RankDraftUs() const {
+  return config_.agreed_draft_depth ? 0.0 : config_.global.draft_per_step_us;
 }
 
 absl::Status Planner::Assign(const GlobalDecision& decision, absl::Span<int32_t> verify_len) {
@@ -819,14 +984,14 @@ int Planner::UniformLens(const LocalState& st, int level, absl::Span<int32_t> le
   return deepest;
 }
 
-void Planner::SummarizeUniform(LocalState& st, double base_gain, int64_t kv_cap,
-                               RankSummary& s) const {
+void Planner::SummarizeUniform(LocalState& st, int64_t kv_cap, RankSummary& s) const {
   // One knot per level that adds tokens, priced exactly (a grid model simulates the launch),
   // stored once and shared by every depth at or above it: depth d reads the first knots, those
   // of levels <= d. Levels past the KV budget are left out whole (a level is all or nothing).
   // Every level is kept for Assign (st.levels), also past the last knot.
   const size_t n = st.batch.size();
-  const double rank_draft_us = config_.agreed_draft_depth ? 0.0 : config_.global.draft_per_step_us;
+  const double rank_draft_us = RankDraftUs();
+  const double base_gain = st.base_gain;
   std::vector<int32_t> lens(n);
   std::vector<RequestLoad> loads(n);
   bool open = true;  // still adding knots
@@ -834,9 +999,7 @@ void Planner::SummarizeUniform(LocalState& st, double base_gain, int64_t kv_cap,
   int stored = 0;
   int64_t prev_added = 0;
   double cost = st.base_attention_us, prev_gain = base_gain;
-  const double min_gain = config_.global.padded_tokens
-                              ? 0.0
-                              : last_tokens_per_us_ * config_.global.ffn_per_token_us;
+  const double min_gain = MinItemGain(last_tokens_per_us_);
   for (int level = 1; level <= s.max_depth; ++level) {
     upto[level] = stored;
     const int deepest = UniformLens(st, level, absl::MakeSpan(lens));
@@ -857,7 +1020,7 @@ void Planner::SummarizeUniform(LocalState& st, double base_gain, int64_t kv_cap,
       open = false;
       continue;
     }
-    cost = std::max(cost, us);  // more work is never cheaper (see Summarize)
+    cost = std::max(cost, us);  // more work is never cheaper (see OrderItems)
     s.knot_attention_us[stored] = static_cast<float>(cost);
     s.knot_gain[stored] = static_cast<float>(std::max(gain, base_gain));
     s.knot_tokens[stored] = static_cast<uint16_t>(added);
@@ -877,121 +1040,166 @@ void Planner::SummarizeUniform(LocalState& st, double base_gain, int64_t kv_cap,
   }
 }
 
-double Planner::FillUnder(const LocalState& st, const GlobalDecision& d, int depth_cap,
-                          absl::Span<int32_t> verify_len) const {
-  // Greedy fill in gain-per-microsecond order, skipping items that do not fit: attention (plus,
-  // with per-rank draft depths, this rank's own draft time) must stay under the agreed barrier,
-  // tokens under the padded tier (padded mode) or each item must pay for its FFN time at the
-  // planned goodput, and extra tokens within the KV budget.
+double Planner::FillUniform(const LocalState& st, const GlobalDecision& d, int depth_cap,
+                            absl::Span<int32_t> verify_len) const {
+  // The deepest level that fits under the barrier, the KV budget and the padded tier, and whose
+  // extra tokens over the level below it taken pay for their FFN time at the planned goodput
+  // (the items' rule). Level 0 is the base (every request at its floor). Levels are priced
+  // exactly, and a kernel grid's launch is not monotone in the tokens (waves, tiles), so a level
+  // above one that does not fit may still fit: every level is tried. It is at least the knot
+  // Decide placed this rank on, whose price is the running maximum.
   const GlobalCost& g = config_.global;
-  const double rank_draft_us = config_.agreed_draft_depth ? 0.0 : g.draft_per_step_us;
-  const double min_gain = g.padded_tokens ? 0.0 : d.tokens_per_us * g.ffn_per_token_us;
-  const double barrier = d.barrier_us * (1 + kBarrierSlack) + kBarrierSlack;
-  const int64_t kv_cap =
-      st.kv_free_tokens < 0 ? std::numeric_limits<int64_t>::max() : st.kv_free_tokens;
-  const size_t n = st.batch.size();
-  if (config_.uniform_per_rank) {
-    // The deepest level that fits under the barrier, the KV budget and the padded tier, and
-    // whose extra tokens over the level below it taken pay for their FFN time at the planned
-    // goodput (the items' rule). Level 0 is the base (every request at its floor). Levels are
-    // priced exactly, and a kernel grid's launch is not monotone in the tokens (waves, tiles),
-    // so a level above one that does not fit may still fit: every level is tried. It is at
-    // least the knot Decide placed this rank on, whose price is the running maximum.
-    const double base_tokens = st.base_agg.query_tokens;
-    int best = 0;
-    for (int level = 1; level <= depth_cap; ++level) {
-      const LocalState::Level &l = st.levels[level], &b = st.levels[best];
-      if (l.added == b.added || l.us > barrier || l.added > kv_cap ||
-          (g.padded_tokens && base_tokens + static_cast<double>(l.added) > d.padded_rank_tokens) ||
-          l.gain - b.gain < min_gain * static_cast<double>(l.added - b.added)) {
-        continue;
-      }
-      best = level;
+  const double min_gain = MinItemGain(d.tokens_per_us);
+  const double barrier = FillBarrierUs(d);
+  const int64_t kv_cap = KvCap(st.kv_free_tokens);
+  const double base_tokens = st.base_agg.query_tokens;
+  int best = 0;
+  for (int level = 1; level <= depth_cap; ++level) {
+    const LocalState::Level &l = st.levels[level], &b = st.levels[best];
+    if (l.added == b.added || l.us > barrier || l.added > kv_cap ||
+        (g.padded_tokens && base_tokens + static_cast<double>(l.added) > d.padded_rank_tokens) ||
+        l.gain - b.gain < min_gain * static_cast<double>(l.added - b.added)) {
+      continue;
     }
-    UniformLens(st, best, verify_len);
-    return st.levels[best].gain;
+    best = level;
   }
-  for (size_t i = 0; i < n; ++i) verify_len[i] = st.base_len[i];
-  int64_t extra = 0;
-  int deepest = st.min_depth;
-  // One greedy pass from `agg` (the aggregates of the current plan); appends what it takes.
-  std::vector<uint32_t> added;  // indices into st.items, in the order taken
-  auto greedy = [&](BatchAggregates agg) {
-    for (uint32_t idx = 0; idx < st.items.size(); ++idx) {
-      const Item& it = st.items[idx];
+  UniformLens(st, best, verify_len);
+  return st.levels[best].gain;
+}
+
+// Assign's fill of one rank: greedy in gain-per-microsecond order, skipping items that do not
+// fit: attention (plus, with per-rank draft depths, this rank's own draft time) must stay under
+// the agreed barrier, tokens under the padded tier (padded mode) or each item must pay for its
+// FFN time at the planned goodput, and extra tokens within the KV budget.
+class Planner::Filler {
+ public:
+  Filler(const Planner& planner, const LocalState& st, const GlobalDecision& d, int depth_cap,
+         absl::Span<int32_t> verify_len)
+      : planner_(planner),
+        st_(st),
+        decision_(d),
+        depth_cap_(depth_cap),
+        verify_len_(verify_len),
+        rank_draft_us_(planner.RankDraftUs()),
+        min_gain_(planner.MinItemGain(d.tokens_per_us)),
+        barrier_us_(FillBarrierUs(d)),
+        kv_cap_(KvCap(st.kv_free_tokens)),
+        deepest_(st.min_depth) {
+    for (size_t i = 0; i < st.batch.size(); ++i) verify_len_[i] = st.base_len[i];
+  }
+
+  // One greedy pass over the items from `agg` (the aggregates of the current plan); appends what
+  // it takes to `added_`.
+  void Greedy(BatchAggregates agg) {
+    const CostModel& model = planner_.model_;
+    const bool padded = planner_.config_.global.padded_tokens;
+    for (uint32_t idx = 0; idx < st_.items.size(); ++idx) {
+      const Item& it = st_.items[idx];
       const int32_t i = it.req_idx(), pos = it.pos();
-      if (pos > depth_cap || verify_len[i] != pos - 1) continue;
-      if (st.batch[i].acceptance.Accept(pos) < min_gain || extra >= kv_cap) continue;
-      if (g.padded_tokens && agg.query_tokens + 1 > d.padded_rank_tokens) continue;
+      if (pos > depth_cap_ || verify_len_[i] != pos - 1) continue;
+      if (st_.batch[i].acceptance.Accept(pos) < min_gain_ || extra_tokens_ >= kv_cap_) continue;
+      if (padded && agg.query_tokens + 1 > decision_.padded_rank_tokens) continue;
       const BatchAggregates::TokenMark mark = agg.Mark();
-      agg.AddQueryToken(RequestLoad{st.batch[i].ctx_tokens, pos});
-      const int next_deepest = std::max(deepest, static_cast<int>(pos));
-      if (model_.AttentionUs(agg) + rank_draft_us * next_deepest > barrier) {
+      agg.AddQueryToken(RequestLoad{st_.batch[i].ctx_tokens, pos});
+      const int next_deepest = std::max(deepest_, static_cast<int>(pos));
+      if (model.AttentionUs(agg) + rank_draft_us_ * next_deepest > barrier_us_) {
         agg.Restore(mark);
         continue;
       }
-      deepest = next_deepest;
-      verify_len[i] = pos;
-      ++extra;
-      added.push_back(idx);
+      deepest_ = next_deepest;
+      verify_len_[i] = pos;
+      ++extra_tokens_;
+      added_.push_back(idx);
     }
-  };
-  greedy(st.base_agg);
-  auto plan_gain = [&] {
-    double gain = 0;
-    for (size_t i = 0; i < n; ++i) gain += st.batch[i].acceptance.ExpectedTokens(verify_len[i]);
-    return gain;
-  };
-  if (!model_.uses_grid() || added.empty() ||
-      !model_.kernel_grid().VerifyTermsDependOnQueryTokens(1 + depth_cap)) {
-    return plan_gain();
   }
+  bool took_any() const { return !added_.empty(); }
 
   // With a kernel grid the greedy moved the simulated terms linearly from the base, and a real
   // launch is not linear: waves and tails jump. The barrier is a max over ranks, so every rank
-  // whose plan the line underestimates would set a higher one. Check the plan with a
-  // simulation; if it is over the barrier, keep the longest prefix of what was added that fits
-  // (bisection); if it fits, fill on from a simulation at the plan, where the line is close.
+  // whose plan the line underestimates would set a higher one. Checks the plan with a
+  // simulation; if it is over the barrier, keeps the longest prefix of what was added that fits
+  // (bisection); if it fits, fills on from a simulation at the plan, where the line is close.
   // A few simulations per step (kMaxFillRounds + about log2 of the items added).
-  constexpr int kMaxFillRounds = 3;
-  std::vector<int32_t> committed(st.base_len.begin(), st.base_len.end());  // fits (the base does)
-  std::vector<RequestLoad> loads(n);
-  BatchAggregates exact;  // the last plan simulated (its verify launch: every plan here adds)
-  auto simulate = [&](absl::Span<const int32_t> lens) {
-    int deep = st.min_depth;
-    for (size_t i = 0; i < n; ++i) {
-      loads[i] = RequestLoad{st.batch[i].ctx_tokens, 1 + lens[i]};
-      deep = std::max(deep, static_cast<int>(lens[i]));
-    }
-    exact = model_.Aggregate(loads);
-    return model_.AttentionUs(exact) + rank_draft_us * deep;
-  };
-  auto apply_prefix = [&](size_t m) {  // committed plan plus the first m items added
-    std::copy(committed.begin(), committed.end(), verify_len.begin());
-    for (size_t a = 0; a < m; ++a) {
-      const Item& it = st.items[added[a]];
-      verify_len[it.req_idx()] = it.pos();
-    }
-  };
-  for (int round = 1;; ++round) {
-    if (simulate(verify_len) > barrier) {
-      size_t lo = 0, hi = added.size();  // the committed plan fits; all of `added` does not
-      while (hi - lo > 1) {
-        const size_t mid = lo + (hi - lo) / 2;
-        apply_prefix(mid);
-        (simulate(verify_len) <= barrier ? lo : hi) = mid;
+  void KeepUnderSimulatedLaunch() {
+    constexpr int kMaxFillRounds = 3;
+    committed_.assign(st_.base_len.begin(), st_.base_len.end());  // fits (the base does)
+    loads_.resize(st_.batch.size());
+    for (int round = 1;; ++round) {
+      if (Simulate(verify_len_) > barrier_us_) {
+        size_t lo = 0, hi = added_.size();  // the committed plan fits; all of `added_` does not
+        while (hi - lo > 1) {
+          const size_t mid = lo + (hi - lo) / 2;
+          ApplyPrefix(mid);
+          (Simulate(verify_len_) <= barrier_us_ ? lo : hi) = mid;
+        }
+        ApplyPrefix(lo);
+        return;
       }
-      apply_prefix(lo);
-      break;
+      if (round == kMaxFillRounds) return;
+      std::copy(verify_len_.begin(), verify_len_.end(), committed_.begin());
+      added_.clear();
+      Greedy(exact_);  // `exact_` holds the simulated plan: the line starts from here
+      if (added_.empty()) return;
     }
-    if (round == kMaxFillRounds) break;
-    std::copy(verify_len.begin(), verify_len.end(), committed.begin());
-    added.clear();
-    greedy(exact);  // `exact` holds the simulated plan: the line starts from here
-    if (added.empty()) break;
   }
-  return plan_gain();
+
+  // Expected tokens of the plan in verify_len.
+  double PlanGain() const {
+    double gain = 0;
+    for (size_t i = 0; i < st_.batch.size(); ++i) {
+      gain += st_.batch[i].acceptance.ExpectedTokens(verify_len_[i]);
+    }
+    return gain;
+  }
+
+ private:
+  // The plan `lens` priced by simulating its launch (every plan here adds verify tokens, so it
+  // runs the verify launch); `exact_` keeps its aggregates.
+  double Simulate(absl::Span<const int32_t> lens) {
+    int deepest = st_.min_depth;
+    for (size_t i = 0; i < st_.batch.size(); ++i) {
+      loads_[i] = RequestLoad{st_.batch[i].ctx_tokens, 1 + lens[i]};
+      deepest = std::max(deepest, static_cast<int>(lens[i]));
+    }
+    exact_ = planner_.model_.Aggregate(loads_);
+    return planner_.model_.AttentionUs(exact_) + rank_draft_us_ * deepest;
+  }
+  // The committed plan plus the first m items added.
+  void ApplyPrefix(size_t m) {
+    std::copy(committed_.begin(), committed_.end(), verify_len_.begin());
+    for (size_t a = 0; a < m; ++a) {
+      const Item& it = st_.items[added_[a]];
+      verify_len_[it.req_idx()] = it.pos();
+    }
+  }
+
+  const Planner& planner_;
+  const LocalState& st_;
+  const GlobalDecision& decision_;
+  const int depth_cap_;
+  absl::Span<int32_t> verify_len_;
+  const double rank_draft_us_, min_gain_, barrier_us_;
+  const int64_t kv_cap_;
+  int deepest_;
+  int64_t extra_tokens_ = 0;
+  std::vector<uint32_t> added_;  // indices into st_.items, in the order taken
+  std::vector<int32_t> committed_;
+  std::vector<RequestLoad> loads_;
+  BatchAggregates exact_;  // the last plan simulated
+};
+
+double Planner::FillUnder(const LocalState& st, const GlobalDecision& d, int depth_cap,
+                          absl::Span<int32_t> verify_len) const {
+  if (config_.uniform_per_rank) return FillUniform(st, d, depth_cap, verify_len);
+  Filler fill(*this, st, d, depth_cap, verify_len);
+  fill.Greedy(st.base_agg);
+  if (model_.uses_grid() && fill.took_any() &&
+      model_.kernel_grid().VerifyTermsDependOnQueryTokens(1 + depth_cap)) {
+    fill.KeepUnderSimulatedLaunch();
+  }
+  return fill.PlanGain();
 }
+
 
 absl::StatusOr<GlobalDecision> Planner::PlanAll(absl::Span<const std::vector<PlanRequest>> batches,
                                                 absl::Span<const int64_t> kv_free_tokens,

@@ -227,7 +227,7 @@ TEST(PlannerProperties, DeterministicAndRespectsConstraintsOnRandomInstances) {
     const RankRun run = RunAsRanks(c, m, b, kv);
     const GlobalDecision& d0 = run.decisions[0];
     for (const GlobalDecision& d : run.decisions) {
-      EXPECT_EQ(std::memcmp(&d, &d0, sizeof(d)), 0) << "ranks disagree on the decision";
+      EXPECT_EQ(d, d0) << "ranks disagree on the decision";
     }
     for (int r = 0; r < ranks; ++r) {
       BatchAggregates a;
@@ -253,7 +253,7 @@ TEST(PlannerProperties, DeterministicAndRespectsConstraintsOnRandomInstances) {
     std::vector<std::vector<int32_t>> k2;
     absl::StatusOr<GlobalDecision> d2 = all.PlanAll(b, kv, &k2);
     ASSERT_TRUE(d2.ok());
-    EXPECT_EQ(std::memcmp(&*d2, &d0, sizeof(d0)), 0);
+    EXPECT_EQ(*d2, d0);
     EXPECT_EQ(k2, run.k);
   }
 }

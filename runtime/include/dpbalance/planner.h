@@ -18,6 +18,7 @@
 // Errors: every method returns absl::Status naming the bad value and where it came from.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string_view>
 #include <vector>
@@ -70,8 +71,9 @@ struct PlannerConfig {
   bool uniform_per_rank = false;
 
   absl::Status Validate() const;
-  // Hash over everything that must agree across ranks (the cost model hash is mixed in by the
-  // caller through Planner, since each rank carries its own calibrated model).
+  // Hash over everything that must agree across ranks. The cost model is not in it: each rank
+  // prices its own batch with its own (calibrated, refitted online) model, and the summaries
+  // carry prices, not coefficients.
   uint64_t Hash() const;
 };
 
@@ -94,7 +96,27 @@ struct GlobalDecision {
   int64_t ffn_tokens = 0;          // tokens the FFN term was charged for
   int32_t padded_rank_tokens = 0;  // per-rank token tier (padded mode), else 0
   int num_planned_ranks = 0;       // ranks whose summaries were valid
+
+  bool operator==(const GlobalDecision&) const = default;  // every field equal
 };
+
+namespace internal {
+// Decide's scratch (planner.cc), kept between calls so a warm planner does not allocate.
+// One rank's frontier between two knots, as lines in the barrier T: its gain
+// gain0 + gain_slope * T and extra tokens tokens0 + tokens_slope * T, and a line
+// bound0 + bound_slope * T above its gain at every barrier from here on (none when `unbounded`:
+// a later knot costs no more but gains more).
+struct FrontierSegment {
+  double gain0 = 0, gain_slope = 0, tokens0 = 0, tokens_slope = 0;
+  double bound0 = 0, bound_slope = 0;
+  bool unbounded = false;
+};
+struct DecideScratch {
+  std::vector<uint32_t> usable_ranks;      // indices of the summaries that take part
+  std::vector<uint64_t> events, sort_tmp;  // knot events: cost key, rank, knot index
+  std::vector<FrontierSegment> segments;   // per rank: the segment it sits on
+};
+}  // namespace internal
 
 class Planner {
  public:
@@ -149,7 +171,9 @@ class Planner {
     std::vector<RequestLoad> base_loads;  // for the kernel-grid simulation (grid models only)
     std::vector<RequestLoad> default_loads;  // the engine's default plan (scratch)
     double base_attention_us = 0;
-    int min_depth = 0;  // the deepest floor
+    double base_gain = 0;  // expected tokens of the base plan
+    int min_depth = 0;     // the deepest floor
+    int max_cap = 0;       // the largest k_cap
     // Uniform-per-rank mode, from Summarize: each level's exact attention (+ own draft) time,
     // expected tokens and query tokens over the base (level 0 is the base).
     struct Level {
@@ -160,31 +184,41 @@ class Planner {
   };
   absl::Status SummarizeInto(LocalState& st, int rank_idx, absl::Span<const PlanRequest> batch,
                              int64_t kv_free_tokens, RankSummary* out) const;
-  absl::StatusOr<GlobalDecision> DecidePerRankDepth(absl::Span<const RankSummary> summaries) const;
+  // Summarize's steps: the base plan (every request at its floor) into `st`; the summary's
+  // header and base; the engine's default plan (the TPOT guard's reference); the extra-token
+  // items by gain per microsecond; the items each depth can take; the knots of every depth.
+  void SetBase(LocalState& st, absl::Span<const PlanRequest> batch, int64_t kv_free_tokens) const;
+  void StartSummary(const LocalState& st, int rank_idx, RankSummary& s) const;
+  void SummarizeDefault(LocalState& st, RankSummary& s) const;
+  void OrderItems(LocalState& st) const;
+  static std::array<int64_t, kMaxDraftLen + 1> ItemsPerDepth(absl::Span<const Item> items,
+                                                             int64_t kv_cap);
+  void WalkKnots(const LocalState& st, const std::array<int64_t, kMaxDraftLen + 1>& avail,
+                 const std::array<int, kMaxDraftLen + 1>& share, RankSummary& s) const;
+  // Uniform-per-rank mode: each level a knot, priced exactly.
+  void SummarizeUniform(LocalState& st, int64_t kv_cap, RankSummary& s) const;
   // Greedy fill under the barrier with draft positions <= depth_cap; returns the expected gain.
   double FillUnder(const LocalState& st, const GlobalDecision& d, int depth_cap,
                    absl::Span<int32_t> verify_len) const;
+  class Filler;  // FillUnder's greedy fill of the items (planner.cc)
+  // Uniform-per-rank mode: the deepest level that fits; returns its expected gain.
+  double FillUniform(const LocalState& st, const GlobalDecision& d, int depth_cap,
+                     absl::Span<int32_t> verify_len) const;
   // Uniform-per-rank mode: the lengths at `level`; returns the deepest.
   int UniformLens(const LocalState& st, int level, absl::Span<int32_t> lens) const;
-  void SummarizeUniform(LocalState& st, double base_gain, int64_t kv_cap, RankSummary& s) const;
   absl::Status AssignFrom(const LocalState& st, const GlobalDecision& decision,
                           absl::Span<int32_t> verify_len) const;
+  // Expected tokens an extra verify token must add to pay for its FFN time at `tokens_per_us`
+  // (0 with padded tokens: the tier is paid, not the token).
+  double MinItemGain(double tokens_per_us) const;
+  // Draft time per draft step that is this rank's own, before the barrier: a dense draft run to
+  // the rank's depth; 0 when the depth is agreed (its cost is global).
+  double RankDraftUs() const;
 
   LocalState local_;
   std::vector<LocalState> all_local_;     // PlanAll: one per rank
   std::vector<RankSummary> all_summaries_;
-  mutable std::vector<uint64_t> events_;  // Decide scratch
-  mutable std::vector<uint64_t> sort_tmp_;
-  // Decide scratch: each rank's current frontier segment as gain(T) = a_gain + s_gain * T and
-  // extra_tokens(T) = a_tok + s_tok * T for barrier T, and a_ub + s_ub * T, a line above its gain
-  // at every barrier from here on (unbounded: a later knot costs no more but gains more).
-  struct Segment {
-    double a_gain = 0, s_gain = 0, a_tok = 0, s_tok = 0;
-    double a_ub = 0, s_ub = 0;
-    bool unbounded = false;
-  };
-  mutable std::vector<Segment> seg_;
-  mutable std::vector<uint32_t> valid_;   // Decide scratch
+  mutable internal::DecideScratch decide_;
 };
 
 }  // namespace dpbalance
