@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "absl/strings/str_format.h"
+#include "dpbalance/calibration.h"
 #include "dpbalance/log.h"
 #include "hash.h"
 
@@ -145,8 +146,8 @@ void Balancer::KeepInStep() {
   if (!comm_->ordered() || !comm_->healthy()) return;
   // Every receiver rejects a zero record (bad magic) and disables itself too, so all ranks end
   // up here, each still calling once per step.
-  std::memset(&mine_, 0, sizeof(mine_));
-  Exchange(mine_, config_.timeout).IgnoreError();
+  std::memset(&own_summary_, 0, sizeof(own_summary_));
+  Exchange(own_summary_, config_.timeout).IgnoreError();
 }
 
 PlanOutcome Balancer::Plan(absl::Span<const BalancerRequest> batch, int64_t kv_free_tokens,
@@ -175,63 +176,18 @@ PlanOutcome Balancer::PlanStep(absl::Span<const BalancerRequest> batch, int64_t 
     KeepInStep();
     return out;
   }
-
   // Step 1: this rank's summary. Bad local input still joins the exchange, marked unusable.
-  plan_batch_.resize(batch.size());
-  for (size_t i = 0; i < batch.size() && local.ok(); ++i) {
-    const BalancerRequest& q = batch[i];
-    PlanRequest& p = plan_batch_[i];
-    p.ctx_tokens = q.ctx_tokens;
-    p.k_cap = q.k_cap;
-    if (!q.draft_confidence.empty()) {
-      absl::StatusOr<AcceptanceCurve> c = AcceptanceCurve::FromConfidences(q.draft_confidence);
-      if (!c.ok()) {
-        local = absl::InvalidArgumentError(absl::StrFormat("request %d: %s", q.request_id, c.status().message()));
-        break;
-      }
-      p.acceptance = *c;
-    } else {
-      p.acceptance = estimator_.Curve(q.request_id);
-    }
-    // The SLO floor is never above k_cap (DefaultVerifyLen); a bad k_min fails in Summarize.
-    p.k_min = std::max(q.k_min, slo_.Floor(q.request_id, DefaultVerifyLen(config_.planner.default_k, q.k_cap),
-                                           p.acceptance));
-  }
-  if (local.ok()) local = planner_.Summarize(rank_, plan_batch_, kv_free_tokens, &mine_);
-  if (!local.ok()) {
-    std::memset(&mine_, 0, sizeof(mine_));
-    mine_.magic = kSummaryMagic;
-    mine_.version = kSummaryVersion;
-    mine_.config_hash = planner_.config_hash();
-    mine_.rank_idx = static_cast<uint32_t>(rank_);
-  }
-  mine_.step_idx = static_cast<uint32_t>(step);
-  mine_.prev_attention_us = static_cast<float>(prev_attention_us_);
-  mine_.prev_step_us = static_cast<float>(prev_step_us_);
-  mine_.prev_accepted_tokens = static_cast<float>(prev_tokens_);
-
+  if (local.ok()) local = ToPlanBatch(batch);
+  if (local.ok()) local = planner_.Summarize(rank_, plan_batch_, kv_free_tokens, &own_summary_);
+  StampOwnSummary(local, step);
   // Step 2: the exchange.
-  absl::Status s = Exchange(mine_, config_.timeout);
-  if (!s.ok()) {
+  if (absl::Status s = Exchange(own_summary_, config_.timeout); !s.ok()) {
     Fail(s);
     out.status = s;
     return out;
   }
-  // Step 3: everyone agrees on the step (the smallest index sent) and so on the A/B arm.
-  uint32_t agreed_step = mine_.step_idx;
-  for (const RankSummary& r : gathered_) agreed_step = std::min(agreed_step, r.step_idx);
-  const bool arm_on = ArmOn(agreed_step);
-  if (have_prev_arm_) AccountPreviousStep(gathered_, prev_arm_on_, prev_planned_barrier);
-  const int64_t epoch = config_.ab_epoch_steps > 0 ? agreed_step / config_.ab_epoch_steps : 0;
-  if (epoch != epoch_) {
-    arm_on_.EndEpoch();
-    arm_off_.EndEpoch();
-    epoch_ = epoch;
-  }
-  prev_arm_on_ = arm_on;
-  have_prev_arm_ = true;
-  if (config_.log_every_steps > 0 && step > 0 && step % config_.log_every_steps == 0) MaybeLog();
-
+  // Step 3: everyone agrees on the step and so on the A/B arm.
+  const bool arm_on = AgreeOnStep(step, prev_planned_barrier);
   predicted_attention_us_ = -1;
   if (!local.ok()) {
     // This rank runs its defaults, but must draft as deep as every other rank agrees to.
@@ -247,6 +203,68 @@ PlanOutcome Balancer::PlanStep(absl::Span<const BalancerRequest> batch, int64_t 
     return out;
   }
   // Step 4: the global decision (same bytes on every rank) and this rank's verify lengths.
+  DecideAndAssign(batch, verify_len, out);
+  return out;
+}
+
+absl::Status Balancer::ToPlanBatch(absl::Span<const BalancerRequest> batch) {
+  plan_batch_.resize(batch.size());
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const BalancerRequest& q = batch[i];
+    PlanRequest& p = plan_batch_[i];
+    p.ctx_tokens = q.ctx_tokens;
+    p.k_cap = q.k_cap;
+    if (!q.draft_confidence.empty()) {
+      absl::StatusOr<AcceptanceCurve> c = AcceptanceCurve::FromConfidences(q.draft_confidence);
+      if (!c.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("request %d: %s", q.request_id, c.status().message()));
+      }
+      p.acceptance = *c;
+    } else {
+      p.acceptance = estimator_.Curve(q.request_id);
+    }
+    // The SLO floor is never above k_cap (DefaultVerifyLen); a bad k_min fails in Summarize.
+    p.k_min = std::max(q.k_min, slo_.Floor(q.request_id, DefaultVerifyLen(config_.planner.default_k, q.k_cap),
+                                           p.acceptance));
+  }
+  return absl::OkStatus();
+}
+
+void Balancer::StampOwnSummary(const absl::Status& local, uint64_t step) {
+  if (!local.ok()) {  // a record the others recognise and exclude (no kSummaryValid flag)
+    std::memset(&own_summary_, 0, sizeof(own_summary_));
+    own_summary_.magic = kSummaryMagic;
+    own_summary_.version = kSummaryVersion;
+    own_summary_.config_hash = planner_.config_hash();
+    own_summary_.rank_idx = static_cast<uint32_t>(rank_);
+  }
+  own_summary_.step_idx = static_cast<uint32_t>(step);
+  own_summary_.prev_attention_us = static_cast<float>(prev_attention_us_);
+  own_summary_.prev_step_us = static_cast<float>(prev_step_us_);
+  own_summary_.prev_accepted_tokens = static_cast<float>(prev_tokens_);
+}
+
+bool Balancer::AgreeOnStep(uint64_t step, double prev_planned_barrier) {
+  // The agreed step is the smallest index sent: it picks the A/B arm and epoch on every rank.
+  uint32_t agreed_step = own_summary_.step_idx;
+  for (const RankSummary& r : gathered_) agreed_step = std::min(agreed_step, r.step_idx);
+  const bool arm_on = ArmOn(agreed_step);
+  if (have_prev_arm_) AccountPreviousStep(gathered_, prev_arm_on_, prev_planned_barrier);
+  const int64_t epoch = config_.ab_epoch_steps > 0 ? agreed_step / config_.ab_epoch_steps : 0;
+  if (epoch != epoch_) {
+    arm_on_.EndEpoch();
+    arm_off_.EndEpoch();
+    epoch_ = epoch;
+  }
+  prev_arm_on_ = arm_on;
+  have_prev_arm_ = true;
+  if (config_.log_every_steps > 0 && step > 0 && step % config_.log_every_steps == 0) MaybeLog();
+  return arm_on;
+}
+
+void Balancer::DecideAndAssign(absl::Span<const BalancerRequest> batch,
+                               absl::Span<int32_t> verify_len, PlanOutcome& out) {
   absl::StatusOr<GlobalDecision> d = planner_.Decide(gathered_);
   if (!d.ok()) {
     if (d.status().code() == absl::StatusCode::kFailedPrecondition) {
@@ -256,7 +274,7 @@ PlanOutcome Balancer::PlanStep(absl::Span<const BalancerRequest> batch, int64_t 
     }
     out.status = d.status();
     Fallback(batch, verify_len);
-    return out;
+    return;
   }
   if (absl::Status a = planner_.Assign(*d, verify_len); !a.ok()) {
     // Only this rank failed: every other rank drafts the agreed depth, so this one must too (an
@@ -270,7 +288,7 @@ PlanOutcome Balancer::PlanStep(absl::Span<const BalancerRequest> batch, int64_t 
     } else {
       Fallback(batch, verify_len);
     }
-    return out;
+    return;
   }
   planned_loads_.clear();
   for (size_t i = 0; i < batch.size(); ++i) planned_loads_.push_back({batch[i].ctx_tokens, 1 + verify_len[i]});
@@ -287,7 +305,6 @@ PlanOutcome Balancer::PlanStep(absl::Span<const BalancerRequest> batch, int64_t 
     out.draft_depth = 0;
     for (int32_t v : verify_len) out.draft_depth = std::max(out.draft_depth, static_cast<int>(v));
   }
-  return out;
 }
 
 void Balancer::AccountPreviousStep(absl::Span<const RankSummary> all, bool prev_arm_on,

@@ -33,12 +33,13 @@
 #include "absl/types/span.h"
 #include "dpbalance/acceptance.h"
 #include "dpbalance/allgather.h"
-#include "dpbalance/calibration.h"
 #include "dpbalance/metrics.h"
 #include "dpbalance/planner.h"
 #include "dpbalance/tpot_slo.h"
 
 namespace dpbalance {
+
+class OnlineCostModel;  // calibration.h (internal): the online refit a Balancer may own
 
 struct BalancerConfig {
   PlannerConfig planner;                   // num_ranks, mode, k_max, default_k, global terms...
@@ -128,6 +129,15 @@ class Balancer {
   absl::Status Exchange(const RankSummary& send, absl::Duration timeout);
   PlanOutcome PlanStep(absl::Span<const BalancerRequest> batch, int64_t kv_free_tokens,
                        absl::Span<int32_t> verify_len, absl::Status local);
+  // PlanStep's steps: the engine's batch as the planner's (acceptance curves, SLO floors) into
+  // plan_batch_; this step's index and previous measurements on own_summary_ (a bare record
+  // when `local` failed); the agreed step, A/B arm and epoch, with the previous step accounted
+  // (returns whether the arm is on); the decision and this rank's lengths into `out`.
+  absl::Status ToPlanBatch(absl::Span<const BalancerRequest> batch);
+  void StampOwnSummary(const absl::Status& local, uint64_t step);
+  bool AgreeOnStep(uint64_t step, double prev_planned_barrier);
+  void DecideAndAssign(absl::Span<const BalancerRequest> batch, absl::Span<int32_t> verify_len,
+                       PlanOutcome& out);
   // Disabled, on an ordered backend: join this step's exchange with a zero record (AllGather::ordered).
   void KeepInStep();
   // The engine's default lengths, never deeper than `depth_cap` (the drafted depth).
@@ -153,7 +163,7 @@ class Balancer {
   uint64_t step_ = 0;
   std::vector<PlanRequest> plan_batch_;
   std::vector<RankSummary> gathered_;
-  RankSummary mine_{};
+  RankSummary own_summary_{};  // this rank's record of the step
   // Previous step, for the next summary and for accounting.
   double prev_attention_us_ = -1, prev_step_us_ = -1, prev_tokens_ = -1;
   double predicted_attention_us_ = -1;
