@@ -1,8 +1,22 @@
 // A downstream project: find_package(dpbalance), link dpbalance::dpbalance, plan one step.
+// It includes every installed header (the public API), with spdlog and Eigen poisoned.
 #include <cstdio>
 
+#include "dpbalance/acceptance.h"
+#include "dpbalance/allgather.h"
 #include "dpbalance/balancer.h"
+#include "dpbalance/cost_model.h"
 #include "dpbalance/inprocess_allgather.h"
+#include "dpbalance/kernel_grid.h"
+#include "dpbalance/metrics.h"
+#include "dpbalance/nccl_allgather.h"
+#include "dpbalance/planner.h"
+#include "dpbalance/plugin/dpbalance_plugin.h"
+#include "dpbalance/plugin/dpbalance_plugin_v1.h"
+#include "dpbalance/plugin/dpbalance_router_v1.h"
+#include "dpbalance/routing.h"
+#include "dpbalance/summary.h"
+#include "dpbalance/tpot_slo.h"
 
 int main() {
   dpbalance::BalancerConfig c;
