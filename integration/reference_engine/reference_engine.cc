@@ -33,10 +33,13 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
 #include "dpbalance/acceptance.h"
 #include "dpbalance/cost_model.h"
 #include "dpbalance/metrics.h"
@@ -611,7 +614,15 @@ int Main() {
 }  // namespace dpbalance::reference
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("Multi-rank reference decode loop that loads dpbalance via dlopen + C ABI.");
+  // Abseil's --help lists only the flags of files named like the program; these are this file's.
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) { return absl::EndsWith(file, "reference_engine.cc"); };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
+  absl::SetProgramUsageMessage(
+      "Multi-rank reference decode loop that loads dpbalance via dlopen + C ABI: runs the plugin off, on "
+      "and in A/B epochs and prints the measured bubble and goodput.\n"
+      "Usage: dpbalance-reference-engine [--dp=8] [--steps=240] [--routing=rr|A..E] [--json=out.json]");
   absl::ParseCommandLine(argc, argv);
   return dpbalance::reference::Main();
 }
