@@ -403,11 +403,11 @@ class RankLoop {
       shared_.result.goodput = shared_.tokens / wall_s;
       shared_.result.model_goodput = shared_.tokens / (shared_.model_time_us * 1e-6);
     }
+    if (!in_.plugin) return;
     void* ctx = plugin_ctx();
-    if (!ctx) return;
-    if (rank_idx_ == 0) in_.plugin->stats(ctx, &shared_.result.stats);
-    shared_.sync.arrive_and_wait();
-    in_.plugin->finalize(ctx);
+    if (rank_idx_ == 0 && ctx) in_.plugin->stats(ctx, &shared_.result.stats);
+    shared_.sync.arrive_and_wait();  // every rank, also one whose init failed: else the others wait forever
+    if (ctx) in_.plugin->finalize(ctx);
   }
 
   std::chrono::nanoseconds ScaledDuration(double model_us) const {
