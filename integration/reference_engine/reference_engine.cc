@@ -174,10 +174,13 @@ struct RunSettings {
   uint64_t seed = 0;
 
   static RunSettings FromFlags() {
-    return RunSettings{absl::GetFlag(FLAGS_dp),     absl::GetFlag(FLAGS_reqs_per_rank),
-                       absl::GetFlag(FLAGS_steps),  absl::GetFlag(FLAGS_k_max),
-                       absl::GetFlag(FLAGS_default_k), absl::GetFlag(FLAGS_time_scale),
-                       absl::GetFlag(FLAGS_seed)};
+    return RunSettings{.num_ranks = absl::GetFlag(FLAGS_dp),
+                       .reqs_per_rank = absl::GetFlag(FLAGS_reqs_per_rank),
+                       .steps = absl::GetFlag(FLAGS_steps),
+                       .k_max = absl::GetFlag(FLAGS_k_max),
+                       .default_k = absl::GetFlag(FLAGS_default_k),
+                       .time_scale = absl::GetFlag(FLAGS_time_scale),
+                       .seed = absl::GetFlag(FLAGS_seed)};
   }
 };
 
@@ -221,10 +224,10 @@ struct SharedState {
   RunResult result;
 };
 
-// One rank's decode loop: each step admits nothing itself (its batch is topped up at the end of
-// the previous step), plans verify lengths through the plugin, spends the attention time, meets
-// the other ranks at the MoE barrier, spends the FFN + draft time, samples acceptance, reports to
-// the plugin and replaces its finished requests.
+// One rank's decode loop. A step (Step) plans verify lengths through the plugin, spends the
+// attention time, meets the other ranks at the MoE barrier, spends the FFN + draft time, samples
+// acceptance, reports to the plugin and releases finished requests; then rank 0, while the others
+// wait, admits the routed replacements and measures the step.
 class RankLoop {
  public:
   RankLoop(int rank_idx, const RunInputs& in, SharedState& shared)
