@@ -4,9 +4,10 @@
 // Ranks are threads. Each step a rank plans its verify lengths through the plugin, spends its
 // attention phase as real wall-clock time from the truth cost model (published V2, scaled by
 // --time_scale), meets the other ranks at a barrier (the MoE layer), spends the FFN + draft time,
-// samples acceptance and reports. The engine measures the bubble itself (wall clock, per step:
-// 1 - mean/max attention time) and the goodput (tokens per wall second), for three runs: plugin
-// off, on, and A/B epochs (where the plugin's own per-arm statistics are printed too).
+// samples acceptance and reports. The engine measures the bubble itself from the ranks' wall-clock
+// attention times (BubbleMeter's run figure, 1 - Σ mean / Σ max over steps; dpbalance/metrics.h)
+// and the goodput (tokens per wall second), for three runs: plugin off, on, and A/B epochs (where
+// the plugin's own per-arm statistics are printed too).
 //
 // Requests: `--routing rr` (default) keeps each rank at --reqs_per_rank, a finished request
 // replaced by the rank's next one from the trace (round robin). `--routing A..E` routes every new
@@ -15,11 +16,14 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <barrier>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <random>
 #include <string>
@@ -29,10 +33,16 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
 #include "dpbalance/acceptance.h"
 #include "dpbalance/cost_model.h"
+#include "dpbalance/metrics.h"
 #include "dpbalance/plugin/dpbalance_plugin.h"
 #include "trace.h"
 
@@ -117,9 +127,9 @@ class Admission {
       waiting_.push_back(TraceReq(trace_, next_, shift(rng_)));
       ++next_;
     }
-    const int R = static_cast<int>(batches.size());
-    std::vector<dpbRankLoad_v1_t> loads(R);
-    for (int r = 0; r < R; ++r) {
+    const int num_ranks = static_cast<int>(batches.size());
+    std::vector<dpbRankLoad_v1_t> loads(num_ranks);
+    for (int r = 0; r < num_ranks; ++r) {
       dpbRankLoad_v1_t& l = loads[r];
       l = {};
       l.capacity_tokens = int64_t{1} << 40;  // the reference engine's KV never binds
@@ -129,10 +139,10 @@ class Admission {
     for (; placed < waiting_.size(); ++placed) {
       const Req& q = waiting_[placed];
       int32_t rank = -1;
-      const dpbResult_t rc = api_->route(router_, loads.data(), R, q.ctx, q.remaining, &rank);
+      const dpbResult_t rc = api_->route(router_, loads.data(), num_ranks, q.ctx, q.remaining, &rank);
       if (rc == dpbFallback) break;  // no room: waits, in order
       if (rc != dpbSuccess) {        // the engine's own rule
-        rank = static_cast<int32_t>(next_ % R);
+        rank = static_cast<int32_t>(next_ % num_ranks);
         ++router_errors_;
       }
       batches[rank].push_back(q);
@@ -153,267 +163,390 @@ class Admission {
   int router_errors_ = 0;
 };
 
-RunResult Run(const dpbalancePlugin_v1_t* plugin, const std::string& config,
-              const std::vector<replay::TraceRequest>& trace, Admission* admission) {
-  const int R = absl::GetFlag(FLAGS_dp), per_rank = absl::GetFlag(FLAGS_reqs_per_rank);
-  const int steps = absl::GetFlag(FLAGS_steps), k_max = absl::GetFlag(FLAGS_k_max);
-  const int default_k = absl::GetFlag(FLAGS_default_k);
-  const double scale = absl::GetFlag(FLAGS_time_scale);
-  const CostModel truth = CostModel::PublishedV2();
-  const GlobalCost global;  // 20 ms FFN + 2 us/token, 1.5 ms per draft step (replay defaults)
+// The run's settings, read from the flags once.
+struct RunSettings {
+  int num_ranks = 0;
+  int reqs_per_rank = 0;
+  int steps = 0;
+  int k_max = 0;
+  int default_k = 0;
+  double time_scale = 0;  // wall-clock seconds per model second
+  uint64_t seed = 0;
 
-  std::vector<void*> ctx(R, nullptr);
-  std::vector<double> attn_us(R), step_tokens(R), query_tokens(R);
-  std::vector<int32_t> depth(R);
+  static RunSettings FromFlags() {
+    return RunSettings{.num_ranks = absl::GetFlag(FLAGS_dp),
+                       .reqs_per_rank = absl::GetFlag(FLAGS_reqs_per_rank),
+                       .steps = absl::GetFlag(FLAGS_steps),
+                       .k_max = absl::GetFlag(FLAGS_k_max),
+                       .default_k = absl::GetFlag(FLAGS_default_k),
+                       .time_scale = absl::GetFlag(FLAGS_time_scale),
+                       .seed = absl::GetFlag(FLAGS_seed)};
+  }
+};
+
+// What one run needs: the plugin (null: none) with its config string, the trace, and the central
+// admission (null: `--routing rr`).
+struct RunInputs {
+  RunSettings settings;
+  const dpbalancePlugin_v1_t* plugin = nullptr;
+  std::string config;
+  const std::vector<replay::TraceRequest>* trace = nullptr;
+  Admission* admission = nullptr;
+};
+
+// The state the rank threads share. Each rank writes its own slot of the per-rank vectors before
+// a barrier; rank 0 reads all of them after it and alone updates the run's measurement.
+struct SharedState {
+  explicit SharedState(int num_ranks)
+      : sync(num_ranks),
+        plugin_ctx(num_ranks, nullptr),
+        attention_us(num_ranks),
+        emitted_tokens(num_ranks),
+        query_tokens(num_ranks),
+        draft_depth(num_ranks),
+        batches(num_ranks),
+        finished_outputs(num_ranks) {}
+
+  std::barrier<> sync;
+  std::vector<void*> plugin_ctx;
+  std::vector<double> attention_us;    // this step's measured attention, wall-clock µs
+  std::vector<double> emitted_tokens;  // this step's accepted + bonus tokens
+  std::vector<double> query_tokens;    // this step's verify tokens (the FFN's load)
+  std::vector<int32_t> draft_depth;    // this step's planned draft depth
+  std::vector<std::vector<Req>> batches;
+  std::vector<std::vector<int64_t>> finished_outputs;  // this step's, per rank (routing)
   std::atomic<int> init_failures{0}, fallbacks{0};
-  std::barrier sync(R);
-  RunResult result;
-  std::vector<std::vector<Req>> batches(R);
-  std::vector<std::vector<int64_t>> finished_outputs(R);  // this step's, per rank (routing)
-  if (admission) admission->Admit(R * per_rank, batches);
-  double bubble_num = 0, bubble_den = 0, model_time_us = 0;
+  // Rank 0's measurement of the run.
+  Clock::time_point start;
+  BubbleMeter bubble;  // wall-clock attention times
+  double model_time_us = 0;
   int64_t tokens = 0;
-  Clock::time_point t0;
+  RunResult result;
+};
 
-  auto rank_main = [&](int r) {
-    std::mt19937_64 rng(absl::GetFlag(FLAGS_seed) * 1000 + r);
-    std::normal_distribution<double> shift(0, 1);
-    std::uniform_real_distribution<double> u(0, 1);
-    // Round-robin placement from the trace: request i goes to rank i % R (engine default).
-    size_t next = r;
-    auto draw = [&]() {
-      const Req q = TraceReq(trace, next, shift(rng));
-      next += R;
-      return q;
-    };
-    std::vector<Req>& batch = batches[r];
-    if (!admission) {
-      for (int i = 0; i < per_rank; ++i) batch.push_back(draw());
-    }
+// One rank's decode loop. A step (Step) plans verify lengths through the plugin, spends the
+// attention time, meets the other ranks at the MoE barrier, spends the FFN + draft time, samples
+// acceptance, reports to the plugin and releases finished requests; then rank 0, while the others
+// wait, admits the routed replacements and measures the step.
+class RankLoop {
+ public:
+  RankLoop(int rank_idx, const RunInputs& in, SharedState& shared)
+      : rank_idx_(rank_idx),
+        in_(in),
+        settings_(in.settings),
+        shared_(shared),
+        batch_(shared.batches[rank_idx]),
+        rng_(settings_.seed * 1000 + rank_idx),
+        next_trace_idx_(rank_idx) {}
 
-    if (plugin) {
-      dpbInitArgs_v1_t args{};
-      args.num_ranks = R;
-      args.rank = r;
-      args.config = config.c_str();
-      args.backend = dpbBackendInProcess;
-      args.cuda_device = -1;
-      if (plugin->init(&args, &ctx[r]) != dpbSuccess) init_failures++;
+  void Run() {
+    if (!in_.admission) {
+      for (int i = 0; i < settings_.reqs_per_rank; ++i) batch_.push_back(DrawRoundRobin());
     }
-    std::vector<dpbRequest_v1_t> reqs;
-    std::vector<int32_t> verify;
-    std::vector<dpbAccepted_v1_t> acc;
-    sync.arrive_and_wait();
-    if (r == 0) t0 = Clock::now();
-    sync.arrive_and_wait();
-    for (int s = 0; s < steps; ++s) {
-      // Plan.
-      reqs.resize(batch.size());
-      verify.resize(batch.size());
-      for (size_t i = 0; i < batch.size(); ++i) {
-        reqs[i] = dpbRequest_v1_t{batch[i].id, batch[i].ctx, 0,
-                                  static_cast<int32_t>(std::min<int64_t>(k_max, batch[i].remaining - 1)),
-                                  nullptr, 0};
-        verify[i] = std::min(default_k, reqs[i].k_cap);
-      }
-      int32_t d = default_k;
-      if (plugin && ctx[r]) {
-        const dpbResult_t rc = plugin->plan(ctx[r], reqs.data(), static_cast<int32_t>(reqs.size()), -1,
-                                            verify.data(), &d);
-        if (rc != dpbSuccess) fallbacks++;
-      }
-      depth[r] = d;
-      // Attention phase: real time from the truth model.
-      std::vector<RequestLoad> loads;
-      for (size_t i = 0; i < batch.size(); ++i) loads.push_back({batch[i].ctx, 1 + verify[i]});
-      const BatchAggregates agg = truth.Aggregate(loads);  // simulates a grid truth's kernel
-      const double attention_us = truth.AttentionUs(agg);
-      const auto start = Clock::now();
-      SleepUntil(start + std::chrono::nanoseconds(static_cast<int64_t>(attention_us * scale * 1000)));
-      const auto end_attn = Clock::now();
-      attn_us[r] = std::chrono::duration<double, std::micro>(end_attn - start).count();
-      query_tokens[r] = agg.query_tokens;
-      // MoE barrier: the slowest rank sets the pace.
-      sync.arrive_and_wait();
-      // The FFN and EP communication see the instance's tokens; the draft runs the agreed depth.
-      int32_t step_depth = 0;
-      double q_total = 0;
-      for (int i = 0; i < R; ++i) {
-        step_depth = std::max(step_depth, depth[i]);
-        q_total += query_tokens[i];
-      }
-      SleepUntil(Clock::now() + std::chrono::nanoseconds(static_cast<int64_t>(
-                                    global.StepUs(q_total, step_depth) * scale * 1000)));
-      const double step_wall_us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
-      // Acceptance.
-      acc.resize(batch.size());
-      double emitted = 0;
-      for (size_t i = 0; i < batch.size(); ++i) {
-        int m = 0;
-        while (m < verify[i] && u(rng) < batch[i].rates[m]) ++m;
-        batch[i].ctx += m + 1;
-        batch[i].remaining -= m + 1;
-        emitted += m + 1;
-        acc[i] = dpbAccepted_v1_t{batch[i].id, verify[i], m, batch[i].remaining <= 0};
-      }
-      step_tokens[r] = emitted;
-      if (plugin && ctx[r]) {
-        plugin->report(ctx[r], attn_us[r] / scale, step_wall_us / scale, acc.data(),
-                       static_cast<int32_t>(acc.size()));
-      }
-      if (admission) {  // leave; rank 0 routes the replacements below, while the others wait
-        finished_outputs[r].clear();
-        for (size_t i = 0; i < batch.size();) {
-          if (batch[i].remaining > 0) {
-            ++i;
-            continue;
-          }
-          finished_outputs[r].push_back(trace[batch[i].id % trace.size()].output_tokens);
-          batch[i] = batch.back();
-          batch.pop_back();
-        }
-      } else {
-        for (auto& q : batch) {
-          if (q.remaining <= 0) q = draw();
-        }
-      }
-      sync.arrive_and_wait();
-      if (r == 0 && admission) {
-        int n = 0;
-        for (const auto& f : finished_outputs) {
-          for (int64_t out : f) admission->Finished(out);
-          n += static_cast<int>(f.size());
-        }
-        admission->Admit(n, batches);
-      }
-      if (r == 0) {  // engine-side measurement of this step
-        double mx = 0, sum = 0;
-        for (int i = 0; i < R; ++i) {
-          mx = std::max(mx, attn_us[i]);
-          sum += attn_us[i];
-          tokens += static_cast<int64_t>(step_tokens[i]);
-        }
-        bubble_num += mx - sum / R;
-        bubble_den += mx;
-        model_time_us += step_wall_us / scale;
-      }
-      sync.arrive_and_wait();
+    InitPlugin();
+    shared_.sync.arrive_and_wait();
+    if (rank_idx_ == 0) shared_.start = Clock::now();
+    shared_.sync.arrive_and_wait();
+    for (int s = 0; s < settings_.steps; ++s) Step();
+    Finish();
+  }
+
+ private:
+  void* plugin_ctx() const { return in_.plugin ? shared_.plugin_ctx[rank_idx_] : nullptr; }
+
+  // Round-robin placement from the trace: request i goes to rank i % num_ranks (engine default).
+  Req DrawRoundRobin() {
+    const Req q = TraceReq(*in_.trace, next_trace_idx_, shift_(rng_));
+    next_trace_idx_ += settings_.num_ranks;
+    return q;
+  }
+
+  void InitPlugin() {
+    if (!in_.plugin) return;
+    dpbInitArgs_v1_t args{};
+    args.num_ranks = settings_.num_ranks;
+    args.rank = rank_idx_;
+    args.config = in_.config.c_str();
+    args.backend = dpbBackendInProcess;
+    args.cuda_device = -1;
+    if (in_.plugin->init(&args, &shared_.plugin_ctx[rank_idx_]) != dpbSuccess) shared_.init_failures++;
+  }
+
+  void Step() {
+    Plan();
+    const Clock::time_point start = SpendAttention();
+    shared_.sync.arrive_and_wait();  // the MoE layer: the slowest rank sets the pace
+    SpendFfnAndDraft();
+    const double step_wall_us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+    SampleAcceptance();
+    Report(step_wall_us);
+    ReleaseFinished();
+    shared_.sync.arrive_and_wait();
+    if (rank_idx_ == 0) {  // while the other ranks wait
+      AdmitRouted();
+      MeasureStep(step_wall_us);
     }
-    if (r == 0) {
-      const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
-      result.goodput = tokens / wall;
-      result.model_goodput = tokens / (model_time_us * 1e-6);
+    shared_.sync.arrive_and_wait();
+  }
+
+  // Verify lengths and draft depth: the plugin's, else the engine's static default.
+  void Plan() {
+    reqs_.resize(batch_.size());
+    verify_len_.resize(batch_.size());
+    for (size_t i = 0; i < batch_.size(); ++i) {
+      const int32_t k_cap = static_cast<int32_t>(std::min<int64_t>(settings_.k_max, batch_[i].remaining - 1));
+      reqs_[i] = dpbRequest_v1_t{batch_[i].id, batch_[i].ctx, 0, k_cap, nullptr, 0};
+      verify_len_[i] = std::min(settings_.default_k, k_cap);
     }
-    if (plugin && ctx[r]) {
-      if (r == 0) plugin->stats(ctx[r], &result.stats);
-      sync.arrive_and_wait();
-      plugin->finalize(ctx[r]);
+    int32_t draft_depth = settings_.default_k;
+    if (void* ctx = plugin_ctx()) {
+      const dpbResult_t rc = in_.plugin->plan(ctx, reqs_.data(), static_cast<int32_t>(reqs_.size()), -1,
+                                              verify_len_.data(), &draft_depth);
+      if (rc != dpbSuccess) shared_.fallbacks++;
     }
-  };
+    shared_.draft_depth[rank_idx_] = draft_depth;
+  }
+
+  // Spends the batch's attention time from the truth cost model as wall-clock time; returns when
+  // it started.
+  Clock::time_point SpendAttention() {
+    std::vector<RequestLoad> loads;
+    loads.reserve(batch_.size());
+    for (size_t i = 0; i < batch_.size(); ++i) loads.push_back({batch_[i].ctx, 1 + verify_len_[i]});
+    const BatchAggregates agg = truth_.Aggregate(loads);  // simulates a grid truth's kernel
+    const double attention_us = truth_.AttentionUs(agg);
+    const Clock::time_point start = Clock::now();
+    SleepUntil(start + ScaledDuration(attention_us));
+    shared_.attention_us[rank_idx_] = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+    shared_.query_tokens[rank_idx_] = agg.query_tokens;
+    return start;
+  }
+
+  // The FFN and EP communication see the instance's tokens; the draft runs the deepest planned
+  // depth.
+  void SpendFfnAndDraft() {
+    int32_t step_depth = 0;
+    double query_tokens = 0;
+    for (int i = 0; i < settings_.num_ranks; ++i) {
+      step_depth = std::max(step_depth, shared_.draft_depth[i]);
+      query_tokens += shared_.query_tokens[i];
+    }
+    SleepUntil(Clock::now() + ScaledDuration(global_.StepUs(query_tokens, step_depth)));
+  }
+
+  // Accepts each draft position with the request's conditional rate, up to the first rejection.
+  void SampleAcceptance() {
+    accepted_.resize(batch_.size());
+    double emitted = 0;
+    for (size_t i = 0; i < batch_.size(); ++i) {
+      Req& q = batch_[i];
+      int num_accepted = 0;
+      while (num_accepted < verify_len_[i] && uniform_(rng_) < q.rates[num_accepted]) ++num_accepted;
+      q.ctx += num_accepted + 1;
+      q.remaining -= num_accepted + 1;
+      emitted += num_accepted + 1;
+      accepted_[i] = dpbAccepted_v1_t{q.id, verify_len_[i], num_accepted, q.remaining <= 0};
+    }
+    shared_.emitted_tokens[rank_idx_] = emitted;
+  }
+
+  // Reports the step to the plugin in model time.
+  void Report(double step_wall_us) {
+    void* ctx = plugin_ctx();
+    if (!ctx) return;
+    const double scale = settings_.time_scale;
+    in_.plugin->report(ctx, shared_.attention_us[rank_idx_] / scale, step_wall_us / scale, accepted_.data(),
+                       static_cast<int32_t>(accepted_.size()));
+  }
+
+  // Finished requests leave: with routing, rank 0 routes their replacements after the barrier
+  // (AdmitRouted); round robin, the rank draws its own next one in place.
+  void ReleaseFinished() {
+    if (!in_.admission) {
+      for (Req& q : batch_) {
+        if (q.remaining <= 0) q = DrawRoundRobin();
+      }
+      return;
+    }
+    std::vector<int64_t>& finished = shared_.finished_outputs[rank_idx_];
+    finished.clear();
+    for (size_t i = 0; i < batch_.size();) {
+      if (batch_[i].remaining > 0) {
+        ++i;
+        continue;
+      }
+      finished.push_back((*in_.trace)[batch_[i].id % in_.trace->size()].output_tokens);
+      batch_[i] = batch_.back();
+      batch_.pop_back();
+    }
+  }
+
+  // Rank 0, routing: tells the router what finished and routes as many new requests.
+  void AdmitRouted() {
+    if (!in_.admission) return;
+    int num_finished = 0;
+    for (const std::vector<int64_t>& outputs : shared_.finished_outputs) {
+      for (int64_t output_tokens : outputs) in_.admission->Finished(output_tokens);
+      num_finished += static_cast<int>(outputs.size());
+    }
+    in_.admission->Admit(num_finished, shared_.batches);
+  }
+
+  // Rank 0: the engine's own measurement of the step (wall clock; model time from rank 0's step).
+  void MeasureStep(double step_wall_us) {
+    shared_.bubble.AddStep(shared_.attention_us);
+    for (double tokens : shared_.emitted_tokens) shared_.tokens += static_cast<int64_t>(tokens);
+    shared_.model_time_us += step_wall_us / settings_.time_scale;
+  }
+
+  // Rank 0 takes the goodput and the plugin's statistics before any rank finalizes.
+  void Finish() {
+    if (rank_idx_ == 0) {
+      const double wall_s = std::chrono::duration<double>(Clock::now() - shared_.start).count();
+      shared_.result.goodput = shared_.tokens / wall_s;
+      shared_.result.model_goodput = shared_.tokens / (shared_.model_time_us * 1e-6);
+    }
+    if (!in_.plugin) return;
+    void* ctx = plugin_ctx();
+    if (rank_idx_ == 0 && ctx) in_.plugin->stats(ctx, &shared_.result.stats);
+    shared_.sync.arrive_and_wait();  // every rank, also one whose init failed: else the others wait forever
+    if (ctx) in_.plugin->finalize(ctx);
+  }
+
+  std::chrono::nanoseconds ScaledDuration(double model_us) const {
+    return std::chrono::nanoseconds(static_cast<int64_t>(model_us * settings_.time_scale * 1000));
+  }
+
+  const int rank_idx_;
+  const RunInputs& in_;
+  const RunSettings& settings_;
+  SharedState& shared_;
+  std::vector<Req>& batch_;
+  const CostModel truth_ = CostModel::PublishedV2();
+  const GlobalCost global_;  // 20 ms FFN + 2 us/token, 1.5 ms per draft step (replay defaults)
+  std::mt19937_64 rng_;
+  std::normal_distribution<double> shift_{0, 1};        // a request's acceptance logit shift
+  std::uniform_real_distribution<double> uniform_{0, 1};  // acceptance draws
+  size_t next_trace_idx_;
+  std::vector<dpbRequest_v1_t> reqs_;
+  std::vector<int32_t> verify_len_;
+  std::vector<dpbAccepted_v1_t> accepted_;
+};
+
+// One run: the ranks as threads, the instance's bubble and goodput as the engine measures them.
+RunResult Run(const RunInputs& in) {
+  const int num_ranks = in.settings.num_ranks;
+  SharedState shared(num_ranks);
+  if (in.admission) in.admission->Admit(num_ranks * in.settings.reqs_per_rank, shared.batches);
   std::vector<std::thread> threads;
-  for (int r = 0; r < R; ++r) threads.emplace_back(rank_main, r);
-  for (auto& t : threads) t.join();
-  result.bubble_fraction = bubble_num / bubble_den;
-  result.tokens = tokens;
-  result.fallbacks = fallbacks.load();
-  result.plugin_ok = init_failures.load() == 0;
+  for (int r = 0; r < num_ranks; ++r) {
+    threads.emplace_back([&in, &shared, r] { RankLoop(r, in, shared).Run(); });
+  }
+  for (std::thread& t : threads) t.join();
+  RunResult result = shared.result;
+  result.bubble_fraction = shared.bubble.fraction();
+  result.tokens = shared.tokens;
+  result.fallbacks = shared.fallbacks.load();
+  result.plugin_ok = shared.init_failures.load() == 0;
   return result;
 }
 
-int Main() {
+// The library's entry points.
+struct Library {
+  std::string path;
+  const dpbalancePlugin_v1_t* plugin = nullptr;
+  const dpbalanceRouter_v1_t* router_api = nullptr;  // null with --routing rr
+};
+
+// The plugin library to load: --plugin, else $DPB_PLUGIN, else the built one; a bare name means
+// lib<name>.so (NCCL's convention). "none" stays "none".
+std::string PluginPath() {
   std::string path = absl::GetFlag(FLAGS_plugin);
   if (path.empty()) {
     const char* env = std::getenv("DPB_PLUGIN");
     path = env && *env ? env : DPB_DEFAULT_PLUGIN;
   }
-  if (path == "none") {
-    std::fprintf(stderr, "reference engine: DPB_PLUGIN=none: nothing to compare\n");
-    return 2;
-  }
-  // NCCL's convention: a bare name means lib<name>.so.
-  if (path.find('/') == std::string::npos && path.find(".so") == std::string::npos) {
+  if (path != "none" && path.find('/') == std::string::npos && path.find(".so") == std::string::npos) {
     path = absl::StrCat("lib", path, ".so");
   }
+  return path;
+}
+
+// Loads the plugin, and the router ABI when `routing` is not "rr".
+absl::StatusOr<Library> LoadLibrary(const std::string& path, const std::string& routing) {
   void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
-  if (!lib) {
-    std::fprintf(stderr, "reference engine: cannot load plugin '%s': %s\n", path.c_str(), dlerror());
-    return 1;
+  if (!lib) return absl::NotFoundError(absl::StrFormat("cannot load plugin '%s': %s", path, dlerror()));
+  Library out{path};
+  out.plugin = static_cast<const dpbalancePlugin_v1_t*>(dlsym(lib, DPB_PLUGIN_SYMBOL));
+  if (!out.plugin) return absl::NotFoundError(absl::StrFormat("'%s' has no symbol %s", path, DPB_PLUGIN_SYMBOL));
+  if (routing == "rr") return out;
+  out.router_api = static_cast<const dpbalanceRouter_v1_t*>(dlsym(lib, DPB_ROUTER_SYMBOL));
+  if (!out.router_api) {
+    return absl::NotFoundError(
+        absl::StrFormat("'%s' has no symbol %s (--routing=%s)", path, DPB_ROUTER_SYMBOL, routing));
   }
-  const auto* plugin = static_cast<const dpbalancePlugin_v1_t*>(dlsym(lib, DPB_PLUGIN_SYMBOL));
-  if (!plugin) {
-    std::fprintf(stderr, "reference engine: '%s' has no symbol %s\n", path.c_str(), DPB_PLUGIN_SYMBOL);
-    return 1;
+  return out;
+}
+
+// One run with plugin `config`; with routing, through a fresh router over the same request
+// sequence. Adds the requests the router refused to `router_errors`.
+absl::StatusOr<RunResult> RunWithRouting(const Library& lib, const std::string& routing, const std::string& config,
+                                         const std::vector<replay::TraceRequest>& trace, int& router_errors) {
+  RunInputs in{RunSettings::FromFlags(), lib.plugin, config, &trace, nullptr};
+  if (!lib.router_api) return Run(in);
+  const std::string router_config = absl::StrCat("routing=", routing);
+  const dpbRouterArgs_v1_t args{in.settings.num_ranks, router_config.c_str()};
+  void* router = nullptr;
+  if (lib.router_api->create(&args, &router) != dpbSuccess) {
+    return absl::InvalidArgumentError(absl::StrCat("router create with '", router_config, "' failed (see the log)"));
   }
-  absl::StatusOr<std::vector<replay::TraceRequest>> trace =
-      replay::LoadTrace(absl::GetFlag(FLAGS_trace), replay::TraceFormat::kAuto, absl::GetFlag(FLAGS_seed));
-  if (!trace.ok()) {
-    std::fprintf(stderr, "reference engine: %s\n", std::string(trace.status().message()).c_str());
-    return 1;
-  }
+  Admission admission(lib.router_api, router, trace, in.settings.seed * 1000 + 999);
+  in.admission = &admission;
+  RunResult result = Run(in);
+  router_errors += admission.router_errors();
+  lib.router_api->destroy(router);
+  return result;
+}
+
+struct ThreeRuns {
+  RunResult off, on, ab;
+};
+
+// The plugin off, on, and in A/B epochs; an error when a run could not start or the plugin or the
+// router failed in one.
+absl::StatusOr<ThreeRuns> RunOffOnAb(const Library& lib, const std::string& routing,
+                                     const std::vector<replay::TraceRequest>& trace) {
   const std::string common = absl::StrFormat("backend=inproc;k_max=%d;default_k=%d;log_every=0;timeout_ms=2000",
                                              absl::GetFlag(FLAGS_k_max), absl::GetFlag(FLAGS_default_k));
-  const std::string routing = absl::GetFlag(FLAGS_routing);
-  if (routing != "rr" && routing != "A" && routing != "B" && routing != "C" && routing != "D" &&
-      routing != "E") {
-    std::fprintf(stderr, "reference engine: --routing=%s: expected rr, A, B, C, D or E\n", routing.c_str());
-    return 2;
-  }
-  const dpbalanceRouter_v1_t* router_api = nullptr;
-  if (routing != "rr") {
-    router_api = static_cast<const dpbalanceRouter_v1_t*>(dlsym(lib, DPB_ROUTER_SYMBOL));
-    if (!router_api) {
-      std::fprintf(stderr, "reference engine: '%s' has no symbol %s (--routing=%s)\n", path.c_str(),
-                   DPB_ROUTER_SYMBOL, routing.c_str());
-      return 1;
-    }
-  }
-  std::printf("reference engine: plugin %s (%s), DP%d, %d requests/rank from %s, %d steps per run, "
-              "routing %s\n",
-              path.c_str(), plugin->name, absl::GetFlag(FLAGS_dp), absl::GetFlag(FLAGS_reqs_per_rank),
-              absl::GetFlag(FLAGS_trace).c_str(), absl::GetFlag(FLAGS_steps),
-              routing == "rr" ? "round robin per rank" : absl::StrCat(routing, " (router ABI)").c_str());
-  // Each run routes with a fresh router and the same request sequence.
   int router_errors = 0;
-  auto run = [&](const std::string& config) -> absl::StatusOr<RunResult> {
-    if (!router_api) return Run(plugin, config, *trace, nullptr);
-    const std::string rc = absl::StrCat("routing=", routing);
-    const dpbRouterArgs_v1_t args{absl::GetFlag(FLAGS_dp), rc.c_str()};
-    void* router = nullptr;
-    if (router_api->create(&args, &router) != dpbSuccess) {
-      return absl::InvalidArgumentError(absl::StrCat("router create with '", rc, "' failed (see the log)"));
-    }
-    Admission admission(router_api, router, *trace, absl::GetFlag(FLAGS_seed) * 1000 + 999);
-    RunResult r = Run(plugin, config, *trace, &admission);
-    router_errors += admission.router_errors();
-    router_api->destroy(router);
-    return r;
-  };
-  absl::StatusOr<RunResult> off_r = run(absl::StrCat(common, ";mode=off;group=off"));
-  absl::StatusOr<RunResult> on_r = run(absl::StrCat(common, ";mode=goodput;group=on"));
-  absl::StatusOr<RunResult> ab_r = run(absl::StrCat(common, ";mode=goodput;group=ab;ab_epoch=",
-                                                   absl::GetFlag(FLAGS_ab_epoch)));
-  for (const auto* r : {&off_r, &on_r, &ab_r}) {
-    if (!r->ok()) {
-      std::fprintf(stderr, "reference engine: %s\n", std::string(r->status().message()).c_str());
-      return 1;
-    }
+  absl::StatusOr<RunResult> off = RunWithRouting(lib, routing, absl::StrCat(common, ";mode=off;group=off"), trace,
+                                                 router_errors);
+  absl::StatusOr<RunResult> on = RunWithRouting(lib, routing, absl::StrCat(common, ";mode=goodput;group=on"),
+                                                trace, router_errors);
+  absl::StatusOr<RunResult> ab = RunWithRouting(
+      lib, routing, absl::StrCat(common, ";mode=goodput;group=ab;ab_epoch=", absl::GetFlag(FLAGS_ab_epoch)), trace,
+      router_errors);
+  for (const absl::StatusOr<RunResult>* r : {&off, &on, &ab}) {
+    if (!r->ok()) return r->status();
   }
   if (router_errors > 0) {
-    std::fprintf(stderr, "reference engine: the router refused %d requests (see the log)\n", router_errors);
-    return 1;
+    return absl::InternalError(absl::StrFormat("the router refused %d requests (see the log)", router_errors));
   }
-  const RunResult &off = *off_r, &on = *on_r, &ab = *ab_r;
-  if (!off.plugin_ok || !on.plugin_ok || !ab.plugin_ok) {
-    std::fprintf(stderr, "reference engine: plugin init failed (see the log)\n");
-    return 1;
+  if (!off->plugin_ok || !on->plugin_ok || !ab->plugin_ok) {
+    return absl::InternalError("plugin init failed (see the log)");
   }
+  return ThreeRuns{*off, *on, *ab};
+}
+
+void PrintResults(const ThreeRuns& runs) {
   std::printf("%-6s %10s %14s %16s %10s\n", "run", "bubble", "goodput tok/s", "model tok/s", "fallbacks");
-  for (const auto& [name, r] : {std::pair<const char*, const RunResult&>{"off", off}, {"on", on}, {"A/B", ab}}) {
+  for (const auto& [name, r] :
+       {std::pair<const char*, const RunResult&>{"off", runs.off}, {"on", runs.on}, {"A/B", runs.ab}}) {
     std::printf("%-6s %10.4f %14.1f %16.1f %10d\n", name, r.bubble_fraction, r.goodput, r.model_goodput, r.fallbacks);
   }
   std::printf("measured bubble reduction on vs off: %.1f%% (target >= 30%%); goodput x%.4f\n",
-              100 * (1 - on.bubble_fraction / off.bubble_fraction), on.goodput / off.goodput);
-  const dpbStats_v1_t& s = ab.stats;
+              100 * (1 - runs.on.bubble_fraction / runs.off.bubble_fraction), runs.on.goodput / runs.off.goodput);
+  const dpbStats_v1_t& s = runs.ab.stats;
   std::printf("A/B (plugin's own measurement, %lld on / %lld off epochs of %d steps):\n"
               "  on : bubble %.4f +- %.4f, goodput %.1f +- %.1f tok/s (model time)\n"
               "  off: bubble %.4f +- %.4f, goodput %.1f +- %.1f tok/s (model time)\n",
@@ -421,20 +554,62 @@ int Main() {
               absl::GetFlag(FLAGS_ab_epoch), s.ab_on_bubble, s.ab_on_bubble_ci95, s.ab_on_goodput,
               s.ab_on_goodput_ci95, s.ab_off_bubble, s.ab_off_bubble_ci95, s.ab_off_goodput,
               s.ab_off_goodput_ci95);
-  if (const std::string j = absl::GetFlag(FLAGS_json); !j.empty()) {
-    std::ofstream f(j);
-    f << absl::StrFormat(
-        "{\"routing\":\"%s\",\"bubble_fraction_off\":%.6f,\"bubble_fraction_on\":%.6f,\"bubble_fraction_ab_run\":%.6f,"
-        "\"goodput_off_tok_per_s\":%.3f,\"goodput_on_tok_per_s\":%.3f,\"goodput_ab_run_tok_per_s\":%.3f,"
-        "\"bubble_reduction\":%.6f,\"fallbacks_on\":%d,"
-        "\"ab\":{\"on_epochs\":%d,\"on_bubble\":%.6f,\"on_bubble_ci95\":%.6f,\"on_goodput\":%.3f,"
-        "\"on_goodput_ci95\":%.3f,\"off_epochs\":%d,\"off_bubble\":%.6f,\"off_bubble_ci95\":%.6f,"
-        "\"off_goodput\":%.3f,\"off_goodput_ci95\":%.3f}}\n",
-        routing, off.bubble_fraction, on.bubble_fraction, ab.bubble_fraction, off.goodput, on.goodput, ab.goodput,
-        1 - on.bubble_fraction / off.bubble_fraction, on.fallbacks, s.ab_on_epochs, s.ab_on_bubble,
-        s.ab_on_bubble_ci95, s.ab_on_goodput, s.ab_on_goodput_ci95, s.ab_off_epochs, s.ab_off_bubble,
-        s.ab_off_bubble_ci95, s.ab_off_goodput, s.ab_off_goodput_ci95);
+}
+
+void WriteJson(const std::string& path, const std::string& routing, const ThreeRuns& runs) {
+  const RunResult &off = runs.off, &on = runs.on, &ab = runs.ab;
+  const dpbStats_v1_t& s = ab.stats;
+  std::ofstream f(path);
+  f << absl::StrFormat(
+      "{\"routing\":\"%s\",\"bubble_fraction_off\":%.6f,\"bubble_fraction_on\":%.6f,\"bubble_fraction_ab_run\":%.6f,"
+      "\"goodput_off_tok_per_s\":%.3f,\"goodput_on_tok_per_s\":%.3f,\"goodput_ab_run_tok_per_s\":%.3f,"
+      "\"bubble_reduction\":%.6f,\"fallbacks_on\":%d,"
+      "\"ab\":{\"on_epochs\":%d,\"on_bubble\":%.6f,\"on_bubble_ci95\":%.6f,\"on_goodput\":%.3f,"
+      "\"on_goodput_ci95\":%.3f,\"off_epochs\":%d,\"off_bubble\":%.6f,\"off_bubble_ci95\":%.6f,"
+      "\"off_goodput\":%.3f,\"off_goodput_ci95\":%.3f}}\n",
+      routing, off.bubble_fraction, on.bubble_fraction, ab.bubble_fraction, off.goodput, on.goodput, ab.goodput,
+      1 - on.bubble_fraction / off.bubble_fraction, on.fallbacks, s.ab_on_epochs, s.ab_on_bubble,
+      s.ab_on_bubble_ci95, s.ab_on_goodput, s.ab_on_goodput_ci95, s.ab_off_epochs, s.ab_off_bubble,
+      s.ab_off_bubble_ci95, s.ab_off_goodput, s.ab_off_goodput_ci95);
+}
+
+bool IsRouting(const std::string& routing) {
+  for (const char* known : {"rr", "A", "B", "C", "D", "E"}) {
+    if (routing == known) return true;
   }
+  return false;
+}
+
+// Exit status: 0, 1 on a failure of the plugin, the router or the trace, 2 on a bad flag.
+int Main() {
+  const std::string routing = absl::GetFlag(FLAGS_routing);
+  if (!IsRouting(routing)) {
+    std::fprintf(stderr, "reference engine: --routing=%s: expected rr, A, B, C, D or E\n", routing.c_str());
+    return 2;
+  }
+  const std::string path = PluginPath();
+  if (path == "none") {
+    std::fprintf(stderr, "reference engine: DPB_PLUGIN=none: nothing to compare\n");
+    return 2;
+  }
+  auto fail = [](const absl::Status& status) {
+    std::fprintf(stderr, "reference engine: %s\n", std::string(status.message()).c_str());
+    return 1;
+  };
+  const absl::StatusOr<Library> lib = LoadLibrary(path, routing);
+  if (!lib.ok()) return fail(lib.status());
+  const absl::StatusOr<std::vector<replay::TraceRequest>> trace =
+      replay::LoadTrace(absl::GetFlag(FLAGS_trace), replay::TraceFormat::kAuto, absl::GetFlag(FLAGS_seed));
+  if (!trace.ok()) return fail(trace.status());
+  std::printf("reference engine: plugin %s (%s), DP%d, %d requests/rank from %s, %d steps per run, "
+              "routing %s\n",
+              path.c_str(), lib->plugin->name, absl::GetFlag(FLAGS_dp), absl::GetFlag(FLAGS_reqs_per_rank),
+              absl::GetFlag(FLAGS_trace).c_str(), absl::GetFlag(FLAGS_steps),
+              routing == "rr" ? "round robin per rank" : absl::StrCat(routing, " (router ABI)").c_str());
+  const absl::StatusOr<ThreeRuns> runs = RunOffOnAb(*lib, routing, *trace);
+  if (!runs.ok()) return fail(runs.status());
+  PrintResults(*runs);
+  if (const std::string json = absl::GetFlag(FLAGS_json); !json.empty()) WriteJson(json, routing, *runs);
   return 0;
 }
 
@@ -442,7 +617,15 @@ int Main() {
 }  // namespace dpbalance::reference
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("Multi-rank reference decode loop that loads dpbalance via dlopen + C ABI.");
+  // Abseil's --help lists only the flags of files named like the program; these are this file's.
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) { return absl::EndsWith(file, "reference_engine.cc"); };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
+  absl::SetProgramUsageMessage(
+      "Multi-rank reference decode loop that loads dpbalance via dlopen + C ABI: runs the plugin off, on "
+      "and in A/B epochs and prints the measured bubble and goodput.\n"
+      "Usage: dpbalance-reference-engine [--dp=8] [--steps=240] [--routing=rr|A..E] [--json=out.json]");
   absl::ParseCommandLine(argc, argv);
   return dpbalance::reference::Main();
 }

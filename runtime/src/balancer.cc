@@ -335,14 +335,14 @@ void Balancer::AccountPreviousStep(absl::Span<const RankSummary> all, bool prev_
           rank_, 100 * (barrier_over_plan_.mean() - 1), barrier_over_plan_.count());
     }
   }
-  const double mean = sum_attn / known;
-  const double bubble = 1 - mean / max_attn;
-  bubble_.Add(bubble);
-  bubble_us_.Add(max_attn - mean);
+  BubbleMeter step_bubble;  // this step's; bubble_fraction stays the mean of the steps' bubbles
+  step_bubble.AddStep(sum_attn / known, max_attn);
+  bubble_.Add(step_bubble.last_fraction());
+  bubble_us_.Add(step_bubble.last_idle_us());
   tokens_per_step_.Add(tokens);
   tokens_sum_ += tokens;
   time_sum_us_ += step_us;
-  (prev_arm_on ? arm_on_ : arm_off_).AddStep(bubble, tokens, step_us);
+  (prev_arm_on ? arm_on_ : arm_off_).AddStep(step_bubble.last_fraction(), tokens, step_us);
 }
 
 absl::Status Balancer::Report(double attention_us, double step_us,
