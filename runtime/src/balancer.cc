@@ -335,14 +335,11 @@ void Balancer::AccountPreviousStep(absl::Span<const RankSummary> all, bool prev_
           rank_, 100 * (barrier_over_plan_.mean() - 1), barrier_over_plan_.count());
     }
   }
-  BubbleMeter step_bubble;  // this step's; bubble_fraction stays the mean of the steps' bubbles
-  step_bubble.AddStep(sum_attn / known, max_attn);
-  bubble_.Add(step_bubble.last_fraction());
-  bubble_us_.Add(step_bubble.last_idle_us());
+  bubble_.AddStepMeanMax(sum_attn / known, max_attn);
   tokens_per_step_.Add(tokens);
   tokens_sum_ += tokens;
   time_sum_us_ += step_us;
-  (prev_arm_on ? arm_on_ : arm_off_).AddStep(step_bubble.last_fraction(), tokens, step_us);
+  (prev_arm_on ? arm_on_ : arm_off_).AddStep(bubble_.last_fraction(), tokens, step_us);
 }
 
 absl::Status Balancer::Report(double attention_us, double step_us,
@@ -388,8 +385,8 @@ BalancerStats Balancer::Stats() const {
   s.fallbacks = fallbacks_;
   s.enabled = enabled_;
   s.disabled_reason = disabled_reason_;
-  s.bubble_fraction = bubble_.mean();
-  s.bubble_us = bubble_us_.mean();
+  s.bubble_fraction = bubble_.mean_step_fraction();
+  s.bubble_us = bubble_.mean_idle_us();
   s.predicted_error = predicted_error_.mean();
   s.barrier_over_plan = barrier_over_plan_.mean();
   s.tokens_per_step = tokens_per_step_.mean();

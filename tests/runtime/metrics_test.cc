@@ -34,7 +34,7 @@ TEST(BubbleMeter, OneStepIsOneMinusMeanOverMax) {
 
 TEST(BubbleMeter, MeanAndMaxOverloadMatchesTheRanks) {
   BubbleMeter m;
-  m.AddStep(80.0, 100.0);
+  m.AddStepMeanMax(80.0, 100.0);
   EXPECT_EQ(m.steps(), 1);
   EXPECT_DOUBLE_EQ(m.last_fraction(), 0.2);
   EXPECT_DOUBLE_EQ(m.last_idle_us(), 20);

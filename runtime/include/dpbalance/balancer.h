@@ -175,7 +175,8 @@ class Balancer {
   int64_t epoch_ = -1;
   // Metrics.
   int64_t balanced_steps_ = 0, fallbacks_ = 0;
-  RunningStat bubble_, bubble_us_, predicted_error_, tokens_per_step_, barrier_over_plan_;
+  BubbleMeter bubble_;  // measured attention times of every step (BalancerStats: per-step mean)
+  RunningStat predicted_error_, tokens_per_step_, barrier_over_plan_;
   bool warned_barrier_ = false;
   double tokens_sum_ = 0, time_sum_us_ = 0;
   ArmStats arm_on_, arm_off_;

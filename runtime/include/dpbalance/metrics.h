@@ -25,16 +25,16 @@ class BubbleMeter {
  public:
   // One step: each rank's attention time, µs. No ranks counts as a step with no attention time.
   void AddStep(absl::Span<const double> rank_attention_us) {
-    if (rank_attention_us.empty()) return AddStep(0.0, 0.0);
+    if (rank_attention_us.empty()) return AddStepMeanMax(0.0, 0.0);
     double sum_us = 0, max_us = 0;
     for (double a : rank_attention_us) {
       sum_us += a;
       max_us = std::max(max_us, a);
     }
-    AddStep(sum_us / static_cast<double>(rank_attention_us.size()), max_us);
+    AddStepMeanMax(sum_us / static_cast<double>(rank_attention_us.size()), max_us);
   }
   // One step from its mean and max rank attention time, µs (mean_us <= max_us).
-  void AddStep(double mean_us, double max_us) {
+  void AddStepMeanMax(double mean_us, double max_us) {
     ++steps_;
     last_fraction_ = max_us > 0 ? 1 - mean_us / max_us : 0.0;
     last_idle_us_ = max_us - mean_us;
