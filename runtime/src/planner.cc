@@ -35,8 +35,8 @@ int32_t TierFor(absl::Span<const int32_t> tiers, int64_t tokens) {
 // Knots one rank spends on its frontier. Decide's work grows with ranks x knots, and with many
 // ranks the instance's frontier already has hundreds of points per depth, so each sends fewer.
 // About 1024 knots for the instance, at least 16 a rank (DP64 and DP256: 16, up to DP36: 28).
-// With 12-14 at DP64 the chords between sparse knots undervalued deeper drafts (the H200-truth
-// replay stuck at depth 6 and lost 1.4% goodput); 16 matched 20 and 28 on both traces.
+// Fewer make the chords between sparse knots undervalue deeper drafts (docs/design.md, "Knot
+// budget", and docs/results.md give the measurement).
 int KnotBudget(int num_ranks) { return std::clamp(1024 / num_ranks, 16, kKnotPool); }
 
 uint32_t FloatKey(float v) { return std::bit_cast<uint32_t>(v); }  // monotone for v >= 0
