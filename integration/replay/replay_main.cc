@@ -15,6 +15,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -690,6 +692,18 @@ int Main() {
 }  // namespace dpbalance::replay
 
 int main(int argc, char** argv) {
+  // --help lists the flags defined in this file; Abseil's default lists only flags whose file is
+  // named after the program (dpbalance-replay), which matches none.
+  absl::FlagsUsageConfig usage_config;
+  usage_config.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "replay_main.cc");
+  };
+  usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
+  usage_config.normalize_filename = [](absl::string_view file) {  // the path in the repository
+    const size_t pos = file.rfind("integration/replay/");
+    return std::string(pos == absl::string_view::npos ? file : file.substr(pos));
+  };
+  absl::SetFlagsUsageConfig(usage_config);
   absl::SetProgramUsageMessage(
       "Replays a serving trace through a simulated DP decode instance; compares routing "
       "strategies A-E and verify balancing.\nUsage: dpbalance-replay [--trace FILE] [flags]");
