@@ -91,7 +91,6 @@ class Simulation {
   absl::Status Progress(double step_us);
 
   RankLoad LoadOf(int rank) const;
-  void AddToLoad(RankLoad& l, const InflightRequest& a) const;
 
   const SimConfig& cfg_;
   const TruthModel& truth_;
@@ -180,19 +179,20 @@ Simulation::Simulation(const SimConfig& cfg, const TruthModel& truth,
   if (cfg.planner_online && cfg.verify != VerifyMode::kOracle) online_.emplace(cfg.planner_model);
 }
 
-void Simulation::AddToLoad(RankLoad& l, const InflightRequest& a) const {
-  l.num_requests += 1;
-  l.ctx_tokens += a.ctx;
-  l.reserved_tokens += a.ctx + a.remaining;
-  l.agg.Add({a.ctx, static_cast<int32_t>(cfg_.routing.query_tokens_per_request)});
-}
-
 // The rank's load as the router sees it; E's aggregates price every request at the typical q.
 RankLoad Simulation::LoadOf(int rank) const {
   RankLoad l;
   l.capacity_tokens = cfg_.rank_capacity_tokens;
   l.max_requests = cfg_.max_batch_per_rank;
-  for (const InflightRequest& a : ranks_[rank]) AddToLoad(l, a);
+  int64_t max_ctx_tokens = 0;
+  for (const InflightRequest& a : ranks_[rank]) {
+    l.num_requests += 1;
+    l.ctx_tokens += a.ctx;
+    l.reserved_tokens += a.ctx + a.remaining;
+    max_ctx_tokens = std::max(max_ctx_tokens, a.ctx);
+  }
+  l.agg = TypicalBatchAggregates(l.num_requests, l.ctx_tokens, max_ctx_tokens,
+                                 static_cast<int32_t>(cfg_.routing.query_tokens_per_request));
   return l;
 }
 
@@ -224,7 +224,7 @@ absl::StatusOr<Simulation::Admission> Simulation::Admit() {
     a.rates = ShiftedProfile(profile_, shift_(rng_));
     a.truth_curve = *AcceptanceCurve::FromConditional(a.rates);
     ranks_[*r].push_back(a);
-    AddToLoad(loads_[*r], a);
+    loads_[*r] = LoadOf(*r);
     ++active_;
     ++next_;
   }
