@@ -12,8 +12,9 @@
 // and for the published (1, B, C) form refitted to the same rows.
 #include <algorithm>
 #include <cstdio>
-#include <functional>
 #include <fstream>
+#include <functional>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -70,145 +71,204 @@ nlohmann::json ToJson(const ErrorStats& e) {
   return {{"rows", e.rows}, {"mape", e.mape}, {"p90_ape", e.p90_ape}, {"max_ape", e.max_ape}};
 }
 
+constexpr char kUsage[] =
+    "usage: dpbalance-calibrate --train FILE [--train FILE ...] [--test FILE ...] [--json OUT] "
+    "[--out MODEL] [--target attn|gemm|step] [--cv K] [--seed N] [--dump FILE] [--gemm SWEEP] "
+    "[--kernel none|fa2-gqa-h200|fa2-packed-h200]\n";
+
+// --help: what the tool does and every flag, on stdout.
+void PrintHelp() {
+  std::printf(
+      "dpbalance-calibrate: fits the cost model to measured attention timings and evaluates it.\n"
+      "%s\n"
+      "  --train FILE   timing rows to fit on (JSON lines: ctx[], q[], attn_ms, optional gemm_ms;\n"
+      "                 integration/calibrate/data/); repeatable\n"
+      "  --test FILE    held-out timing rows: prints {\"rows\",\"mape\",\"p90_ape\",\"max_ape\"};\n"
+      "                 repeatable\n"
+      "  --target T     what the model predicts: attn (attn_ms, default), gemm (gemm_ms) or\n"
+      "                 step (attn_ms + gemm_ms)\n"
+      "  --kernel K     the measured kernel's launch (none, fa2-gqa-h200, fa2-packed-h200): its\n"
+      "                 simulated grid terms join the features and the model carries its name\n"
+      "  --cv K         K-fold cross-validation on the training rows, ours and the published\n"
+      "                 form refit (0: none; default 5)\n"
+      "  --seed N       fold shuffle seed (default 1)\n"
+      "  --json OUT     write the test and cross-validation errors as JSON\n"
+      "  --out MODEL    write the fitted model (a cost-model JSON the replay and plugin load)\n"
+      "  --dump FILE    write each training row's aggregates, measured and out-of-fold time\n"
+      "  --gemm SWEEP   fit the projection GEMMs of a sweep ({\"ntok\": N, \"ms\": t} per line)\n"
+      "  --help, -h     this text\n",
+      kUsage);
+}
+
 int Usage(const char* why) {
-  std::fprintf(stderr,
-               "dpbalance-calibrate: %s\nusage: dpbalance-calibrate --train FILE [--train FILE ...] "
-               "[--test FILE ...] [--json OUT] [--out MODEL] [--target attn|gemm|step] [--cv K] [--seed N] [--dump FILE] [--gemm SWEEP] [--kernel none|fa2-gqa-h200|fa2-packed-h200]\n",
-               why);
+  std::fprintf(stderr, "dpbalance-calibrate: %s\n%s", why, kUsage);
   return 2;
 }
 
-int Main(int argc, char** argv) {
+int Fail(const absl::Status& s) {
+  std::fprintf(stderr, "dpbalance-calibrate: %s\n", std::string(s.message()).c_str());
+  return 1;
+}
+
+struct Options {
   std::vector<std::string> train_files, test_files;
   std::string json_out, model_out, dump_out, gemm_file, target_name = "attn", kernel_name = "none";
   int folds = 5;
   uint64_t seed = 1;
+};
+
+// Parses argv into `options`; returns the exit status when the tool should stop here (--help: 0;
+// a bad flag: 2, after its usage), nullopt to go on.
+std::optional<int> ParseArgs(int argc, char** argv, Options& options) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--help" || a == "-h") {
-      Usage("fits the cost model to measured timings");
+      PrintHelp();
       return 0;
     }
     if (i + 1 >= argc) return Usage(absl::StrFormat("flag %s needs a value", a).c_str());
     const std::string v = argv[++i];
-    if (a == "--train") train_files.push_back(v);
-    else if (a == "--test") test_files.push_back(v);
-    else if (a == "--json") json_out = v;
-    else if (a == "--out") model_out = v;
-    else if (a == "--dump") dump_out = v;
-    else if (a == "--gemm") gemm_file = v;
-    else if (a == "--target") target_name = v;
-    else if (a == "--kernel") kernel_name = v;
+    if (a == "--train") options.train_files.push_back(v);
+    else if (a == "--test") options.test_files.push_back(v);
+    else if (a == "--json") options.json_out = v;
+    else if (a == "--out") options.model_out = v;
+    else if (a == "--dump") options.dump_out = v;
+    else if (a == "--gemm") options.gemm_file = v;
+    else if (a == "--target") options.target_name = v;
+    else if (a == "--kernel") options.kernel_name = v;
     else if (a == "--cv") {
-      if (!absl::SimpleAtoi(v, &folds) || folds < 0 || folds == 1) return Usage("--cv must be 0 or >= 2");
+      if (!absl::SimpleAtoi(v, &options.folds) || options.folds < 0 || options.folds == 1) {
+        return Usage("--cv must be 0 or >= 2");
+      }
     } else if (a == "--seed") {
-      if (!absl::SimpleAtoi(v, &seed)) return Usage("--seed must be an integer");
+      if (!absl::SimpleAtoi(v, &options.seed)) return Usage("--seed must be an integer");
     } else {
       return Usage(absl::StrFormat("unknown flag '%s'", a).c_str());
     }
   }
-  if (!gemm_file.empty()) {
-    // The per-token projection GEMMs: flat, then linear past a knee the fit finds.
-    absl::StatusOr<std::vector<TimingSample>> sweep = LoadGemmSweep(gemm_file);
-    if (!sweep.ok()) {
-      std::fprintf(stderr, "dpbalance-calibrate: %s\n", std::string(sweep.status().message()).c_str());
-      return 1;
-    }
-    FitOptions o;
-    o.name = "projection-gemm";
-    o.features = {FeatureIndex(Regime::kBase, CostTerm::kConstant),
-                  FeatureIndex(Regime::kBase, CostTerm::kQueryTokens)};
-    for (int k = 0; k < 6; ++k) o.features.push_back(FeatureIndex(Regime::kBase, CostTerm::kKnee0, k));
-    absl::StatusOr<CostModel> g = FitCostModel(*sweep, o);
-    if (!g.ok()) {
-      std::fprintf(stderr, "dpbalance-calibrate: %s\n", std::string(g.status().message()).c_str());
-      return 1;
-    }
-    const ErrorStats e = EvaluateModel(*g, *sweep);
-    std::printf("GEMM sweep %s: %zu rows, in-sample mape %.4f max %.4f; nonzero coefficients:\n",
-                gemm_file.c_str(), e.rows, e.mape, e.max_ape);
-    for (int f = 0; f < kNumCostFeatures; ++f) {
-      if (g->weights_us()[f] > 0) std::printf("  %-30s %.6g\n", FeatureName(f).c_str(), g->weights_us()[f]);
-    }
-    if (train_files.empty()) return 0;
+  return std::nullopt;
+}
+
+void PrintCoefficients(const CostModel& model) {
+  for (int f = 0; f < kNumCostFeatures; ++f) {
+    if (model.weights_us()[f] > 0) std::printf("  %-30s %.6g\n", FeatureName(f).c_str(), model.weights_us()[f]);
   }
-  if (train_files.empty()) return Usage("at least one --train FILE (or --gemm FILE) is required");
-  absl::StatusOr<Target> target = ParseTarget(target_name);
+}
+
+// --gemm: the per-token projection GEMMs, flat, then linear past a knee the fit finds.
+absl::Status FitGemmSweep(const std::string& path) {
+  absl::StatusOr<std::vector<TimingSample>> sweep = LoadGemmSweep(path);
+  if (!sweep.ok()) return sweep.status();
+  FitOptions o;
+  o.name = "projection-gemm";
+  o.features = {FeatureIndex(Regime::kBase, CostTerm::kConstant),
+                FeatureIndex(Regime::kBase, CostTerm::kQueryTokens)};
+  for (int k = 0; k < 6; ++k) o.features.push_back(FeatureIndex(Regime::kBase, CostTerm::kKnee0, k));
+  absl::StatusOr<CostModel> gemm_model = FitCostModel(*sweep, o);
+  if (!gemm_model.ok()) return gemm_model.status();
+  const ErrorStats e = EvaluateModel(*gemm_model, *sweep);
+  std::printf("GEMM sweep %s: %zu rows, in-sample mape %.4f max %.4f; nonzero coefficients:\n",
+              path.c_str(), e.rows, e.mape, e.max_ape);
+  PrintCoefficients(*gemm_model);
+  return absl::OkStatus();
+}
+
+// The samples of every row of `files`, in order.
+absl::StatusOr<std::vector<TimingSample>> LoadSamples(const std::vector<std::string>& files,
+                                                      Target target, const KernelGrid& grid) {
+  std::vector<TimingSample> samples;
+  for (const std::string& f : files) {
+    absl::StatusOr<std::vector<TimingRow>> rows = LoadTimingRows(f, target, grid);
+    if (!rows.ok()) return rows.status();
+    for (const TimingRow& r : *rows) samples.push_back(r.sample);
+  }
+  return samples;
+}
+
+// --dump: each training row's aggregates, measured time and out-of-fold prediction.
+void DumpOutOfFold(const std::string& path, const std::vector<TimingSample>& train,
+                   const std::vector<double>& out_of_fold) {
+  std::ofstream f(path);
+  for (size_t i = 0; i < train.size(); ++i) {
+    const BatchAggregates& g = train[i].agg;
+    f << absl::StrFormat("%g %g %g %g %g %d %g %g\n", g.num_requests, g.query_tokens, g.key_tokens,
+                         g.max_key_tokens, g.query_key_pairs, g.multi_query ? 1 : 0, train[i].measured_us,
+                         out_of_fold[i]);
+  }
+}
+
+// K-fold cross-validation of our fit and of the published form refit; prints both and adds
+// them to `out` as "cv".
+absl::Status CrossValidateBoth(const std::vector<TimingSample>& train, const Options& options,
+                               const Fitter& fit_ours, nlohmann::json& out) {
+  std::vector<double> out_of_fold;
+  absl::StatusOr<ErrorStats> ours = CrossValidate(train, options.folds, options.seed, fit_ours, &out_of_fold);
+  if (ours.ok() && !options.dump_out.empty()) DumpOutOfFold(options.dump_out, train, out_of_fold);
+  absl::StatusOr<ErrorStats> published = CrossValidate(train, options.folds, options.seed, FitPublishedForm);
+  if (!ours.ok() || !published.ok()) return absl::InternalError("cross-validation failed");
+  std::printf("%d-fold CV, ours:                 mape %.4f p90 %.4f max %.4f\n", options.folds, ours->mape,
+              ours->p90_ape, ours->max_ape);
+  std::printf("%d-fold CV, published form refit: mape %.4f p90 %.4f max %.4f\n", options.folds,
+              published->mape, published->p90_ape, published->max_ape);
+  out["cv"] = {{"folds", options.folds}, {"ours", ToJson(*ours)}, {"published_form_refit", ToJson(*published)}};
+  return absl::OkStatus();
+}
+
+// Fits the attention model on --train, cross-validates it, evaluates it on --test and writes
+// --json and --out.
+int FitAttention(const Options& options) {
+  absl::StatusOr<Target> target = ParseTarget(options.target_name);
   if (!target.ok()) return Usage(std::string(target.status().message()).c_str());
-  absl::StatusOr<KernelGrid> grid = KernelGrid::Named(kernel_name);
+  absl::StatusOr<KernelGrid> grid = KernelGrid::Named(options.kernel_name);
   if (!grid.ok()) return Usage(absl::StrCat("--kernel: ", grid.status().message()).c_str());
   FitOptions fit_options;
   fit_options.grid = *grid;
   const Fitter fit_ours = [&](absl::Span<const TimingSample> rows) {
     return FitCostModel(rows, fit_options);
   };
-  auto load = [&](const std::vector<std::string>& files, std::vector<TimingSample>* out) -> bool {
-    for (const std::string& f : files) {
-      absl::StatusOr<std::vector<TimingRow>> rows = LoadTimingRows(f, *target, *grid);
-      if (!rows.ok()) {
-        std::fprintf(stderr, "dpbalance-calibrate: %s\n", std::string(rows.status().message()).c_str());
-        return false;
-      }
-      for (const TimingRow& r : *rows) out->push_back(r.sample);
-    }
-    return true;
-  };
-  std::vector<TimingSample> train, test;
-  if (!load(train_files, &train) || !load(test_files, &test)) return 1;
+  absl::StatusOr<std::vector<TimingSample>> train = LoadSamples(options.train_files, *target, *grid);
+  if (!train.ok()) return Fail(train.status());
+  absl::StatusOr<std::vector<TimingSample>> test = LoadSamples(options.test_files, *target, *grid);
+  if (!test.ok()) return Fail(test.status());
 
-  absl::StatusOr<CostModel> model = fit_ours(train);
-  if (!model.ok()) {
-    std::fprintf(stderr, "dpbalance-calibrate: %s\n", std::string(model.status().message()).c_str());
-    return 1;
-  }
+  absl::StatusOr<CostModel> model = fit_ours(*train);
+  if (!model.ok()) return Fail(model.status());
   nlohmann::json out;
-  std::printf("fitted on %zu rows; nonzero coefficients (us per unit):\n", train.size());
-  for (int f = 0; f < kNumCostFeatures; ++f) {
-    if (model->weights_us()[f] > 0) {
-      std::printf("  %-30s %.6g\n", FeatureName(f).c_str(), model->weights_us()[f]);
-    }
-  }
-  const ErrorStats fit_err = EvaluateModel(*model, train);
+  std::printf("fitted on %zu rows; nonzero coefficients (us per unit):\n", train->size());
+  PrintCoefficients(*model);
+  const ErrorStats fit_err = EvaluateModel(*model, *train);
   std::printf("training rows: mape %.4f p90 %.4f max %.4f\n", fit_err.mape, fit_err.p90_ape, fit_err.max_ape);
-  if (folds >= 2) {
-    std::vector<double> oof;
-    absl::StatusOr<ErrorStats> ours = CrossValidate(train, folds, seed, fit_ours, &oof);
-    if (ours.ok() && !dump_out.empty()) {  // per-row out-of-fold predictions, for diagnosis
-      std::ofstream f(dump_out);
-      for (size_t i = 0; i < train.size(); ++i) {
-        const BatchAggregates& g = train[i].agg;
-        f << absl::StrFormat("%g %g %g %g %g %d %g %g\n", g.num_requests, g.query_tokens, g.key_tokens,
-                             g.max_key_tokens, g.query_key_pairs, g.multi_query ? 1 : 0, train[i].measured_us, oof[i]);
-      }
-    }
-    absl::StatusOr<ErrorStats> pub = CrossValidate(train, folds, seed, FitPublishedForm);
-    if (!ours.ok() || !pub.ok()) {
-      std::fprintf(stderr, "dpbalance-calibrate: cross-validation failed\n");
-      return 1;
-    }
-    std::printf("%d-fold CV, ours:                 mape %.4f p90 %.4f max %.4f\n", folds, ours->mape,
-                ours->p90_ape, ours->max_ape);
-    std::printf("%d-fold CV, published form refit: mape %.4f p90 %.4f max %.4f\n", folds, pub->mape,
-                pub->p90_ape, pub->max_ape);
-    out["cv"] = {{"folds", folds}, {"ours", ToJson(*ours)}, {"published_form_refit", ToJson(*pub)}};
+  if (options.folds >= 2) {
+    if (absl::Status s = CrossValidateBoth(*train, options, fit_ours, out); !s.ok()) return Fail(s);
   }
-  if (!test.empty()) {
-    const ErrorStats e = EvaluateModel(*model, test);
+  if (!test->empty()) {
+    const ErrorStats e = EvaluateModel(*model, *test);
     std::printf("{\"rows\":%zu,\"mape\":%.6f,\"p90_ape\":%.6f,\"max_ape\":%.6f}\n", e.rows, e.mape, e.p90_ape, e.max_ape);
     const nlohmann::json t = ToJson(e);
     for (auto it = t.begin(); it != t.end(); ++it) out[it.key()] = it.value();
   }
-  if (!json_out.empty()) {
-    std::ofstream f(json_out);
-    if (!f) return Usage(absl::StrFormat("cannot write --json '%s'", json_out).c_str());
+  if (!options.json_out.empty()) {
+    std::ofstream f(options.json_out);
+    if (!f) return Usage(absl::StrFormat("cannot write --json '%s'", options.json_out).c_str());
     f << out.dump(2) << "\n";
   }
-  if (!model_out.empty()) {
-    std::ofstream f(model_out);
-    if (!f) return Usage(absl::StrFormat("cannot write --out '%s'", model_out).c_str());
+  if (!options.model_out.empty()) {
+    std::ofstream f(options.model_out);
+    if (!f) return Usage(absl::StrFormat("cannot write --out '%s'", options.model_out).c_str());
     f << model->ToJson() << "\n";
   }
   return 0;
+}
+
+int Main(int argc, char** argv) {
+  Options options;
+  if (std::optional<int> exit_code = ParseArgs(argc, argv, options)) return *exit_code;
+  if (!options.gemm_file.empty()) {
+    if (absl::Status s = FitGemmSweep(options.gemm_file); !s.ok()) return Fail(s);
+    if (options.train_files.empty()) return 0;
+  }
+  if (options.train_files.empty()) return Usage("at least one --train FILE (or --gemm FILE) is required");
+  return FitAttention(options);
 }
 
 }  // namespace

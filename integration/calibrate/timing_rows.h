@@ -1,6 +1,7 @@
 // integration/calibrate/timing_rows.h — loading measured kernel timings (the JSON-lines format
-// of ../shared/data/h200/*.jsonl: one rank's batch per row, `ctx[]`, `q[]`, `attn_ms`, optional
-// `gemm_ms`). Errors name the file, the line and the value.
+// of integration/calibrate/data/*.train.jsonl, described in its README.md and docs/cost-model.md:
+// one rank's batch per row, `ctx[]`, `q[]`, `attn_ms`, optional `gemm_ms`). Errors name the file,
+// the line and the value.
 #pragma once
 
 #include <string>

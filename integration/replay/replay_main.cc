@@ -4,15 +4,19 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -80,6 +84,19 @@ ABSL_FLAG(std::string, json, "", "write {\"runs\":[...]} to this file");
 namespace dpbalance::replay {
 namespace {
 
+// One configuration of the comparison, before it runs: a row of the table.
+struct RowSpec {
+  std::string name;
+  RoutingStrategy routing;
+  double z;
+  int groups;
+  VerifyMode verify;
+  std::optional<int> k;  // nullopt: best static k (off) or the best static k of D (planner)
+  bool slo = true;       // planner rows: run under the TPOT SLO (when there is one)
+  bool guard = true;     // planner rows: run under the step guard (--step_slack)
+};
+
+// A row of the table after its run.
 struct Row {
   std::string name;
   std::string routing;
@@ -88,9 +105,30 @@ struct Row {
   std::string verify;
   int k = 0;
   double tpot_slo_ms = 0;  // planner rows: the SLO they ran under (0: none)
-  RunResult r;
+  RunResult result;
   double step_slack = -1;  // planner rows: the TPOT guard they ran under (< 0: none)
 };
+
+// What every row shares: the trace, the truth timing model and the configuration the rows vary.
+struct Instance {
+  std::vector<TraceRequest> trace;
+  TruthModel truth;
+  SimConfig base;
+};
+
+// The comparison's outcome: its rows (then the ideal row, when there is one) and the TPOT SLO
+// the planner rows ran under.
+struct Comparison {
+  std::vector<Row> rows;
+  bool any_planned = false;      // some row plans verify lengths
+  std::optional<double> slo_ms;  // set whenever any_planned (0: none)
+  std::string slo_source;
+};
+
+int Fail(const absl::Status& s, int exit_code = 1) {
+  std::fprintf(stderr, "dpbalance-replay: %s\n", std::string(s.message()).c_str());
+  return exit_code;
+}
 
 // --tpot_slo_ms: nullopt for 'auto', else the SLO in ms (0: none).
 absl::StatusOr<std::optional<double>> ParseSlo(const std::string& v) {
@@ -110,6 +148,17 @@ absl::StatusOr<CostModel> ModelByName(const std::string& name, const std::string
   return m;
 }
 
+absl::StatusOr<VerifyMode> ParseVerifyMode(const std::string& name) {
+  if (name == "off") return VerifyMode::kStatic;
+  if (name == "local") return VerifyMode::kLocal;
+  if (name == "goodput") return VerifyMode::kGoodput;
+  if (name == "fill") return VerifyMode::kFill;
+  if (name == "oracle") return VerifyMode::kOracle;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--verify = '", name, "' is not off, local, goodput, fill or oracle"));
+}
+
+// The range checks on numeric flags (exit status 2 when one fails).
 absl::Status CheckFlags() {
   auto positive = [](const char* name, double v) -> absl::Status {
     if (!(v > 0)) return absl::InvalidArgumentError(absl::StrFormat("--%s = %g must be > 0", name, v));
@@ -152,53 +201,125 @@ absl::Status CheckFlags() {
   return absl::OkStatus();
 }
 
-nlohmann::json RowJson(const Row& w, const std::string& eval_cost) {
-  const RunResult& r = w.r;
-  nlohmann::json j;
-  j["name"] = w.name;
-  j["routing"] = w.routing;
-  j["z"] = w.z;
-  j["groups"] = w.groups;
-  j["verify_mode"] = w.verify;
-  j["k"] = w.k;
-  j["k_max"] = absl::GetFlag(FLAGS_k_max);
-  j["step_slack"] = w.step_slack;
-  j["tpot_slo_ms"] = w.tpot_slo_ms;
-  j["eval_cost"] = eval_cost;
-  j["steps"] = r.steps;
-  j["balance_efficiency"] = r.balance_efficiency;
-  j["bubble_fraction"] = 1 - r.balance_efficiency;
-  j["attention_cost_ratio_to_ideal"] = eval_cost == "v1" ? r.cost_ratio_v1 : r.cost_ratio_v2;
-  j["attention_cost_ratio_to_ideal_v1"] = r.cost_ratio_v1;
-  j["attention_cost_ratio_to_ideal_v2"] = r.cost_ratio_v2;
-  j["goodput_tok_per_s"] = r.goodput_tok_per_s;
-  j["mean_step_ms"] = r.mean_step_ms;
-  j["tpot_p50_ms"] = r.tpot_p50_ms;
-  j["tpot_p99_ms"] = r.tpot_p99_ms;
-  j["token_balance"] = r.token_balance;
-  j["mean_verify_len"] = r.mean_verify_len;
-  j["mean_draft_depth"] = r.mean_draft_depth;
-  j["requests_finished"] = r.requests_finished;
-  j["blocked_step_fraction"] = r.blocked_step_fraction;
-  j["planner_model_error"] = r.planner_model_error;
-  j["step_over_plan"] = r.step_over_plan;
-  j["wall_s"] = r.wall_s;
-  j["sim_steps_per_s"] = r.wall_s > 0 ? r.steps / r.wall_s : 0;
-  return j;
+// --trace, --trace_format, --seed, --max_requests.
+absl::StatusOr<std::vector<TraceRequest>> TraceFromFlags() {
+  absl::StatusOr<TraceFormat> format = ParseTraceFormat(absl::GetFlag(FLAGS_trace_format));
+  if (!format.ok()) return format.status();
+  absl::StatusOr<std::vector<TraceRequest>> trace =
+      LoadTrace(absl::GetFlag(FLAGS_trace), *format, absl::GetFlag(FLAGS_seed));
+  if (!trace.ok()) return trace.status();
+  if (const int n = absl::GetFlag(FLAGS_max_requests); n > 0 && n < static_cast<int>(trace->size())) {
+    trace->resize(n);
+  }
+  return trace;
 }
 
-void PrintTable(const std::vector<Row>& rows, const std::string& eval_cost) {
-  std::printf("%-22s %-5s %-7s %3s %6s %7s %7s %9s %10s %8s %8s %8s %7s %6s\n", "name", "route",
-              "verify", "k", "depth", "bubble", "costR", "costR-v1", "goodput", "step_ms",
-              "tpot50", "tpot99", "tokbal", "wall_s");
-  for (const Row& w : rows) {
-    const RunResult& r = w.r;
-    std::printf("%-22s %-5s %-7s %3d %6.2f %7.4f %7.4f %9.4f %10.1f %8.2f %8.2f %8.2f %7.4f %6.2f\n",
-                w.name.c_str(), w.routing.c_str(), w.verify.c_str(), w.k, r.mean_draft_depth,
-                1 - r.balance_efficiency, eval_cost == "v1" ? r.cost_ratio_v1 : r.cost_ratio_v2,
-                r.cost_ratio_v1, r.goodput_tok_per_s, r.mean_step_ms, r.tpot_p50_ms, r.tpot_p99_ms,
-                r.token_balance, r.wall_s);
+// --truth, --truth_layers, --ffn_*, --draft_ms, --noise, --draft.
+absl::StatusOr<TruthModel> TruthFromFlags() {
+  TruthModel truth;
+  absl::StatusOr<CostModel> truth_model = ModelByName(absl::GetFlag(FLAGS_truth), "--truth");
+  if (!truth_model.ok()) return truth_model.status();
+  if (absl::GetFlag(FLAGS_truth_layers) < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--truth_layers = %d must be >= 1", absl::GetFlag(FLAGS_truth_layers)));
   }
+  truth.attention = truth_model->Scaled(absl::GetFlag(FLAGS_truth_layers));
+  truth.global.ffn_fixed_us = absl::GetFlag(FLAGS_ffn_fixed_ms) * 1000;
+  truth.global.ffn_per_token_us = absl::GetFlag(FLAGS_ffn_per_token_ms) * 1000;
+  truth.global.draft_per_step_us = absl::GetFlag(FLAGS_draft_ms) * 1000;
+  truth.noise_sigma = absl::GetFlag(FLAGS_noise);
+  if (const std::string d = absl::GetFlag(FLAGS_draft); d == "per_rank") {
+    truth.per_rank_draft = true;
+  } else if (d != "agreed") {
+    return absl::InvalidArgumentError(absl::StrCat("--draft = '", d, "' must be agreed or per_rank"));
+  }
+  return truth;
+}
+
+// The configuration every row starts from; the rows set routing, Z, groups, verify mode and k.
+absl::StatusOr<SimConfig> BaseConfigFromFlags(const TruthModel& truth) {
+  SimConfig base;
+  if (const std::string g = absl::GetFlag(FLAGS_granularity); g == "rank") {
+    base.uniform_per_rank = true;
+  } else if (g != "request") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--granularity = '", g, "' must be request or rank"));
+  }
+  base.num_ranks = absl::GetFlag(FLAGS_dp);
+  base.rank_capacity_tokens = absl::GetFlag(FLAGS_rank_capacity_tokens);
+  base.max_batch_per_rank = absl::GetFlag(FLAGS_max_batch);
+  base.inflight = absl::GetFlag(FLAGS_inflight);
+  base.open_loop = absl::GetFlag(FLAGS_open_loop);
+  base.arrival_speedup = absl::GetFlag(FLAGS_arrival_speedup);
+  base.k_max = absl::GetFlag(FLAGS_k_max);
+  base.acceptance_sigma = absl::GetFlag(FLAGS_acceptance_sigma);
+  base.max_step_slack = absl::GetFlag(FLAGS_step_slack);
+  base.floor_at_default = absl::GetFlag(FLAGS_floor_at_default);
+  base.seed = absl::GetFlag(FLAGS_seed);
+  base.routing.split_percentile = absl::GetFlag(FLAGS_split_percentile);
+  base.routing.split_window = absl::GetFlag(FLAGS_split_window);
+  std::string planner_model = absl::GetFlag(FLAGS_planner_model);
+  if (planner_model.rfind("online", 0) == 0) {  // online[:START]
+    base.planner_online = true;
+    planner_model = planner_model.size() > 7 && planner_model[6] == ':' ? planner_model.substr(7) : "v2";
+  }
+  if (planner_model == "truth") {
+    base.planner_model = truth.attention;
+  } else {
+    absl::StatusOr<CostModel> m = ModelByName(planner_model, "--planner_model");
+    if (!m.ok()) return m.status();
+    base.planner_model = *m;
+  }
+  absl::StatusOr<RoutingStrategy> group_choice = ParseRouting(absl::GetFlag(FLAGS_group_choice));
+  if (!group_choice.ok()) return group_choice.status();
+  base.routing.group_choice = *group_choice;
+  return base;
+}
+
+absl::StatusOr<Instance> InstanceFromFlags() {
+  absl::StatusOr<std::vector<TraceRequest>> trace = TraceFromFlags();
+  if (!trace.ok()) return trace.status();
+  absl::StatusOr<TruthModel> truth = TruthFromFlags();
+  if (!truth.ok()) return truth.status();
+  absl::StatusOr<SimConfig> base = BaseConfigFromFlags(*truth);
+  if (!base.ok()) return base.status();
+  return Instance{*std::move(trace), *std::move(truth), *std::move(base)};
+}
+
+// The default comparison: routings A-E at the static verify length, then verify balancing on D.
+// `fixed_k`: --k, or nullopt for each row's best static k.
+std::vector<RowSpec> ComparisonRows(std::optional<int> fixed_k) {
+  using RS = RoutingStrategy;
+  return {{"A", RS::kMinBatch, 1.2, 1, VerifyMode::kStatic, fixed_k},
+          {"B", RS::kMinContext, 1.2, 1, VerifyMode::kStatic, fixed_k},
+          {"C", RS::kLengthSplit, 1.2, 1, VerifyMode::kStatic, fixed_k},
+          {"D z1.05", RS::kDualPath, 1.05, 1, VerifyMode::kStatic, fixed_k},
+          {"D z1.2", RS::kDualPath, 1.2, 1, VerifyMode::kStatic, fixed_k},
+          {"D z1.3", RS::kDualPath, 1.3, 1, VerifyMode::kStatic, fixed_k},
+          {"D z1.2 G2", RS::kDualPath, 1.2, 2, VerifyMode::kStatic, fixed_k},
+          {"D z1.2 G4", RS::kDualPath, 1.2, 4, VerifyMode::kStatic, fixed_k},
+          {"D z1.2 G10", RS::kDualPath, 1.2, 10, VerifyMode::kStatic, fixed_k},
+          {"E (cost-aware)", RS::kCostAware, 1.2, 1, VerifyMode::kStatic, fixed_k},
+          {"D z1.2 k=3", RS::kDualPath, 1.2, 1, VerifyMode::kStatic, 3},
+          {"D z1.2 + local", RS::kDualPath, 1.2, 1, VerifyMode::kLocal, fixed_k},
+          {"D z1.2 + goodput", RS::kDualPath, 1.2, 1, VerifyMode::kGoodput, fixed_k},
+          {"D z1.2 goodput no-SLO", RS::kDualPath, 1.2, 1, VerifyMode::kGoodput, fixed_k, false},
+          {"D z1.2 + fill", RS::kDualPath, 1.2, 1, VerifyMode::kFill, fixed_k},
+          {"D z1.2 + oracle", RS::kDualPath, 1.2, 1, VerifyMode::kOracle, fixed_k},
+          // The ceiling: the per-step optimum with true acceptance when TPOT is free.
+          {"D z1.2 oracle no-guard", RS::kDualPath, 1.2, 1, VerifyMode::kOracle, fixed_k, false, false},
+          {"E + goodput", RS::kCostAware, 1.2, 1, VerifyMode::kGoodput, fixed_k}};
+}
+
+// --compare=false: the one row --routing, --z, --groups, --verify and --k name.
+absl::StatusOr<RowSpec> SingleRunRow(std::optional<int> fixed_k) {
+  absl::StatusOr<RoutingStrategy> routing = ParseRouting(absl::GetFlag(FLAGS_routing));
+  if (!routing.ok()) return routing.status();
+  const std::string verify_name = absl::GetFlag(FLAGS_verify);
+  absl::StatusOr<VerifyMode> verify = ParseVerifyMode(verify_name);
+  if (!verify.ok()) return verify.status();
+  return RowSpec{absl::StrCat(absl::GetFlag(FLAGS_routing), " ", verify_name), *routing,
+                 absl::GetFlag(FLAGS_z), absl::GetFlag(FLAGS_groups), *verify, fixed_k};
 }
 
 // Runs `jobs` on a few threads; results keep the jobs' order.
@@ -224,312 +345,345 @@ std::vector<absl::StatusOr<RunResult>> RunAll(const std::vector<Job>& jobs, int 
   return out;
 }
 
+// Runs the rows in two phases: the static rows (every k when the best is wanted), then the
+// planner rows, whose default k and TPOT SLO come from the static phase.
+class ComparisonRunner {
+ public:
+  ComparisonRunner(const Instance& instance, int threads) : instance_(instance), threads_(threads) {}
+
+  absl::StatusOr<Comparison> Run(const std::vector<RowSpec>& specs, std::optional<int> fixed_k);
+
+ private:
+  // The default k and TPOT SLO of the planner rows, in `comparison`; returns the default k.
+  absl::StatusOr<int> PlannerDefaults(const std::vector<RowSpec>& specs,
+                                      const std::vector<std::optional<Row>>& rows,
+                                      std::optional<int> fixed_k, Comparison& comparison) const;
+  absl::Status RunStaticRows(const std::vector<RowSpec>& specs, std::vector<std::optional<Row>>& rows) const;
+  absl::Status RunPlannerRows(const std::vector<RowSpec>& specs, int default_k, double slo_ms,
+                              std::vector<std::optional<Row>>& rows) const;
+  SimConfig ConfigFor(const RowSpec& spec, int k) const;
+  std::function<absl::StatusOr<RunResult>()> Job(const SimConfig& config) const {
+    return [config, this] { return Simulate(config, instance_.truth, instance_.trace); };
+  }
+
+  const Instance& instance_;
+  int threads_;
+};
+
+SimConfig ComparisonRunner::ConfigFor(const RowSpec& spec, int k) const {
+  SimConfig c = instance_.base;
+  c.routing.strategy = spec.routing;
+  c.routing.z = spec.z;
+  c.routing.groups = spec.groups;
+  c.verify = spec.verify;
+  c.static_k = k;
+  return c;
+}
+
+absl::Status ComparisonRunner::RunStaticRows(const std::vector<RowSpec>& specs,
+                                             std::vector<std::optional<Row>>& rows) const {
+  std::vector<std::function<absl::StatusOr<RunResult>()>> jobs;
+  std::vector<std::pair<size_t, int>> job_row_k;  // (row, k) of each job
+  for (size_t i = 0; i < specs.size(); ++i) {
+    if (specs[i].verify != VerifyMode::kStatic) continue;
+    const int lo = specs[i].k ? *specs[i].k : 0, hi = specs[i].k ? *specs[i].k : instance_.base.k_max;
+    for (int k = lo; k <= hi; ++k) {
+      jobs.push_back(Job(ConfigFor(specs[i], k)));
+      job_row_k.push_back({i, k});
+    }
+  }
+  std::vector<absl::StatusOr<RunResult>> results = RunAll(jobs, threads_);
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    if (!results[j].ok()) return results[j].status();
+    auto [i, k] = job_row_k[j];
+    if (!rows[i] || results[j]->goodput_tok_per_s > rows[i]->result.goodput_tok_per_s) {
+      rows[i] = Row{specs[i].name, std::string(RoutingName(specs[i].routing)), specs[i].z,
+                    specs[i].groups, "off", k, 0, *results[j]};
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The planner rows' default k is D z1.2's best static k (or --k), and their TPOT SLO (auto) the
+// TPOT p99 of that static run: verify balancing must keep the tail the static configuration
+// delivers. A single planner run takes its own routing, static, at the default k.
+absl::StatusOr<int> ComparisonRunner::PlannerDefaults(const std::vector<RowSpec>& specs,
+                                                      const std::vector<std::optional<Row>>& rows,
+                                                      std::optional<int> fixed_k,
+                                                      Comparison& comparison) const {
+  int default_k = fixed_k.value_or(3);
+  comparison.slo_ms = *ParseSlo(absl::GetFlag(FLAGS_tpot_slo_ms));
+  comparison.slo_source = "--tpot_slo_ms";
+  for (size_t i = 0; i < specs.size(); ++i) {
+    if (rows[i] && specs[i].name == "D z1.2") {
+      default_k = rows[i]->k;
+      if (!comparison.slo_ms) {
+        comparison.slo_ms = rows[i]->result.tpot_p99_ms;
+        comparison.slo_source = absl::StrFormat("auto: TPOT p99 of D z1.2 at k=%d", default_k);
+      }
+    }
+  }
+  if (!comparison.slo_ms && comparison.any_planned) {
+    const RowSpec& spec = specs.front();
+    SimConfig c = ConfigFor(spec, spec.k.value_or(default_k));
+    c.verify = VerifyMode::kStatic;
+    absl::StatusOr<RunResult> r = Simulate(c, instance_.truth, instance_.trace);
+    if (!r.ok()) return r.status();
+    comparison.slo_ms = r->tpot_p99_ms;
+    comparison.slo_source = absl::StrFormat("auto: TPOT p99 of %s off at k=%d",
+                                            absl::GetFlag(FLAGS_routing), c.static_k);
+  }
+  return default_k;
+}
+
+absl::Status ComparisonRunner::RunPlannerRows(const std::vector<RowSpec>& specs, int default_k,
+                                              double slo_ms, std::vector<std::optional<Row>>& rows) const {
+  auto row_slo_ms = [&](const RowSpec& s) { return s.slo ? slo_ms : 0.0; };
+  std::vector<std::function<absl::StatusOr<RunResult>()>> jobs;
+  std::vector<std::pair<size_t, int>> job_row_k;  // (row, k) of each job
+  for (size_t i = 0; i < specs.size(); ++i) {
+    if (specs[i].verify == VerifyMode::kStatic) continue;
+    const int k = specs[i].k.value_or(default_k);
+    SimConfig c = ConfigFor(specs[i], k);
+    c.tpot_slo_us = row_slo_ms(specs[i]) * 1000;
+    if (!specs[i].guard) c.max_step_slack = -1;
+    jobs.push_back(Job(c));
+    job_row_k.push_back({i, k});
+  }
+  std::vector<absl::StatusOr<RunResult>> results = RunAll(jobs, threads_);
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    if (!results[j].ok()) return results[j].status();
+    auto [i, k] = job_row_k[j];
+    rows[i] = Row{specs[i].name, std::string(RoutingName(specs[i].routing)), specs[i].z,
+                  specs[i].groups, VerifyModeName(specs[i].verify), k,
+                  row_slo_ms(specs[i]), *results[j], specs[i].guard ? instance_.base.max_step_slack : -1};
+  }
+  return absl::OkStatus();
+}
+
+// The ideal row: `row`'s run with attention perfectly balanced every step.
+Row IdealRow(const Row& row) {
+  Row ideal = row;
+  ideal.name = "ideal";
+  ideal.routing = "ideal";
+  ideal.result.balance_efficiency = 1;
+  ideal.result.cost_ratio_v1 = ideal.result.cost_ratio_v2 = 1;
+  ideal.result.goodput_tok_per_s = row.result.ideal_goodput_tok_per_s;
+  ideal.result.token_balance = 1;
+  ideal.result.tpot_p50_ms = ideal.result.tpot_p99_ms = 0;
+  ideal.tpot_slo_ms = 0;
+  ideal.result.wall_s = 0;
+  return ideal;
+}
+
+absl::StatusOr<Comparison> ComparisonRunner::Run(const std::vector<RowSpec>& specs,
+                                                 std::optional<int> fixed_k) {
+  Comparison comparison;
+  comparison.any_planned = std::any_of(specs.begin(), specs.end(),
+                                       [](const RowSpec& s) { return s.verify != VerifyMode::kStatic; });
+  std::vector<std::optional<Row>> rows(specs.size());
+  if (absl::Status s = RunStaticRows(specs, rows); !s.ok()) return s;
+  absl::StatusOr<int> default_k = PlannerDefaults(specs, rows, fixed_k, comparison);
+  if (!default_k.ok()) return default_k.status();
+  if (absl::Status s = RunPlannerRows(specs, *default_k, comparison.slo_ms.value_or(0), rows); !s.ok()) {
+    return s;
+  }
+  for (auto& row : rows) comparison.rows.push_back(*row);
+  // The ideal: D z1.2's best static run (or a single run's row), perfectly balanced.
+  for (const Row& row : comparison.rows) {
+    if (row.name == "D z1.2" || (!absl::GetFlag(FLAGS_compare) && comparison.rows.size() == 1)) {
+      comparison.rows.push_back(IdealRow(row));
+      break;
+    }
+  }
+  return comparison;
+}
+
+nlohmann::json RowJson(const Row& row, const std::string& eval_cost) {
+  const RunResult& r = row.result;
+  nlohmann::json j;
+  j["name"] = row.name;
+  j["routing"] = row.routing;
+  j["z"] = row.z;
+  j["groups"] = row.groups;
+  j["verify_mode"] = row.verify;
+  j["k"] = row.k;
+  j["k_max"] = absl::GetFlag(FLAGS_k_max);
+  j["step_slack"] = row.step_slack;
+  j["tpot_slo_ms"] = row.tpot_slo_ms;
+  j["eval_cost"] = eval_cost;
+  j["steps"] = r.steps;
+  j["balance_efficiency"] = r.balance_efficiency;
+  j["bubble_fraction"] = 1 - r.balance_efficiency;
+  j["attention_cost_ratio_to_ideal"] = eval_cost == "v1" ? r.cost_ratio_v1 : r.cost_ratio_v2;
+  j["attention_cost_ratio_to_ideal_v1"] = r.cost_ratio_v1;
+  j["attention_cost_ratio_to_ideal_v2"] = r.cost_ratio_v2;
+  j["goodput_tok_per_s"] = r.goodput_tok_per_s;
+  j["mean_step_ms"] = r.mean_step_ms;
+  j["tpot_p50_ms"] = r.tpot_p50_ms;
+  j["tpot_p99_ms"] = r.tpot_p99_ms;
+  j["token_balance"] = r.token_balance;
+  j["mean_verify_len"] = r.mean_verify_len;
+  j["mean_draft_depth"] = r.mean_draft_depth;
+  j["requests_finished"] = r.requests_finished;
+  j["blocked_step_fraction"] = r.blocked_step_fraction;
+  j["planner_model_error"] = r.planner_model_error;
+  j["step_over_plan"] = r.step_over_plan;
+  j["wall_s"] = r.wall_s;
+  j["sim_steps_per_s"] = r.wall_s > 0 ? r.steps / r.wall_s : 0;
+  return j;
+}
+
+// --json: {"trace", "requests", "dp", "truth", "runs": [a row each]}.
+absl::Status WriteJson(const std::string& path, const Instance& instance, const std::vector<Row>& rows,
+                       const std::string& eval_cost) {
+  nlohmann::json out;
+  out["trace"] = absl::GetFlag(FLAGS_trace);
+  out["requests"] = instance.trace.size();
+  out["dp"] = instance.base.num_ranks;
+  out["truth"] = instance.truth.attention.name();
+  out["runs"] = nlohmann::json::array();
+  for (const Row& row : rows) out["runs"].push_back(RowJson(row, eval_cost));
+  std::ofstream f(path);
+  if (!f) return absl::NotFoundError(absl::StrCat("--json: cannot write '", path, "'"));
+  f << out.dump(2) << "\n";
+  return absl::OkStatus();
+}
+
+void PrintHeader(const Instance& instance, const Comparison& comparison, const std::string& eval_cost) {
+  const SimConfig& base = instance.base;
+  std::printf("dpbalance-replay: %s, %zu requests, DP%d, %s, capacity %lld tokens/rank, batch cap %d, truth %s, eval %s\n",
+              absl::GetFlag(FLAGS_trace).c_str(), instance.trace.size(), base.num_ranks,
+              base.open_loop ? "open loop" : absl::StrCat("closed loop at ", base.inflight, " in flight").c_str(),
+              static_cast<long long>(base.rank_capacity_tokens), base.max_batch_per_rank,
+              instance.truth.attention.name().c_str(), eval_cost.c_str());
+  if (comparison.any_planned) {
+    const double slo_ms = *comparison.slo_ms;
+    std::printf("TPOT SLO of the planner rows: %s\n",
+                slo_ms > 0 ? absl::StrFormat("%.2f ms (%s)", slo_ms, comparison.slo_source).c_str() : "none");
+  }
+}
+
+void PrintTable(const std::vector<Row>& rows, const std::string& eval_cost) {
+  std::printf("%-22s %-5s %-7s %3s %6s %7s %7s %9s %10s %8s %8s %8s %7s %6s\n", "name", "route",
+              "verify", "k", "depth", "bubble", "costR", "costR-v1", "goodput", "step_ms",
+              "tpot50", "tpot99", "tokbal", "wall_s");
+  for (const Row& row : rows) {
+    const RunResult& r = row.result;
+    std::printf("%-22s %-5s %-7s %3d %6.2f %7.4f %7.4f %9.4f %10.1f %8.2f %8.2f %8.2f %7.4f %6.2f\n",
+                row.name.c_str(), row.routing.c_str(), row.verify.c_str(), row.k, r.mean_draft_depth,
+                1 - r.balance_efficiency, eval_cost == "v1" ? r.cost_ratio_v1 : r.cost_ratio_v2,
+                r.cost_ratio_v1, r.goodput_tok_per_s, r.mean_step_ms, r.tpot_p50_ms, r.tpot_p99_ms,
+                r.token_balance, r.wall_s);
+  }
+}
+
+void PrintStepRate(const std::vector<Row>& rows) {
+  double total_wall = 0;
+  int64_t total_steps = 0;
+  for (const Row& row : rows) {
+    total_wall += row.result.wall_s;
+    total_steps += row.routing == "ideal" ? 0 : row.result.steps;
+  }
+  std::printf("simulated %lld steps (reported rows) at %.0f steps/s of replay compute\n",
+              static_cast<long long>(total_steps), total_wall > 0 ? total_steps / total_wall : 0.0);
+}
+
+const Row* FindRow(const std::vector<Row>& rows, const std::string& name) {
+  for (const Row& row : rows)
+    if (row.name == name) return &row;
+  return nullptr;
+}
+
+// Verify balancing (goodput planner) against D z1.2 at its best static k, with the targets it is
+// held to: bubble, goodput, TPOT p99, the oracle, static k=3.
+void PrintVerifyBalancingSummary(const std::vector<Row>& rows) {
+  const Row* d_static = FindRow(rows, "D z1.2");
+  const Row* d_goodput = FindRow(rows, "D z1.2 + goodput");
+  const Row* d_oracle = FindRow(rows, "D z1.2 + oracle");
+  const Row* d_static_k3 = FindRow(rows, "D z1.2 k=3");
+  const Row* d_local = FindRow(rows, "D z1.2 + local");
+  if (!d_static || !d_goodput || !d_oracle || !d_static_k3) return;
+  const RunResult& base = d_static->result;
+  const RunResult& goodput = d_goodput->result;
+  std::printf("\nverify balancing (goodput) vs D z1.2 at its best static k=%d:\n", d_static->k);
+  std::printf("  bubble fraction    %.4f -> %.4f  (x%.3f, target <= 0.3)\n", 1 - base.balance_efficiency,
+              1 - goodput.balance_efficiency, (1 - goodput.balance_efficiency) / (1 - base.balance_efficiency));
+  std::printf("  goodput            x%.4f (target >= 1.03)\n", goodput.goodput_tok_per_s / base.goodput_tok_per_s);
+  if (const Row* unguarded_oracle = FindRow(rows, "D z1.2 oracle no-guard")) {
+    std::printf("    ceiling: the oracle with no step guard or SLO reaches x%.4f at TPOT p99 x%.4f\n",
+                unguarded_oracle->result.goodput_tok_per_s / base.goodput_tok_per_s,
+                unguarded_oracle->result.tpot_p99_ms / base.tpot_p99_ms);
+  }
+  std::printf("  TPOT p99           x%.4f (target <= 1.05)\n", goodput.tpot_p99_ms / base.tpot_p99_ms);
+  std::printf("  vs oracle          x%.4f (target >= 0.95)\n",
+              goodput.goodput_tok_per_s / d_oracle->result.goodput_tok_per_s);
+  std::printf("  vs static k=3      x%.4f\n", goodput.goodput_tok_per_s / d_static_k3->result.goodput_tok_per_s);
+  if (d_local) {
+    std::printf("  local (no exchange): bubble %.4f, goodput x%.4f\n", 1 - d_local->result.balance_efficiency,
+                d_local->result.goodput_tok_per_s / base.goodput_tok_per_s);
+  }
+  if (const Row* goodput_no_slo = FindRow(rows, "D z1.2 goodput no-SLO")) {
+    const RunResult& no_slo = goodput_no_slo->result;
+    std::printf("  goodput without the TPOT SLO: bubble x%.3f, goodput x%.4f, TPOT p99 x%.4f\n",
+                (1 - no_slo.balance_efficiency) / (1 - base.balance_efficiency),
+                no_slo.goodput_tok_per_s / base.goodput_tok_per_s, no_slo.tpot_p99_ms / base.tpot_p99_ms);
+  }
+}
+
+// Our cost-aware routing E against the best D over Z, on both published cost ratios (E should
+// be at least as good); one seed here, scripts/routing_seeds.py for the spread over seeds.
+void PrintRoutingSummary(const std::vector<Row>& rows, const CostModel& planner_model) {
+  const Row* cost_aware = FindRow(rows, "E (cost-aware)");
+  if (!cost_aware) return;
+  const Row* best_d = nullptr;
+  for (const char* name : {"D z1.05", "D z1.2", "D z1.3"}) {
+    const Row* d = FindRow(rows, name);
+    if (d && (!best_d || d->result.cost_ratio_v2 < best_d->result.cost_ratio_v2)) best_d = d;
+  }
+  if (!best_d) return;
+  const RunResult& e = cost_aware->result;
+  const RunResult& d = best_d->result;
+  std::printf("\nrouting E vs the best D (%s) on attention cost ratio (target: E <= D):\n"
+              "  v2 %.4f vs %.4f, v1 %.4f vs %.4f; bubble %.4f vs %.4f\n",
+              best_d->name.c_str(), e.cost_ratio_v2, d.cost_ratio_v2, e.cost_ratio_v1, d.cost_ratio_v1,
+              1 - e.balance_efficiency, 1 - d.balance_efficiency);
+  if (!planner_model.published_form()) {
+    std::printf("  E minimises the planner model's cost (%s), not V1's or V2's;\n"
+                "  goodput %.1f vs %.1f tok/s\n",
+                planner_model.name().c_str(), e.goodput_tok_per_s, d.goodput_tok_per_s);
+  }
+}
+
 int Main() {
-  if (absl::Status s = CheckFlags(); !s.ok()) {
-    std::fprintf(stderr, "dpbalance-replay: %s\n", std::string(s.message()).c_str());
-    return 2;
-  }
-  auto fail = [](const absl::Status& s) {
-    std::fprintf(stderr, "dpbalance-replay: %s\n", std::string(s.message()).c_str());
-    return 1;
-  };
-  absl::StatusOr<TraceFormat> fmt = ParseTraceFormat(absl::GetFlag(FLAGS_trace_format));
-  if (!fmt.ok()) return fail(fmt.status());
-  absl::StatusOr<std::vector<TraceRequest>> trace =
-      LoadTrace(absl::GetFlag(FLAGS_trace), *fmt, absl::GetFlag(FLAGS_seed));
-  if (!trace.ok()) return fail(trace.status());
-  if (const int n = absl::GetFlag(FLAGS_max_requests); n > 0 && n < static_cast<int>(trace->size())) {
-    trace->resize(n);
-  }
-
-  TruthModel truth;
-  absl::StatusOr<CostModel> tm = ModelByName(absl::GetFlag(FLAGS_truth), "--truth");
-  if (!tm.ok()) return fail(tm.status());
-  if (absl::GetFlag(FLAGS_truth_layers) < 1) {
-    return fail(absl::InvalidArgumentError(absl::StrFormat("--truth_layers = %d must be >= 1",
-                                                           absl::GetFlag(FLAGS_truth_layers))));
-  }
-  truth.attention = tm->Scaled(absl::GetFlag(FLAGS_truth_layers));
-  truth.global.ffn_fixed_us = absl::GetFlag(FLAGS_ffn_fixed_ms) * 1000;
-  truth.global.ffn_per_token_us = absl::GetFlag(FLAGS_ffn_per_token_ms) * 1000;
-  truth.global.draft_per_step_us = absl::GetFlag(FLAGS_draft_ms) * 1000;
-  truth.noise_sigma = absl::GetFlag(FLAGS_noise);
-  if (const std::string d = absl::GetFlag(FLAGS_draft); d == "per_rank") {
-    truth.per_rank_draft = true;
-  } else if (d != "agreed") {
-    return fail(absl::InvalidArgumentError(absl::StrCat("--draft = '", d, "' must be agreed or per_rank")));
-  }
-
-  SimConfig base;
-  if (const std::string g = absl::GetFlag(FLAGS_granularity); g == "rank") {
-    base.uniform_per_rank = true;
-  } else if (g != "request") {
-    return fail(absl::InvalidArgumentError(
-        absl::StrCat("--granularity = '", g, "' must be request or rank")));
-  }
-  base.num_ranks = absl::GetFlag(FLAGS_dp);
-  base.rank_capacity_tokens = absl::GetFlag(FLAGS_rank_capacity_tokens);
-  base.max_batch_per_rank = absl::GetFlag(FLAGS_max_batch);
-  base.inflight = absl::GetFlag(FLAGS_inflight);
-  base.open_loop = absl::GetFlag(FLAGS_open_loop);
-  base.arrival_speedup = absl::GetFlag(FLAGS_arrival_speedup);
-  base.k_max = absl::GetFlag(FLAGS_k_max);
-  base.acceptance_sigma = absl::GetFlag(FLAGS_acceptance_sigma);
-  base.max_step_slack = absl::GetFlag(FLAGS_step_slack);
-  base.floor_at_default = absl::GetFlag(FLAGS_floor_at_default);
-  base.seed = absl::GetFlag(FLAGS_seed);
-  base.routing.split_percentile = absl::GetFlag(FLAGS_split_percentile);
-  base.routing.split_window = absl::GetFlag(FLAGS_split_window);
-  std::string pm = absl::GetFlag(FLAGS_planner_model);
-  if (pm.rfind("online", 0) == 0) {
-    base.planner_online = true;
-    pm = pm.size() > 7 && pm[6] == ':' ? pm.substr(7) : "v2";
-  }
-  if (pm == "truth") {
-    base.planner_model = truth.attention;
-  } else {
-    absl::StatusOr<CostModel> m = ModelByName(pm, "--planner_model");
-    if (!m.ok()) return fail(m.status());
-    base.planner_model = *m;
-  }
-  absl::StatusOr<RoutingStrategy> group_choice = ParseRouting(absl::GetFlag(FLAGS_group_choice));
-  if (!group_choice.ok()) return fail(group_choice.status());
-  base.routing.group_choice = *group_choice;
+  if (absl::Status s = CheckFlags(); !s.ok()) return Fail(s, 2);
+  absl::StatusOr<Instance> instance = InstanceFromFlags();
+  if (!instance.ok()) return Fail(instance.status());
   const std::string eval_cost = absl::GetFlag(FLAGS_eval_cost);
   const int threads = absl::GetFlag(FLAGS_threads) > 0
                           ? absl::GetFlag(FLAGS_threads)
                           : std::max(1u, std::thread::hardware_concurrency());
-  const std::string kflag = absl::GetFlag(FLAGS_k);
+  const std::string k_flag = absl::GetFlag(FLAGS_k);
+  const std::optional<int> fixed_k = k_flag == "best" ? std::nullopt : std::optional<int>(std::stoi(k_flag));
 
-  struct Spec {
-    std::string name;
-    RoutingStrategy routing;
-    double z;
-    int groups;
-    VerifyMode verify;
-    std::optional<int> k;  // nullopt: best static k (off) or the best static k of D (planner)
-    bool slo = true;       // planner rows: run under the TPOT SLO (when there is one)
-    bool guard = true;     // planner rows: run under the step guard (--step_slack)
-  };
-  std::vector<Spec> specs;
-  const std::optional<int> kfixed = kflag == "best" ? std::nullopt : std::optional<int>(std::stoi(kflag));
+  std::vector<RowSpec> specs;
   if (absl::GetFlag(FLAGS_compare)) {
-    using RS = RoutingStrategy;
-    specs = {{"A", RS::kMinBatch, 1.2, 1, VerifyMode::kStatic, kfixed},
-             {"B", RS::kMinContext, 1.2, 1, VerifyMode::kStatic, kfixed},
-             {"C", RS::kLengthSplit, 1.2, 1, VerifyMode::kStatic, kfixed},
-             {"D z1.05", RS::kDualPath, 1.05, 1, VerifyMode::kStatic, kfixed},
-             {"D z1.2", RS::kDualPath, 1.2, 1, VerifyMode::kStatic, kfixed},
-             {"D z1.3", RS::kDualPath, 1.3, 1, VerifyMode::kStatic, kfixed},
-             {"D z1.2 G2", RS::kDualPath, 1.2, 2, VerifyMode::kStatic, kfixed},
-             {"D z1.2 G4", RS::kDualPath, 1.2, 4, VerifyMode::kStatic, kfixed},
-             {"D z1.2 G10", RS::kDualPath, 1.2, 10, VerifyMode::kStatic, kfixed},
-             {"E (cost-aware)", RS::kCostAware, 1.2, 1, VerifyMode::kStatic, kfixed},
-             {"D z1.2 k=3", RS::kDualPath, 1.2, 1, VerifyMode::kStatic, 3},
-             {"D z1.2 + local", RS::kDualPath, 1.2, 1, VerifyMode::kLocal, kfixed},
-             {"D z1.2 + goodput", RS::kDualPath, 1.2, 1, VerifyMode::kGoodput, kfixed},
-             {"D z1.2 goodput no-SLO", RS::kDualPath, 1.2, 1, VerifyMode::kGoodput, kfixed, false},
-             {"D z1.2 + fill", RS::kDualPath, 1.2, 1, VerifyMode::kFill, kfixed},
-             {"D z1.2 + oracle", RS::kDualPath, 1.2, 1, VerifyMode::kOracle, kfixed},
-             // The ceiling: the per-step optimum with true acceptance when TPOT is free.
-             {"D z1.2 oracle no-guard", RS::kDualPath, 1.2, 1, VerifyMode::kOracle, kfixed, false, false},
-             {"E + goodput", RS::kCostAware, 1.2, 1, VerifyMode::kGoodput, kfixed}};
+    specs = ComparisonRows(fixed_k);
   } else {
-    absl::StatusOr<RoutingStrategy> rs = ParseRouting(absl::GetFlag(FLAGS_routing));
-    if (!rs.ok()) return fail(rs.status());
-    const std::string vm = absl::GetFlag(FLAGS_verify);
-    VerifyMode v;
-    if (vm == "off") v = VerifyMode::kStatic;
-    else if (vm == "local") v = VerifyMode::kLocal;
-    else if (vm == "goodput") v = VerifyMode::kGoodput;
-    else if (vm == "fill") v = VerifyMode::kFill;
-    else if (vm == "oracle") v = VerifyMode::kOracle;
-    else return fail(absl::InvalidArgumentError(absl::StrCat("--verify = '", vm, "' is not off, local, goodput, fill or oracle")));
-    specs = {{absl::StrCat(absl::GetFlag(FLAGS_routing), " ", vm), *rs, absl::GetFlag(FLAGS_z),
-              absl::GetFlag(FLAGS_groups), v, kfixed}};
+    absl::StatusOr<RowSpec> single = SingleRunRow(fixed_k);
+    if (!single.ok()) return Fail(single.status());
+    specs = {*single};
   }
+  absl::StatusOr<Comparison> comparison = ComparisonRunner(*instance, threads).Run(specs, fixed_k);
+  if (!comparison.ok()) return Fail(comparison.status());
 
-  auto config_for = [&](const Spec& s, int k) {
-    SimConfig c = base;
-    c.routing.strategy = s.routing;
-    c.routing.z = s.z;
-    c.routing.groups = s.groups;
-    c.verify = s.verify;
-    c.static_k = k;
-    return c;
-  };
-  // Phase 1: static runs (every k when the best is wanted).
-  std::vector<std::function<absl::StatusOr<RunResult>()>> jobs;
-  std::vector<std::pair<size_t, int>> job_of;  // (spec, k)
-  for (size_t i = 0; i < specs.size(); ++i) {
-    if (specs[i].verify != VerifyMode::kStatic) continue;
-    const int lo = specs[i].k ? *specs[i].k : 0, hi = specs[i].k ? *specs[i].k : base.k_max;
-    for (int k = lo; k <= hi; ++k) {
-      SimConfig c = config_for(specs[i], k);
-      jobs.push_back([c, &truth, &trace] { return Simulate(c, truth, *trace); });
-      job_of.push_back({i, k});
-    }
-  }
-  std::vector<absl::StatusOr<RunResult>> results = RunAll(jobs, threads);
-  std::vector<std::optional<Row>> best(specs.size());
-  for (size_t j = 0; j < jobs.size(); ++j) {
-    if (!results[j].ok()) return fail(results[j].status());
-    auto [i, k] = job_of[j];
-    if (!best[i] || results[j]->goodput_tok_per_s > best[i]->r.goodput_tok_per_s) {
-      best[i] = Row{specs[i].name, std::string(RoutingName(specs[i].routing)), specs[i].z,
-                    specs[i].groups, "off", k, 0, *results[j]};
-    }
-  }
-  // Phase 2: planner runs; their default k is D z1.2's best static k (or --k), and their TPOT
-  // SLO (auto) the TPOT p99 of that static run: verify balancing must keep the tail the static
-  // configuration delivers.
-  int default_k = kfixed.value_or(3);
-  std::optional<double> slo_ms = *ParseSlo(absl::GetFlag(FLAGS_tpot_slo_ms));
-  std::string slo_source = "--tpot_slo_ms";
-  for (size_t i = 0; i < specs.size(); ++i) {
-    if (best[i] && specs[i].name == "D z1.2") {
-      default_k = best[i]->k;
-      if (!slo_ms) {
-        slo_ms = best[i]->r.tpot_p99_ms;
-        slo_source = absl::StrFormat("auto: TPOT p99 of D z1.2 at k=%d", default_k);
-      }
-    }
-  }
-  const bool any_planned = std::any_of(specs.begin(), specs.end(),
-                                       [](const Spec& s) { return s.verify != VerifyMode::kStatic; });
-  if (!slo_ms && any_planned) {  // a single planner run: its own routing, static, default k
-    const Spec& s = specs.front();
-    SimConfig c = config_for(s, s.k.value_or(default_k));
-    c.verify = VerifyMode::kStatic;
-    absl::StatusOr<RunResult> r = Simulate(c, truth, *trace);
-    if (!r.ok()) return fail(r.status());
-    slo_ms = r->tpot_p99_ms;
-    slo_source = absl::StrFormat("auto: TPOT p99 of %s off at k=%d", absl::GetFlag(FLAGS_routing),
-                                 c.static_k);
-  }
-  auto row_slo_ms = [&](const Spec& s) { return s.slo ? slo_ms.value_or(0) : 0.0; };
-  jobs.clear();
-  job_of.clear();
-  for (size_t i = 0; i < specs.size(); ++i) {
-    if (specs[i].verify == VerifyMode::kStatic) continue;
-    const int k = specs[i].k.value_or(default_k);
-    SimConfig c = config_for(specs[i], k);
-    c.tpot_slo_us = row_slo_ms(specs[i]) * 1000;
-    if (!specs[i].guard) c.max_step_slack = -1;
-    jobs.push_back([c, &truth, &trace] { return Simulate(c, truth, *trace); });
-    job_of.push_back({i, k});
-  }
-  results = RunAll(jobs, threads);
-  for (size_t j = 0; j < jobs.size(); ++j) {
-    if (!results[j].ok()) return fail(results[j].status());
-    auto [i, k] = job_of[j];
-    best[i] = Row{specs[i].name, std::string(RoutingName(specs[i].routing)), specs[i].z,
-                  specs[i].groups, VerifyModeName(specs[i].verify), k,
-                  row_slo_ms(specs[i]), *results[j], specs[i].guard ? base.max_step_slack : -1};
-  }
-  std::vector<Row> rows;
-  for (auto& b : best) rows.push_back(*b);
-  // The ideal: D z1.2's best static run with attention perfectly balanced every step.
-  for (const Row& w : rows) {
-    if (w.name == "D z1.2" || (!absl::GetFlag(FLAGS_compare) && rows.size() == 1)) {
-      Row ideal = w;
-      ideal.name = "ideal";
-      ideal.routing = "ideal";
-      ideal.r.balance_efficiency = 1;
-      ideal.r.cost_ratio_v1 = ideal.r.cost_ratio_v2 = 1;
-      ideal.r.goodput_tok_per_s = w.r.ideal_goodput_tok_per_s;
-      ideal.r.token_balance = 1;
-      ideal.r.tpot_p50_ms = ideal.r.tpot_p99_ms = 0;
-      ideal.tpot_slo_ms = 0;
-      ideal.r.wall_s = 0;
-      rows.push_back(ideal);
-      break;
-    }
-  }
-  std::printf("dpbalance-replay: %s, %zu requests, DP%d, %s, capacity %lld tokens/rank, batch cap %d, truth %s, eval %s\n",
-              absl::GetFlag(FLAGS_trace).c_str(), trace->size(), base.num_ranks,
-              base.open_loop ? "open loop" : absl::StrCat("closed loop at ", base.inflight, " in flight").c_str(),
-              static_cast<long long>(base.rank_capacity_tokens), base.max_batch_per_rank,
-              truth.attention.name().c_str(), eval_cost.c_str());
-  if (any_planned) {
-    std::printf("TPOT SLO of the planner rows: %s\n",
-                *slo_ms > 0 ? absl::StrFormat("%.2f ms (%s)", *slo_ms, slo_source).c_str() : "none");
-  }
-  PrintTable(rows, eval_cost);
-
-  double total_wall = 0;
-  int64_t total_steps = 0;
-  for (const Row& w : rows) {
-    total_wall += w.r.wall_s;
-    total_steps += w.routing == "ideal" ? 0 : w.r.steps;
-  }
-  std::printf("simulated %lld steps (reported rows) at %.0f steps/s of replay compute\n",
-              static_cast<long long>(total_steps), total_wall > 0 ? total_steps / total_wall : 0.0);
-
-  // The issue's checks, computed from the rows above.
-  auto find = [&](const std::string& n) -> const Row* {
-    for (const Row& w : rows)
-      if (w.name == n) return &w;
-    return nullptr;
-  };
-  const Row *d = find("D z1.2"), *gp = find("D z1.2 + goodput"), *orc = find("D z1.2 + oracle"),
-            *k3 = find("D z1.2 k=3"), *loc = find("D z1.2 + local");
-  if (d && gp && orc && k3) {
-    std::printf("\nverify balancing (goodput) vs D z1.2 at its best static k=%d:\n", d->k);
-    std::printf("  bubble fraction    %.4f -> %.4f  (x%.3f, target <= 0.3)\n", 1 - d->r.balance_efficiency,
-                1 - gp->r.balance_efficiency, (1 - gp->r.balance_efficiency) / (1 - d->r.balance_efficiency));
-    std::printf("  goodput            x%.4f (target >= 1.03)\n", gp->r.goodput_tok_per_s / d->r.goodput_tok_per_s);
-    if (const Row* free = find("D z1.2 oracle no-guard")) {
-      std::printf("    ceiling: the oracle with no step guard or SLO reaches x%.4f at TPOT p99 x%.4f\n",
-                  free->r.goodput_tok_per_s / d->r.goodput_tok_per_s, free->r.tpot_p99_ms / d->r.tpot_p99_ms);
-    }
-    std::printf("  TPOT p99           x%.4f (target <= 1.05)\n", gp->r.tpot_p99_ms / d->r.tpot_p99_ms);
-    std::printf("  vs oracle          x%.4f (target >= 0.95)\n", gp->r.goodput_tok_per_s / orc->r.goodput_tok_per_s);
-    std::printf("  vs static k=3      x%.4f\n", gp->r.goodput_tok_per_s / k3->r.goodput_tok_per_s);
-    if (loc) {
-      std::printf("  local (no exchange): bubble %.4f, goodput x%.4f\n", 1 - loc->r.balance_efficiency,
-                  loc->r.goodput_tok_per_s / d->r.goodput_tok_per_s);
-    }
-    if (const Row* free = find("D z1.2 goodput no-SLO")) {
-      std::printf("  goodput without the TPOT SLO: bubble x%.3f, goodput x%.4f, TPOT p99 x%.4f\n",
-                  (1 - free->r.balance_efficiency) / (1 - d->r.balance_efficiency),
-                  free->r.goodput_tok_per_s / d->r.goodput_tok_per_s,
-                  free->r.tpot_p99_ms / d->r.tpot_p99_ms);
-    }
-  }
-
-  // Our cost-aware routing against D at each Z, on both published cost ratios (issue: E must be
-  // at least as good as D); one seed here, scripts/routing_seeds.py for the spread over seeds.
-  if (const Row* e = find("E (cost-aware)")) {
-    const Row* best_d = nullptr;
-    for (const char* name : {"D z1.05", "D z1.2", "D z1.3"}) {
-      const Row* r = find(name);
-      if (r && (!best_d || r->r.cost_ratio_v2 < best_d->r.cost_ratio_v2)) best_d = r;
-    }
-    if (best_d) {
-      std::printf("\nrouting E vs the best D (%s) on attention cost ratio (target: E <= D):\n"
-                  "  v2 %.4f vs %.4f, v1 %.4f vs %.4f; bubble %.4f vs %.4f\n",
-                  best_d->name.c_str(), e->r.cost_ratio_v2, best_d->r.cost_ratio_v2, e->r.cost_ratio_v1,
-                  best_d->r.cost_ratio_v1, 1 - e->r.balance_efficiency, 1 - best_d->r.balance_efficiency);
-      if (!base.planner_model.published_form()) {
-        std::printf("  E minimises the planner model's cost (%s), not V1's or V2's;\n"
-                    "  goodput %.1f vs %.1f tok/s\n",
-                    base.planner_model.name().c_str(), e->r.goodput_tok_per_s, best_d->r.goodput_tok_per_s);
-      }
-    }
-  }
-
+  PrintHeader(*instance, *comparison, eval_cost);
+  PrintTable(comparison->rows, eval_cost);
+  PrintStepRate(comparison->rows);
+  PrintVerifyBalancingSummary(comparison->rows);
+  PrintRoutingSummary(comparison->rows, instance->base.planner_model);
   if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
-    nlohmann::json out;
-    out["trace"] = absl::GetFlag(FLAGS_trace);
-    out["requests"] = trace->size();
-    out["dp"] = base.num_ranks;
-    out["truth"] = truth.attention.name();
-    out["runs"] = nlohmann::json::array();
-    for (const Row& w : rows) out["runs"].push_back(RowJson(w, eval_cost));
-    std::ofstream f(path);
-    if (!f) return fail(absl::NotFoundError(absl::StrCat("--json: cannot write '", path, "'")));
-    f << out.dump(2) << "\n";
+    if (absl::Status s = WriteJson(path, *instance, comparison->rows, eval_cost); !s.ok()) return Fail(s);
   }
   return 0;
 }
@@ -538,6 +692,18 @@ int Main() {
 }  // namespace dpbalance::replay
 
 int main(int argc, char** argv) {
+  // --help lists the flags defined in this file; Abseil's default lists only flags whose file is
+  // named after the program (dpbalance-replay), which matches none.
+  absl::FlagsUsageConfig usage_config;
+  usage_config.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "replay_main.cc");
+  };
+  usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
+  usage_config.normalize_filename = [](absl::string_view file) {  // the path in the repository
+    const size_t pos = file.rfind("integration/replay/");
+    return std::string(pos == absl::string_view::npos ? file : file.substr(pos));
+  };
+  absl::SetFlagsUsageConfig(usage_config);
   absl::SetProgramUsageMessage(
       "Replays a serving trace through a simulated DP decode instance; compares routing "
       "strategies A-E and verify balancing.\nUsage: dpbalance-replay [--trace FILE] [flags]");

@@ -19,21 +19,6 @@ struct RouterContext {
   std::vector<RankLoad> loads;
 };
 
-// The rank's aggregates as E prices them: every request at the typical q, the rank's sums and
-// its longest context. The replay adds its requests one by one at the same q, which gives the
-// same values (sums of whole numbers are exact in double).
-BatchAggregates AggregatesOf(const dpbRankLoad_v1_t& l, int32_t q) {
-  BatchAggregates a;
-  a.num_requests = l.num_requests;
-  a.query_tokens = static_cast<double>(q) * l.num_requests;
-  a.query_key_pairs = static_cast<double>(q) * static_cast<double>(l.ctx_tokens);
-  a.key_tokens = static_cast<double>(l.ctx_tokens);
-  a.max_query_key_pairs = static_cast<double>(q) * static_cast<double>(l.max_ctx_tokens);
-  a.max_key_tokens = static_cast<double>(l.max_ctx_tokens);
-  a.multi_query = l.num_requests > 0 && q > 1;
-  return a;
-}
-
 // The first field of `l` that no real rank has, or nullopt.
 std::optional<std::string> BadField(const dpbRankLoad_v1_t& l) {
   if (l.num_requests < 0) return "num_requests = " + std::to_string(l.num_requests);
@@ -96,7 +81,8 @@ dpbResult_t Route(void* router, const dpbRankLoad_v1_t* loads, int32_t num_ranks
       r.ctx_tokens = l.ctx_tokens;
       r.reserved_tokens = l.reserved_tokens;
       r.capacity_tokens = l.capacity_tokens;
-      r.agg = AggregatesOf(l, ctx->query_tokens);
+      r.agg = TypicalBatchAggregates(l.num_requests, l.ctx_tokens, l.max_ctx_tokens,
+                                     ctx->query_tokens);
     }
     absl::StatusOr<int> r = ctx->router.Route({input_tokens, output_tokens}, ctx->loads);
     if (r.ok()) {

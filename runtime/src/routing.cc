@@ -21,6 +21,20 @@ std::string_view RoutingName(RoutingStrategy s) {
   return "?";
 }
 
+BatchAggregates TypicalBatchAggregates(int32_t num_requests, int64_t ctx_tokens,
+                                       int64_t max_ctx_tokens, int32_t query_tokens) {
+  const double q = query_tokens;
+  BatchAggregates a;
+  a.num_requests = num_requests;
+  a.query_tokens = q * num_requests;
+  a.query_key_pairs = q * static_cast<double>(ctx_tokens);
+  a.key_tokens = static_cast<double>(ctx_tokens);
+  a.max_query_key_pairs = q * static_cast<double>(max_ctx_tokens);
+  a.max_key_tokens = static_cast<double>(max_ctx_tokens);
+  a.multi_query = num_requests > 0 && query_tokens > 1;
+  return a;
+}
+
 absl::StatusOr<RoutingStrategy> ParseRouting(std::string_view name) {
   for (RoutingStrategy s : {RoutingStrategy::kMinBatch, RoutingStrategy::kMinContext,
                             RoutingStrategy::kLengthSplit, RoutingStrategy::kDualPath,

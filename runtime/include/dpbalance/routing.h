@@ -67,6 +67,13 @@ struct RankLoad {
   BatchAggregates agg;          // for E: the batch at typical q (see RoutingConfig)
 };
 
+// `RankLoad::agg` from a rank's summaries: `num_requests` requests, each at `query_tokens`
+// (RoutingConfig's typical q), with contexts summing to `ctx_tokens` and the longest
+// `max_ctx_tokens`. Equals adding the requests one by one with `BatchAggregates::Add` at that q
+// (sums of whole tokens are exact in double); the kernel grid terms stay 0.
+BatchAggregates TypicalBatchAggregates(int32_t num_requests, int64_t ctx_tokens,
+                                       int64_t max_ctx_tokens, int32_t query_tokens);
+
 struct RouteRequest {
   int64_t input_tokens = 0;
   int64_t output_tokens = 0;  // footprint for the capacity filter (engines reserve max_tokens)
