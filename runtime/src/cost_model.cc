@@ -201,15 +201,6 @@ CostModel CostModel::Scaled(double factor) const {
   return m;
 }
 
-uint64_t CostModel::Hash() const {
-  internal::Fnv1a h;
-  for (double w : weights_us_) h.Value(w);
-  if (grid_.enabled()) {
-    for (int f : grid_.Fields()) h.Value(f);
-  }
-  return h.digest();
-}
-
 std::string CostModel::ToJson() const {
   nlohmann::json j;
   j["format"] = "dpbalance-cost-model";

@@ -184,13 +184,11 @@ class CostModel {
   const std::string& name() const { return name_; }
   // The published formula this model is the per-rank form of: set by PublishedV1/V2 (flags "v1",
   // "v2") and kept by Scaled; none for every other model (fits, grids, files). Cost-aware routing
-  // then prices the instance as the formula does, with its two separate max() terms. Not in
-  // Hash(): the planner and the balancer never read it.
+  // then prices the instance as the formula does, with its two separate max() terms; the planner
+  // and the balancer never read it.
   std::optional<PublishedForm> published_form() const { return published_form_; }
   // Returns a copy with every coefficient multiplied by `factor` (> 0).
   CostModel Scaled(double factor) const;
-  // 64-bit FNV-1a hash of the coefficients (configs must agree across ranks).
-  uint64_t Hash() const;
 
  private:
   void IndexActiveTerms();

@@ -59,7 +59,7 @@ struct KernelGrid {
   // error that lists the known ones.
   static absl::StatusOr<KernelGrid> Named(std::string_view name);
   std::string Name() const;
-  // Every field, in declaration order (what equality compares and a model's hash covers).
+  // Every field, in declaration order (what equality compares).
   std::array<int, 7> Fields() const {
     return {static_cast<int>(layout), heads, block_m, block_n, num_sms, ctas_per_sm, max_splits};
   }
