@@ -20,7 +20,7 @@ using Setter = std::function<absl::Status(PluginFlags&, const std::string&)>;
 using FlagTable = std::map<std::string, Setter>;
 
 // A setter's error; `Apply` prefixes the flag's name and where the value came from.
-absl::Status Bad(const std::string& value, const std::string& want) {
+absl::Status BadValue(const std::string& value, const std::string& want) {
   return absl::InvalidArgumentError(absl::StrCat("'", value, "' is not ", want));
 }
 
@@ -28,7 +28,7 @@ Setter Int(int lo, int hi, std::function<void(PluginFlags&, int)> set) {
   return [=](PluginFlags& f, const std::string& v) -> absl::Status {
     int x;
     if (!absl::SimpleAtoi(v, &x) || x < lo || x > hi) {
-      return Bad(v, absl::StrCat("an integer in ", lo, "..", hi));
+      return BadValue(v, absl::StrCat("an integer in ", lo, "..", hi));
     }
     set(f, x);
     return absl::OkStatus();
@@ -39,7 +39,7 @@ Setter Double(double lo, double hi, std::function<void(PluginFlags&, double)> se
   return [=](PluginFlags& f, const std::string& v) -> absl::Status {
     double x;
     if (!absl::SimpleAtod(v, &x) || !std::isfinite(x) || x < lo || x > hi) {
-      return Bad(v, absl::StrCat("a number in [", lo, ", ", hi, "]"));
+      return BadValue(v, absl::StrCat("a number in [", lo, ", ", hi, "]"));
     }
     set(f, x);
     return absl::OkStatus();
@@ -51,7 +51,7 @@ void AddPlannerFlags(FlagTable& t) {
   t.insert({
       {"mode", [](PluginFlags& f, const std::string& v) -> absl::Status {
          absl::StatusOr<PlanMode> m = ParsePlanMode(v);
-         if (!m.ok()) return Bad(v, "off, goodput, fill or local");
+         if (!m.ok()) return BadValue(v, "off, goodput, fill or local");
          f.balancer.planner.mode = *m;
          return absl::OkStatus();
        }},
@@ -63,7 +63,7 @@ void AddPlannerFlags(FlagTable& t) {
          if (v.empty()) return absl::OkStatus();
          for (absl::string_view part : absl::StrSplit(v, ',')) {
            int32_t t;
-           if (!absl::SimpleAtoi(part, &t) || t <= 0) return Bad(v, "a comma list of positive token counts");
+           if (!absl::SimpleAtoi(part, &t) || t <= 0) return BadValue(v, "a comma list of positive token counts");
            f.balancer.planner.token_tiers.push_back(t);
          }
          return absl::OkStatus();
@@ -75,7 +75,7 @@ void AddPlannerFlags(FlagTable& t) {
       {"draft_us", Double(0, 1e9, [](PluginFlags& f, double x) { f.balancer.planner.global.draft_per_step_us = x; })},
       {"step_slack", Double(-1, 100, [](PluginFlags& f, double x) { f.balancer.planner.max_step_slack = x; })},
       {"granularity", [](PluginFlags& f, const std::string& v) -> absl::Status {
-         if (v != "request" && v != "rank") return Bad(v, "request or rank");
+         if (v != "request" && v != "rank") return BadValue(v, "request or rank");
          f.balancer.planner.uniform_per_rank = v == "rank";
          return absl::OkStatus();
        }},
@@ -87,12 +87,12 @@ void AddPlannerFlags(FlagTable& t) {
 void AddBalancerFlags(FlagTable& t) {
   t.insert({
       {"backend", [](PluginFlags& f, const std::string& v) -> absl::Status {
-         if (v != "inproc" && v != "callback" && v != "nccl") return Bad(v, "inproc, callback or nccl");
+         if (v != "inproc" && v != "callback" && v != "nccl") return BadValue(v, "inproc, callback or nccl");
          f.backend = v;
          return absl::OkStatus();
        }},
       {"group", [](PluginFlags& f, const std::string& v) -> absl::Status {
-         if (v.empty()) return Bad(v, "a non-empty name");
+         if (v.empty()) return BadValue(v, "a non-empty name");
          f.group = v;
          return absl::OkStatus();
        }},
@@ -108,7 +108,7 @@ void AddBalancerFlags(FlagTable& t) {
              return absl::OkStatus();
            }
          }
-         return Bad(v, "trace, debug, info, warn, error or off");
+         return BadValue(v, "trace, debug, info, warn, error or off");
        }},
       {"metrics_file", [](PluginFlags& f, const std::string& v) -> absl::Status {
          f.balancer.metrics_file = v;
@@ -131,14 +131,14 @@ void AddRouterFlags(FlagTable& t) {
   t.insert({
       {"routing", [](PluginFlags& f, const std::string& v) -> absl::Status {
          absl::StatusOr<RoutingStrategy> s = ParseRouting(v);
-         if (!s.ok()) return Bad(v, "A, B, C, D or E");
+         if (!s.ok()) return BadValue(v, "A, B, C, D or E");
          f.routing.strategy = *s;
          return absl::OkStatus();
        }},
       {"z", Double(1e-6, 1e6, [](PluginFlags& f, double x) { f.routing.z = x; })},
       {"groups", Int(1, 1 << 20, [](PluginFlags& f, int x) { f.routing.groups = x; })},
       {"group_choice", [](PluginFlags& f, const std::string& v) -> absl::Status {
-         if (v != "A" && v != "B") return Bad(v, "A or B");
+         if (v != "A" && v != "B") return BadValue(v, "A or B");
          f.routing.group_choice = v == "A" ? RoutingStrategy::kMinBatch : RoutingStrategy::kMinContext;
          return absl::OkStatus();
        }},

@@ -192,7 +192,7 @@ class CostModel {
 
  private:
   void IndexActiveTerms();
-  double Term(const BatchAggregates& agg, int term) const;
+  double TermValue(const BatchAggregates& agg, int term) const;
 
   Weights weights_us_{};
   std::string name_ = "zero";
