@@ -44,7 +44,7 @@ std::string TermName(int t) {
 
 constexpr int kGridBase = static_cast<int>(CostTerm::kGrid0);
 
-// Published coefficients: ../shared/docs/problem.md (restated in docs/cost-model.md).
+// Published V1/V2 coefficients: docs/cost-model.md, "The published forms".
 constexpr double kV1BatchWeight = 0.72482;
 constexpr double kV1MixWeight = 0.27518;
 constexpr double kV1CtxScale = 1.30219 / 100000.0;

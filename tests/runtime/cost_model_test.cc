@@ -13,7 +13,8 @@ BatchAggregates Agg(std::initializer_list<RequestLoad> reqs) {
   return a;
 }
 
-// The published formulas written out literally (../shared/docs/problem.md), q_i = 1.
+// The published formulas written out literally (docs/cost-model.md, "The published forms"),
+// q_i = 1.
 double LiteralV1(double max_b, double max_b_plus_c) { return 0.72482 * max_b + 0.27518 * max_b_plus_c; }
 double LiteralV2(double max_b, double max_b_plus_c) {
   return 4.32158 + 0.336 * max_b + 0.1238 * max_b_plus_c;

@@ -128,7 +128,7 @@ struct BatchAggregates {
   }
 };
 
-// The two published formulas (../shared/docs/problem.md).
+// The two published formulas (docs/cost-model.md, "The published forms").
 enum class PublishedForm { kV1, kV2 };
 
 class CostModel {
