@@ -6,7 +6,7 @@
 //            (the engine-side minimum for exchanging one summary);
 //   gather : dpbalance's NcclAllGather::Gather of the same 512 B (event polling, deadline);
 //   plan   : Balancer::Plan end to end (summarise 64 requests, NCCL exchange, decide, assign).
-// Target (issue 4): plan <= 1.2 x bare + 5 us. A plain executable (no Google Benchmark) so it
+// Target: plan <= 1.2 x bare + 5 us. A plain executable (no Google Benchmark) so it
 // runs on the bare GPU machine; the numbers are medians over thousands of steps.
 #include <cuda_runtime.h>
 #include <nccl.h>

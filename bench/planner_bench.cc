@@ -1,6 +1,6 @@
 // One rank's per-step planner compute: Summarize + Decide (over all ranks' summaries) + Assign.
 // The other ranks' summaries are built beforehand, as the all-gather would deliver them.
-// Targets (issue 2): dp:64/reqs:64 <= 20 us, dp:256/reqs:256 <= 200 us on the 2-core dev box.
+// Targets: dp:64/reqs:64 <= 20 us, dp:256/reqs:256 <= 200 us on the 2-core dev box.
 // BM_SimulateGrid: what a model with a kernel grid adds per step and kernel path.
 // BM_Route: one request routed by the runtime Router (what the router ABI's `route` runs).
 #include <cmath>

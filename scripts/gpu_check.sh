@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (issue 4), run on the device machine from the repo root with .gpu/ carried
+# The GPU check (the NCCL backend test and the NCCL overhead bench), run on the device machine from the repo root with .gpu/ carried
 # (see scripts/prepare_gpu_carry.sh). Builds nothing: the binaries were built here (x86-64,
 # the GPU machine's glibc is newer). NCCL comes from the PyTorch environment's wheel there.
 set -uo pipefail

@@ -6,7 +6,7 @@ Each seed's baseline is D z1.2 at static k = 1 (the best static k on both bundle
 row runs with that seed's baseline TPOT p99 as its TPOT SLO and is divided by that seed's
 baseline goodput and TPOT p99. The "none" rows run with no step guard and no SLO: the oracle's
 is the most any verify-length plan reaches per step with true acceptance, at any TPOT. Prints mean ± standard error over seeds, and the worst seed's
-TPOT p99 ratio (the issue's targets: goodput >= 1.03x, TPOT p99 <= 1.05x).
+TPOT p99 ratio (the targets: goodput >= 1.03x, TPOT p99 <= 1.05x, docs/results.md).
 
 Usage: scripts/guard_frontier.py REPLAY_BINARY [SEEDS] [extra replay flags...]
 """

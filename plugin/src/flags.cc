@@ -17,8 +17,10 @@ namespace dpbalance::plugin {
 namespace {
 
 using Setter = std::function<absl::Status(PluginFlags&, const std::string&)>;
+using FlagTable = std::map<std::string, Setter>;
 
-absl::Status Bad(const std::string& /*key*/, const std::string& value, const std::string& want) {
+// A setter's error; `Apply` prefixes the flag's name and where the value came from.
+absl::Status BadValue(const std::string& value, const std::string& want) {
   return absl::InvalidArgumentError(absl::StrCat("'", value, "' is not ", want));
 }
 
@@ -26,7 +28,7 @@ Setter Int(int lo, int hi, std::function<void(PluginFlags&, int)> set) {
   return [=](PluginFlags& f, const std::string& v) -> absl::Status {
     int x;
     if (!absl::SimpleAtoi(v, &x) || x < lo || x > hi) {
-      return Bad("", v, absl::StrCat("an integer in ", lo, "..", hi));
+      return BadValue(v, absl::StrCat("an integer in ", lo, "..", hi));
     }
     set(f, x);
     return absl::OkStatus();
@@ -37,18 +39,19 @@ Setter Double(double lo, double hi, std::function<void(PluginFlags&, double)> se
   return [=](PluginFlags& f, const std::string& v) -> absl::Status {
     double x;
     if (!absl::SimpleAtod(v, &x) || !std::isfinite(x) || x < lo || x > hi) {
-      return Bad("", v, absl::StrCat("a number in [", lo, ", ", hi, "]"));
+      return BadValue(v, absl::StrCat("a number in [", lo, ", ", hi, "]"));
     }
     set(f, x);
     return absl::OkStatus();
   };
 }
 
-const std::map<std::string, Setter>& Table() {
-  static const auto* table = new std::map<std::string, Setter>{
+// Flags of the planner and its step cost (PlannerConfig, GlobalCost) and the per-request floor.
+void AddPlannerFlags(FlagTable& t) {
+  t.insert({
       {"mode", [](PluginFlags& f, const std::string& v) -> absl::Status {
          absl::StatusOr<PlanMode> m = ParsePlanMode(v);
-         if (!m.ok()) return Bad("", v, "off, goodput, fill or local");
+         if (!m.ok()) return BadValue(v, "off, goodput, fill or local");
          f.balancer.planner.mode = *m;
          return absl::OkStatus();
        }},
@@ -60,19 +63,36 @@ const std::map<std::string, Setter>& Table() {
          if (v.empty()) return absl::OkStatus();
          for (absl::string_view part : absl::StrSplit(v, ',')) {
            int32_t t;
-           if (!absl::SimpleAtoi(part, &t) || t <= 0) return Bad("", v, "a comma list of positive token counts");
+           if (!absl::SimpleAtoi(part, &t) || t <= 0) return BadValue(v, "a comma list of positive token counts");
            f.balancer.planner.token_tiers.push_back(t);
          }
          return absl::OkStatus();
        }},
       {"padded", Int(0, 1, [](PluginFlags& f, int x) { f.balancer.planner.global.padded_tokens = x; })},
+      {"ffn_fixed_us", Double(0, 1e9, [](PluginFlags& f, double x) { f.balancer.planner.global.ffn_fixed_us = x; })},
+      {"ffn_per_token_us", Double(0, 1e6, [](PluginFlags& f, double x) { f.balancer.planner.global.ffn_per_token_us = x; })},
+      {"step_overhead_us", Double(0, 1e9, [](PluginFlags& f, double x) { f.balancer.planner.global.step_overhead_us = x; })},
+      {"draft_us", Double(0, 1e9, [](PluginFlags& f, double x) { f.balancer.planner.global.draft_per_step_us = x; })},
+      {"step_slack", Double(-1, 100, [](PluginFlags& f, double x) { f.balancer.planner.max_step_slack = x; })},
+      {"granularity", [](PluginFlags& f, const std::string& v) -> absl::Status {
+         if (v != "request" && v != "rank") return BadValue(v, "request or rank");
+         f.balancer.planner.uniform_per_rank = v == "rank";
+         return absl::OkStatus();
+       }},
+      {"agreed_depth", Int(0, 1, [](PluginFlags& f, int x) { f.balancer.planner.agreed_draft_depth = x; })},
+  });
+}
+
+// Flags of the balancer around the planner: backend, timeouts, A/B, logs, cost model, SLO.
+void AddBalancerFlags(FlagTable& t) {
+  t.insert({
       {"backend", [](PluginFlags& f, const std::string& v) -> absl::Status {
-         if (v != "inproc" && v != "callback" && v != "nccl") return Bad("", v, "inproc, callback or nccl");
+         if (v != "inproc" && v != "callback" && v != "nccl") return BadValue(v, "inproc, callback or nccl");
          f.backend = v;
          return absl::OkStatus();
        }},
       {"group", [](PluginFlags& f, const std::string& v) -> absl::Status {
-         if (v.empty()) return Bad("", v, "a non-empty name");
+         if (v.empty()) return BadValue(v, "a non-empty name");
          f.group = v;
          return absl::OkStatus();
        }},
@@ -88,7 +108,7 @@ const std::map<std::string, Setter>& Table() {
              return absl::OkStatus();
            }
          }
-         return Bad("", v, "trace, debug, info, warn, error or off");
+         return BadValue(v, "trace, debug, info, warn, error or off");
        }},
       {"metrics_file", [](PluginFlags& f, const std::string& v) -> absl::Status {
          f.balancer.metrics_file = v;
@@ -100,29 +120,25 @@ const std::map<std::string, Setter>& Table() {
          f.balancer.model = *std::move(m);
          return absl::OkStatus();
        }},
-      {"ffn_fixed_us", Double(0, 1e9, [](PluginFlags& f, double x) { f.balancer.planner.global.ffn_fixed_us = x; })},
-      {"ffn_per_token_us", Double(0, 1e6, [](PluginFlags& f, double x) { f.balancer.planner.global.ffn_per_token_us = x; })},
-      {"step_overhead_us", Double(0, 1e9, [](PluginFlags& f, double x) { f.balancer.planner.global.step_overhead_us = x; })},
-      {"draft_us", Double(0, 1e9, [](PluginFlags& f, double x) { f.balancer.planner.global.draft_per_step_us = x; })},
-      {"step_slack", Double(-1, 100, [](PluginFlags& f, double x) { f.balancer.planner.max_step_slack = x; })},
       {"tpot_slo_ms", Double(0, 1e6, [](PluginFlags& f, double x) { f.balancer.tpot_slo_us = x * 1000; })},
-      {"granularity", [](PluginFlags& f, const std::string& v) -> absl::Status {
-         if (v != "request" && v != "rank") return Bad("", v, "request or rank");
-         f.balancer.planner.uniform_per_rank = v == "rank";
-         return absl::OkStatus();
-       }},
-      {"agreed_depth", Int(0, 1, [](PluginFlags& f, int x) { f.balancer.planner.agreed_draft_depth = x; })},
       {"online", Int(0, 1, [](PluginFlags& f, int x) { f.balancer.online_calibration = x; })},
+      {"prior_strength", Double(1e-3, 1e6, [](PluginFlags& f, double x) { f.balancer.acceptance_prior_strength = x; })},
+  });
+}
+
+// Flags of the router ABI (dpbalance_router_v1.h); the balancer accepts and ignores them.
+void AddRouterFlags(FlagTable& t) {
+  t.insert({
       {"routing", [](PluginFlags& f, const std::string& v) -> absl::Status {
          absl::StatusOr<RoutingStrategy> s = ParseRouting(v);
-         if (!s.ok()) return Bad("", v, "A, B, C, D or E");
+         if (!s.ok()) return BadValue(v, "A, B, C, D or E");
          f.routing.strategy = *s;
          return absl::OkStatus();
        }},
       {"z", Double(1e-6, 1e6, [](PluginFlags& f, double x) { f.routing.z = x; })},
       {"groups", Int(1, 1 << 20, [](PluginFlags& f, int x) { f.routing.groups = x; })},
       {"group_choice", [](PluginFlags& f, const std::string& v) -> absl::Status {
-         if (v != "A" && v != "B") return Bad("", v, "A or B");
+         if (v != "A" && v != "B") return BadValue(v, "A or B");
          f.routing.group_choice = v == "A" ? RoutingStrategy::kMinBatch : RoutingStrategy::kMinContext;
          return absl::OkStatus();
        }},
@@ -130,8 +146,18 @@ const std::map<std::string, Setter>& Table() {
       {"split_window", Int(1, 100000000, [](PluginFlags& f, int x) { f.routing.split_window = x; })},
       {"route_query_tokens", Double(1, 1 + kMaxDraftLen, [](PluginFlags& f, double x) { f.routing.query_tokens_per_request = x; })},
       {"route_initial_output", Double(0, 1e9, [](PluginFlags& f, double x) { f.routing.initial_output_tokens = x; })},
-      {"prior_strength", Double(1e-3, 1e6, [](PluginFlags& f, double x) { f.balancer.acceptance_prior_strength = x; })},
-  };
+  });
+}
+
+// Every flag by its lower-case name (DPB_<NAME> without the prefix); docs/flags.md lists them.
+const FlagTable& Table() {
+  static const FlagTable* table = [] {
+    auto* t = new FlagTable;
+    AddPlannerFlags(*t);
+    AddBalancerFlags(*t);
+    AddRouterFlags(*t);
+    return t;
+  }();
   return *table;
 }
 

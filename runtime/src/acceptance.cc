@@ -43,7 +43,8 @@ double AcceptanceCurve::ExpectedTokens(int k) const {
 }
 
 std::array<double, kMaxDraftLen> MtpK8ConditionalProfile() {
-  // Per-position (cumulative) acceptance, ../shared/docs/landscape.md; a_j = P_j / P_{j-1}.
+  // Per-position (cumulative) acceptance P_j of a multi-layer MTP draft, K = 8, GSM8K,
+  // temperature 0, as measured on vLLM; a_j = P_j / P_{j-1}.
   constexpr double kCumulative[kMaxDraftLen] = {0.762, 0.616, 0.513, 0.424,
                                                 0.364, 0.309, 0.272, 0.237};
   std::array<double, kMaxDraftLen> a{};

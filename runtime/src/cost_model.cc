@@ -17,8 +17,6 @@ constexpr std::array<std::string_view, kNumPlainTerms> kScalarTermNames = {
     "constant", "num_requests", "query_tokens", "query_key_pairs", "key_tokens",
     "max_query_key_pairs", "max_key_tokens"};
 
-int W(Regime r, CostTerm t) { return FeatureIndex(r, t); }
-
 // The terms read straight off the aggregates, in CostTerm order.
 std::array<double, kNumPlainTerms> PlainTerms(const BatchAggregates& a) {
   return {a.num_requests > 0 ? 1.0 : 0.0,
@@ -46,7 +44,7 @@ std::string TermName(int t) {
 
 constexpr int kGridBase = static_cast<int>(CostTerm::kGrid0);
 
-// Published coefficients: ../shared/docs/problem.md (restated in docs/cost-model.md).
+// Published V1/V2 coefficients: docs/cost-model.md, "The published forms".
 constexpr double kV1BatchWeight = 0.72482;
 constexpr double kV1MixWeight = 0.27518;
 constexpr double kV1CtxScale = 1.30219 / 100000.0;
@@ -86,8 +84,8 @@ absl::StatusOr<CostModel> CostModel::Create(const Weights& weights_us, std::stri
 // to one rank are a plain sum, linear in (Q, C). Units: published cost read as ms.
 CostModel CostModel::PublishedV1() {
   Weights w{};  // base terms only: the published form has no kernel paths
-  w[W(Regime::kBase, CostTerm::kQueryTokens)] = (kV1BatchWeight + kV1MixWeight) * kUsPerMs;
-  w[W(Regime::kBase, CostTerm::kQueryKeyPairs)] = kV1MixWeight * kV1CtxScale * kUsPerMs;
+  w[FeatureIndex(Regime::kBase, CostTerm::kQueryTokens)] = (kV1BatchWeight + kV1MixWeight) * kUsPerMs;
+  w[FeatureIndex(Regime::kBase, CostTerm::kQueryKeyPairs)] = kV1MixWeight * kV1CtxScale * kUsPerMs;
   CostModel m = *Create(w, "published-v1");
   m.published_form_ = PublishedForm::kV1;
   return m;
@@ -95,15 +93,15 @@ CostModel CostModel::PublishedV1() {
 
 CostModel CostModel::PublishedV2() {
   Weights w{};
-  w[W(Regime::kBase, CostTerm::kConstant)] = kV2Fixed * kUsPerMs;
-  w[W(Regime::kBase, CostTerm::kQueryTokens)] = (kV2BatchWeight + kV2MixWeight) * kUsPerMs;
-  w[W(Regime::kBase, CostTerm::kQueryKeyPairs)] = kV2MixWeight * kV2CtxScale * kUsPerMs;
+  w[FeatureIndex(Regime::kBase, CostTerm::kConstant)] = kV2Fixed * kUsPerMs;
+  w[FeatureIndex(Regime::kBase, CostTerm::kQueryTokens)] = (kV2BatchWeight + kV2MixWeight) * kUsPerMs;
+  w[FeatureIndex(Regime::kBase, CostTerm::kQueryKeyPairs)] = kV2MixWeight * kV2CtxScale * kUsPerMs;
   CostModel m = *Create(w, "published-v2");
   m.published_form_ = PublishedForm::kV2;
   return m;
 }
 
-double CostModel::Term(const BatchAggregates& a, int t) const {
+double CostModel::TermValue(const BatchAggregates& a, int t) const {
   constexpr int kWaveKeys0 = static_cast<int>(CostTerm::kWaveKeys0);
   constexpr int kWavePairs0 = static_cast<int>(CostTerm::kWavePairs0);
   constexpr int kKnee0 = static_cast<int>(CostTerm::kKnee0);
@@ -128,7 +126,7 @@ CostModel::Weights CostModel::Features(const BatchAggregates& a) const {
   // without one must not learn them: its planner never fills them).
   const int terms = grid_.enabled() ? kNumCostTerms : kGridBase;
   for (int t = 0; t < terms; ++t) {
-    x[t] = Term(a, t);
+    x[t] = TermValue(a, t);
     x[extra + t] = x[t];
   }
   return x;
@@ -159,7 +157,7 @@ double CostModel::AttentionUs(const BatchAggregates& a) const {
   static_assert(kNumPlainTerms == 7);  // one expression: the planner calls this per item
   double us = p.plain[0] * x[0] + p.plain[1] * x[1] + p.plain[2] * x[2] + p.plain[3] * x[3] +
               p.plain[4] * x[4] + p.plain[5] * x[5] + p.plain[6] * x[6];
-  for (int i = 0; i < p.num_hinges; ++i) us += p.hinge_w[i] * Term(a, p.hinge[i]);
+  for (int i = 0; i < p.num_hinges; ++i) us += p.hinge_w[i] * TermValue(a, p.hinge[i]);
   return us;
 }
 
@@ -199,15 +197,6 @@ CostModel CostModel::Scaled(double factor) const {
   for (double& w : m.weights_us_) w *= factor;
   m.IndexActiveTerms();
   return m;
-}
-
-uint64_t CostModel::Hash() const {
-  internal::Fnv1a h;
-  for (double w : weights_us_) h.Value(w);
-  if (grid_.enabled()) {
-    for (int f : grid_.Fields()) h.Value(f);
-  }
-  return h.digest();
 }
 
 std::string CostModel::ToJson() const {

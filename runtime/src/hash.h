@@ -2,8 +2,7 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
-#include <string_view>
+#include <cstddef>
 
 namespace dpbalance::internal {
 
@@ -20,7 +19,6 @@ class Fnv1a {
   void Value(const T& v) {
     Bytes(&v, sizeof(T));
   }
-  void String(std::string_view s) { Bytes(s.data(), s.size()); }
   uint64_t digest() const { return h_; }
 
  private:

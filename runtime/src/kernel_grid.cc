@@ -145,68 +145,131 @@ double SimulateMakespan(absl::Span<const double> works, int num_sms, int ctas_pe
   return now;
 }
 
-GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
-                       bool single_query_launch, unsigned terms) {
-  GridTerms out{};
-  if (!grid.enabled() || batch.empty()) return out;
+namespace {
+
+// One launch's CTAs, in launch order. CTAs that read the same key range can share one fetch
+// into L2: consecutive runs of `row_blocks` CTAs read one range, and there are `num_ranges`
+// ranges, repeated per head in the head-major verify launch.
+struct CtaList {
+  std::vector<double> works;  // each CTA's key-block work (negative: it exits at once)
+  int64_t row_blocks = 1;
+  int64_t num_ranges = 0;
+  double combine_work = 0;  // split-KV combine work (grid term kGridCombine)
+};
+
+double KeyBlocks(const KernelGrid& grid, const RequestLoad& r) {
+  return static_cast<double>(CeilDiv(std::max<int64_t>(r.ctx_tokens, 1), grid.block_n));
+}
+
+// Head-major launch with every q_i = 1: heads become rows; the keys of each request may be
+// split over several CTAs (`SplitKvCount`), followed by a combine kernel.
+CtaList SplitKvCtas(const KernelGrid& grid, absl::Span<const RequestLoad> batch, int64_t max_ctx) {
   const int64_t b = static_cast<int64_t>(batch.size());
+  CtaList ctas;
+  ctas.row_blocks = CeilDiv(grid.heads, grid.block_m);
+  const int64_t max_blocks = CeilDiv(std::max<int64_t>(max_ctx, 1), grid.block_n);
+  const int splits =
+      SplitKvCount(static_cast<int>(b * ctas.row_blocks), grid.num_sms * grid.ctas_per_sm,
+                   static_cast<int>(max_blocks), grid.max_splits);
+  const int64_t per_split = CeilDiv(max_blocks, splits);
+  ctas.works.reserve(static_cast<size_t>(b * splits * ctas.row_blocks));
+  ctas.num_ranges = b * splits;
+  for (int64_t i = 0; i < b; ++i) {
+    const double blocks = KeyBlocks(grid, batch[i]);
+    for (int sp = 0; sp < splits; ++sp) {
+      const double w = std::min(blocks, static_cast<double>((sp + 1) * per_split)) -
+                       static_cast<double>(sp * per_split);
+      for (int64_t m = 0; m < ctas.row_blocks; ++m) ctas.works.push_back(w > 0 ? w : -1.0);
+    }
+  }
+  if (splits > 1) ctas.combine_work = static_cast<double>(b * splits);
+  return ctas;
+}
+
+// Head-major verify launch: one CTA per (head, request, row block); row blocks of the longest
+// request's queries.
+CtaList HeadMajorCtas(const KernelGrid& grid, absl::Span<const RequestLoad> batch, int32_t max_q) {
+  const int64_t b = static_cast<int64_t>(batch.size());
+  CtaList ctas;
+  ctas.row_blocks = CeilDiv(max_q, grid.block_m);
+  ctas.num_ranges = b;
+  ctas.works.reserve(static_cast<size_t>(grid.heads * b * ctas.row_blocks));
+  for (int h = 0; h < grid.heads; ++h) {
+    for (int64_t i = 0; i < b; ++i) {
+      for (int64_t m = 0; m < ctas.row_blocks; ++m) {
+        ctas.works.push_back(m * grid.block_m < batch[i].query_tokens ? KeyBlocks(grid, batch[i])
+                                                                      : -1.0);
+      }
+    }
+  }
+  return ctas;
+}
+
+// Packed rows: heads x q_i rows per request, request by request.
+CtaList PackedRowCtas(const KernelGrid& grid, absl::Span<const RequestLoad> batch, int32_t max_q) {
+  const int64_t b = static_cast<int64_t>(batch.size());
+  CtaList ctas;
+  ctas.row_blocks = CeilDiv(static_cast<int64_t>(grid.heads) * max_q, grid.block_m);
+  ctas.num_ranges = b;
+  ctas.works.reserve(static_cast<size_t>(b * ctas.row_blocks));
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t rows = static_cast<int64_t>(grid.heads) * batch[i].query_tokens;
+    for (int64_t m = 0; m < ctas.row_blocks; ++m) {
+      ctas.works.push_back(m * grid.block_m < rows ? KeyBlocks(grid, batch[i]) : -1.0);
+    }
+  }
+  return ctas;
+}
+
+CtaList BuildCtaList(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
+                     bool single_query_launch) {
   int64_t max_ctx = 0;
   int32_t max_q = 1;
   for (const RequestLoad& r : batch) {
     max_ctx = std::max(max_ctx, r.ctx_tokens);
     max_q = std::max(max_q, r.query_tokens);
   }
-  auto key_blocks = [&](const RequestLoad& r) {
-    return static_cast<double>(CeilDiv(std::max<int64_t>(r.ctx_tokens, 1), grid.block_n));
-  };
-  // Each CTA's key-block work (negative: it exits at once). CTAs that read the same key range
-  // can share one fetch into L2; consecutive runs of `row_blocks` CTAs read one range, and
-  // there are `num_ranges` ranges, repeated per head in the head-major verify launch.
-  std::vector<double> works;
-  int64_t row_blocks = 1, num_ranges = b;
-  if (grid.layout == KernelGrid::Layout::kHeadMajor && single_query_launch) {
-    // Heads become rows; the keys of each request may be split over several CTAs.
-    row_blocks = CeilDiv(grid.heads, grid.block_m);
-    const int64_t max_blocks = CeilDiv(std::max<int64_t>(max_ctx, 1), grid.block_n);
-    const int splits =
-        SplitKvCount(static_cast<int>(b * row_blocks), grid.num_sms * grid.ctas_per_sm,
-                     static_cast<int>(max_blocks), grid.max_splits);
-    const int64_t per_split = CeilDiv(max_blocks, splits);
-    works.reserve(static_cast<size_t>(b * splits * row_blocks));
-    num_ranges = b * splits;
-    for (int64_t i = 0; i < b; ++i) {
-      const double blocks = key_blocks(batch[i]);
-      for (int sp = 0; sp < splits; ++sp) {
-        const double w = std::min(blocks, static_cast<double>((sp + 1) * per_split)) -
-                         static_cast<double>(sp * per_split);
-        for (int64_t m = 0; m < row_blocks; ++m) works.push_back(w > 0 ? w : -1.0);
-      }
-    }
-    if (splits > 1) out[kGridCombine] = static_cast<double>(b * splits);
-  } else if (grid.layout == KernelGrid::Layout::kHeadMajor) {
-    // One CTA per (head, request, row block); row blocks of the longest request's queries.
-    row_blocks = CeilDiv(max_q, grid.block_m);
-    works.reserve(static_cast<size_t>(grid.heads * b * row_blocks));
-    for (int h = 0; h < grid.heads; ++h) {
-      for (int64_t i = 0; i < b; ++i) {
-        for (int64_t m = 0; m < row_blocks; ++m) {
-          works.push_back(m * grid.block_m < batch[i].query_tokens ? key_blocks(batch[i]) : -1.0);
-        }
-      }
-    }
-  } else {
-    // Packed rows: heads x q_i rows per request, request by request.
-    row_blocks = CeilDiv(static_cast<int64_t>(grid.heads) * max_q, grid.block_m);
-    works.reserve(static_cast<size_t>(b * row_blocks));
-    for (int64_t i = 0; i < b; ++i) {
-      const int64_t rows = static_cast<int64_t>(grid.heads) * batch[i].query_tokens;
-      for (int64_t m = 0; m < row_blocks; ++m) {
-        works.push_back(m * grid.block_m < rows ? key_blocks(batch[i]) : -1.0);
-      }
-    }
+  if (grid.layout == KernelGrid::Layout::kHeadMajor) {
+    return single_query_launch ? SplitKvCtas(grid, batch, max_ctx) : HeadMajorCtas(grid, batch, max_q);
   }
+  return PackedRowCtas(grid, batch, max_q);
+}
+
+// Key blocks each reuse window's CTAs fetch from HBM, into out[kGridColdReads0 + w]. `starts`:
+// each CTA's start time. Starts never decrease in launch order, so one pass per window finds
+// each key range's fetches: a CTA fetches when it starts more than the window after its range's
+// last fetch.
+void FillColdReads(const CtaList& ctas, const std::vector<double>& starts, GridTerms* out) {
+  std::vector<double> last_fetch(static_cast<size_t>(ctas.num_ranges));
+  auto range_of = [&](size_t cta) {
+    return (cta / static_cast<size_t>(ctas.row_blocks)) % static_cast<size_t>(ctas.num_ranges);
+  };
+  for (int w = 0; w < kNumGridReuseWindows; ++w) {
+    std::fill(last_fetch.begin(), last_fetch.end(), -std::numeric_limits<double>::infinity());
+    double cold = 0;
+    for (size_t c = 0; c < ctas.works.size(); ++c) {
+      if (ctas.works[c] <= 0) continue;
+      double& last = last_fetch[range_of(c)];
+      if (starts[c] - last > kGridReuseWindows[w]) {
+        cold += ctas.works[c];
+        last = starts[c];
+      }
+    }
+    (*out)[kGridColdReads0 + w] = cold;
+  }
+}
+
+}  // namespace
+
+GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
+                       bool single_query_launch, unsigned terms) {
+  GridTerms out{};
+  if (!grid.enabled() || batch.empty()) return out;
+  const CtaList ctas = BuildCtaList(grid, batch, single_query_launch);
+  const std::vector<double>& works = ctas.works;
   out[kGridCtas] = static_cast<double>(works.size());
   for (double w : works) out[kGridWork] += std::max(w, 0.0);
+  out[kGridCombine] = ctas.combine_work;
   constexpr double kExitCost = 0.2;  // key blocks' worth of a CTA that exits at once
   constexpr unsigned kColdReadBits = ((1u << kNumGridReuseWindows) - 1) << kGridColdReads0;
   const bool cold_reads = (terms & kColdReadBits) != 0;
@@ -218,27 +281,7 @@ GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> bat
         SimulateMakespan(works, grid.num_sms, grid.ctas_per_sm, kGridMakespanParams[j][0],
                          kGridMakespanParams[j][1], kExitCost, keep_starts ? &starts : nullptr);
   }
-  if (cold_reads) {
-    // Starts never decrease in launch order, so one pass per window finds each key range's
-    // fetches: a CTA fetches when it starts more than the window after its range's last fetch.
-    std::vector<double> last_fetch(static_cast<size_t>(num_ranges));
-    auto range_of = [&](size_t cta) {
-      return (cta / static_cast<size_t>(row_blocks)) % static_cast<size_t>(num_ranges);
-    };
-    for (int w = 0; w < kNumGridReuseWindows; ++w) {
-      std::fill(last_fetch.begin(), last_fetch.end(), -std::numeric_limits<double>::infinity());
-      double cold = 0;
-      for (size_t c = 0; c < works.size(); ++c) {
-        if (works[c] <= 0) continue;
-        double& last = last_fetch[range_of(c)];
-        if (starts[c] - last > kGridReuseWindows[w]) {
-          cold += works[c];
-          last = starts[c];
-        }
-      }
-      out[kGridColdReads0 + w] = cold;
-    }
-  }
+  if (cold_reads) FillColdReads(ctas, starts, &out);
   return out;
 }
 

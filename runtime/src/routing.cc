@@ -139,19 +139,19 @@ namespace {
 
 // The largest value over ranks and the largest over every rank but the argmax, so the maximum
 // without any one rank is O(1).
-struct TopTwo {
-  double first = 0, second = 0;
-  int arg = -1;
-  void Add(int i, double v) {
-    if (arg < 0 || v > first) {
-      second = arg < 0 ? 0 : first;
-      first = v;
-      arg = i;
+struct LargestTwo {
+  double largest = 0, second_largest = 0;
+  int largest_rank = -1;
+  void Add(int rank, double v) {
+    if (largest_rank < 0 || v > largest) {
+      second_largest = largest_rank < 0 ? 0 : largest;
+      largest = v;
+      largest_rank = rank;
     } else {
-      second = std::max(second, v);
+      second_largest = std::max(second_largest, v);
     }
   }
-  double Without(int i) const { return i == arg ? second : first; }
+  double MaxWithout(int rank) const { return rank == largest_rank ? second_largest : largest; }
 };
 
 }  // namespace
@@ -163,7 +163,7 @@ int Router::PickCostAware(const RouteRequest& req, absl::Span<const RankLoad> ra
   const RequestLoad load{req.input_tokens + static_cast<int64_t>(mean_out / 2),
                          static_cast<int32_t>(config_.query_tokens_per_request)};
   const std::optional<PublishedForm> form = model_.published_form();
-  TopTwo max_batch, max_mix;  // published form: each max() term over the instance's ranks
+  LargestTwo max_batch, max_mix;  // published form: each max() term over the instance's ranks
   if (form) {
     for (int i = begin; i < end; ++i) {
       const PublishedTerms t = PublishedTermsOf(*form, ranks[i].agg);
@@ -181,8 +181,8 @@ int Router::PickCostAware(const RouteRequest& req, absl::Span<const RankLoad> ra
     double cost;
     if (form) {
       const PublishedTerms t = PublishedTermsOf(*form, a);
-      cost = PublishedCostOfMaxima(*form, {std::max(max_batch.Without(i), t.batch),
-                                           std::max(max_mix.Without(i), t.mix)});
+      cost = PublishedCostOfMaxima(*form, {std::max(max_batch.MaxWithout(i), t.batch),
+                                           std::max(max_mix.MaxWithout(i), t.mix)});
     } else {
       cost = model_.AttentionUs(a);
     }

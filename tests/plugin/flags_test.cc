@@ -91,5 +91,24 @@ TEST(Flags, UnknownAndMalformedFlagsAreNamed) {
   EXPECT_NE(f.status().message().find("-3"), std::string::npos) << f.status();
 }
 
+// A value's error names the flag, where the value came from and the value, once each.
+TEST(Flags, BadValueMessagesNameFlagSourceAndValue) {
+  absl::StatusOr<PluginFlags> f = ParseFlags({}, "mode=turbo");
+  ASSERT_FALSE(f.ok());
+  EXPECT_EQ(f.status().message(),
+            "flag 'mode' in the config string: 'turbo' is not off, goodput, fill or local");
+  f = ParseFlags({{"DPB_BACKEND", "mpi"}}, "");
+  ASSERT_FALSE(f.ok());
+  EXPECT_EQ(f.status().message(),
+            "flag 'backend' in environment variable DPB_BACKEND: 'mpi' is not inproc, callback or nccl");
+  f = ParseFlags({}, "k_max=nine");
+  ASSERT_FALSE(f.ok());
+  EXPECT_EQ(f.status().message(), "flag 'k_max' in the config string: 'nine' is not an integer in 0..8");
+  f = ParseFlags({}, "tiers=8,-1");
+  ASSERT_FALSE(f.ok());
+  EXPECT_EQ(f.status().message(),
+            "flag 'tiers' in the config string: '8,-1' is not a comma list of positive token counts");
+}
+
 }  // namespace
 }  // namespace dpbalance::plugin

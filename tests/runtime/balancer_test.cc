@@ -227,7 +227,8 @@ TEST(Balancer, ARankWhoseAssignFailsStillDraftsTheAgreedDepth) {
     }
   }
   // The test proves something only if the failure happened with an agreed depth below the
-  // default: the old fallback reported the default depth, and verified the default length.
+  // default: only there do the default lengths exceed the agreed depth, so a fallback that kept
+  // the default depth and lengths would be caught.
   EXPECT_GT(below_default, 0) << failed_steps << " failed steps, none below the default depth";
   EXPECT_EQ(logs[kVictim].stats.fallbacks, failed_steps);
 }

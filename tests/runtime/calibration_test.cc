@@ -124,15 +124,14 @@ TEST(Fit, KernelGridTermsCutTheHeldOutErrorOnRealH200Rows) {
   }
 }
 
-// The demonstration, on the real rows streamed in random order, starting from the
-// published form, for each of three stream orders: (1) after 200 rows the online model's error
-// on the rest is within 1.5x of an offline fit on the same 200 rows; (2) after all times x1.3
-// midway, the error over a window of 20 steps is back within 1.5x of its pre-change level within
-// 100 steps.
-// The online refit, started from the published V2 form, learns from 200 streamed rows, then
-// follows a step change. Without a kernel grid it is judged against an offline fit on the same
-// 200 rows; with the measured kernel's grid (the model family dpbalance-calibrate fits) also
-// against the offline fit on all the shared rows.
+// The shared H200 rows of both kernels, streamed in three random orders, without and with the
+// measured kernel's grid (the model family dpbalance-calibrate fits):
+// (1) the online refit, started from the published V2 weights, errs after 200 rows on the rest
+//     within 1.5x of an offline fit on the same 200 rows (with the grid, also within 1.5x of the
+//     offline fit on all the rows);
+// (2) a model fitted on those 200 rows and refitted online follows a step change (every time
+//     x1.3 from step 1000 on): its error over a window of 20 steps is back within 1.5x of its
+//     level before the change within 100 steps.
 TEST(Online, LearnsFromStreamedRowsAndRecoversFromAStepChange) {
   for (const char* v : {"gqa", "packed"}) {
     for (const bool with_grid : {false, true}) {

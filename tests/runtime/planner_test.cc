@@ -276,8 +276,8 @@ CostModel PackedGridModel() {
 
 // With a kernel-grid model the planner moves simulated terms linearly between simulations; the
 // barrier is a max over ranks, so a rank whose plan the line underestimates would raise it. Every
-// rank's plan, simulated, must fit under the planned barrier (the replay on the H200 truth ran
-// steps 19% over plan before Assign checked this), in both draft-depth modes and on both grids.
+// rank's plan, simulated, must fit under the planned barrier (Assign re-simulates each rank's
+// filled plan to keep it there), in both draft-depth modes and on both grids.
 TEST(PlannerProperties, WithAKernelGridEveryRankFitsUnderThePlannedBarrier) {
   std::mt19937_64 rng(7);
   CostModel::Weights gw{};

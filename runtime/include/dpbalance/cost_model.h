@@ -128,7 +128,7 @@ struct BatchAggregates {
   }
 };
 
-// The two published formulas (../shared/docs/problem.md).
+// The two published formulas (docs/cost-model.md, "The published forms").
 enum class PublishedForm { kV1, kV2 };
 
 class CostModel {
@@ -184,17 +184,15 @@ class CostModel {
   const std::string& name() const { return name_; }
   // The published formula this model is the per-rank form of: set by PublishedV1/V2 (flags "v1",
   // "v2") and kept by Scaled; none for every other model (fits, grids, files). Cost-aware routing
-  // then prices the instance as the formula does, with its two separate max() terms. Not in
-  // Hash(): the planner and the balancer never read it.
+  // then prices the instance as the formula does, with its two separate max() terms; the planner
+  // and the balancer never read it.
   std::optional<PublishedForm> published_form() const { return published_form_; }
   // Returns a copy with every coefficient multiplied by `factor` (> 0).
   CostModel Scaled(double factor) const;
-  // 64-bit FNV-1a hash of the coefficients (configs must agree across ranks).
-  uint64_t Hash() const;
 
  private:
   void IndexActiveTerms();
-  double Term(const BatchAggregates& agg, int term) const;
+  double TermValue(const BatchAggregates& agg, int term) const;
 
   Weights weights_us_{};
   std::string name_ = "zero";

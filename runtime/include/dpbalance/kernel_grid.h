@@ -12,7 +12,7 @@
 //   throughput, and a CTA alone on an SM runs at a fraction `alone_rate` of the SM (a single
 //   CTA cannot fill it). Each makespan of the bank uses another (alone_rate, per-CTA overhead).
 // - Layouts (FlashAttention-2 varlen forward, bf16, head dim 256, as measured in
-//   ../shared/data/h200/README.md):
+//   integration/calibrate/data/README.md):
 //   - kHeadMajor: one CTA per (query head, request, row block); grid order: row block fastest,
 //     then request, then head. With every q_i = 1 the kernel swaps the query heads of one KV
 //     head into rows (`heads` rows per request) and may split each request's keys over several
@@ -59,7 +59,7 @@ struct KernelGrid {
   // error that lists the known ones.
   static absl::StatusOr<KernelGrid> Named(std::string_view name);
   std::string Name() const;
-  // Every field, in declaration order (what equality compares and a model's hash covers).
+  // Every field, in declaration order (what equality compares).
   std::array<int, 7> Fields() const {
     return {static_cast<int>(layout), heads, block_m, block_n, num_sms, ctas_per_sm, max_splits};
   }

@@ -2,9 +2,11 @@
 //
 // Contract
 // - `Router::Route(request, ranks)` returns the rank index for a new request, or
-//   ResourceExhausted when no rank has the KV capacity for it (the request then waits).
-// - Every strategy first drops ranks whose reserved tokens + the request's footprint exceed
-//   their capacity (../shared/docs/problem.md), then picks:
+//   ResourceExhausted when no rank has the KV capacity and batch room for it (the request then
+//   waits).
+// - Every strategy first drops ranks at their batch cap (`max_requests`) or whose reserved
+//   tokens + the request's input and output tokens exceed their KV capacity (the published
+//   comparison of A-D filters by capacity too: docs/design.md, "Routing"), then picks:
 //     A  min batch (requests), ties by min context
 //     B  min total context tokens, ties by min batch
 //     C  request longer than the Px percentile of the last N requests -> A, else -> B

@@ -91,7 +91,9 @@ typedef struct {
 typedef struct {
   const char* name;
   dpbResult_t (*init)(const dpbInitArgs_v1_t* args, void** context);
-  /* Fills verify_len[0..num_requests) and *draft_depth (the depth every rank agreed on). */
+  /* Fills verify_len[0..num_requests) and *draft_depth (the depth every rank agreed on).
+   * kv_free_tokens: tokens of KV capacity this rank has left for extra verify tokens; negative
+   * means unlimited. */
   dpbResult_t (*plan)(void* context, const dpbRequest_v1_t* requests, int32_t num_requests,
                       int64_t kv_free_tokens, int32_t* verify_len, int32_t* draft_depth);
   dpbResult_t (*report)(void* context, double attention_us, double step_us,
