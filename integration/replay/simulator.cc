@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "dpbalance/acceptance.h"
 #include "dpbalance/calibration.h"
+#include "dpbalance/metrics.h"
 #include "dpbalance/tpot_slo.h"
 
 namespace dpbalance::replay {
@@ -37,20 +38,16 @@ double Percentile(std::vector<double> v, double p) {
 // What a run sums over its measured steps; `Finish` turns the sums into RunResult's metrics.
 struct RunTotals {
   double planned_step_sum = 0, actual_step_sum = 0;  // planner rows: the plan's step vs truth
-  double sum_mean_attn = 0, sum_max_attn = 0, v1_act = 0, v1_ideal = 0, v2_act = 0, v2_ideal = 0;
+  BubbleMeter bubble;  // the steps' rank attention times (balance efficiency = 1 - bubble)
+  double v1_act = 0, v1_ideal = 0, v2_act = 0, v2_ideal = 0;
   double ideal_time_us = 0, token_balance_sum = 0, k_sum = 0, k_count = 0, depth_sum = 0;
   int64_t blocked_steps = 0;
   double model_error_sum = 0, model_error_n = 0;
 
-  // Balance efficiency: the steps' mean-rank attention over their max-rank attention.
-  void AddAttention(double sum_attn, double max_attn, int R) {
-    sum_mean_attn += sum_attn / R;
-    sum_max_attn += max_attn;
-  }
 
   void Finish(RunResult& res, double now_us, const std::vector<double>& tpots) const {
     res.sim_time_s = now_us / 1e6;
-    res.balance_efficiency = sum_mean_attn / sum_max_attn;
+    res.balance_efficiency = bubble.balance_efficiency();
     res.cost_ratio_v1 = v1_act / v1_ideal;
     res.cost_ratio_v2 = v2_act / v2_ideal;
     res.goodput_tok_per_s = res.tokens / res.sim_time_s;
@@ -129,18 +126,18 @@ class Simulation {
 
 absl::StatusOr<Simulation> Simulation::Create(const SimConfig& cfg, const TruthModel& truth,
                                               absl::Span<const TraceRequest> trace) {
-  const int R = cfg.num_ranks;
-  if (R < 1) return absl::InvalidArgumentError(absl::StrFormat("--dp %d must be >= 1", R));
+  const int num_ranks = cfg.num_ranks;
+  if (num_ranks < 1) return absl::InvalidArgumentError(absl::StrFormat("--dp %d must be >= 1", num_ranks));
   if (cfg.static_k < 0 || cfg.static_k > cfg.k_max || cfg.k_max > kMaxDraftLen) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "static k %d / k_max %d must satisfy 0 <= k <= k_max <= %d", cfg.static_k, cfg.k_max,
         kMaxDraftLen));
   }
-  absl::StatusOr<Router> router = Router::Create(cfg.routing, R, cfg.planner_model);
+  absl::StatusOr<Router> router = Router::Create(cfg.routing, num_ranks, cfg.planner_model);
   if (!router.ok()) return router.status();
 
   PlannerConfig pc;
-  pc.num_ranks = R;
+  pc.num_ranks = num_ranks;
   pc.k_max = cfg.k_max;
   pc.default_k = cfg.static_k;
   pc.global = truth.global;  // the global terms are instance facts every rank knows
@@ -266,10 +263,10 @@ absl::StatusOr<int> Simulation::Plan() {
 
 // The truth's time of the step, and the step's balance, cost-ratio and ideal-time sums.
 double Simulation::Time(int depth) {
-  const int R = num_ranks_;
+  const int num_ranks = num_ranks_;
   double max_attn = 0, sum_attn = 0, sum_q = 0, max_q = 0;
   BatchAggregates total;
-  for (int r = 0; r < R; ++r) {
+  for (int r = 0; r < num_ranks; ++r) {
     rank_batch_.clear();
     for (size_t i = 0; i < ranks_[r].size(); ++i) rank_batch_.push_back({ranks_[r][i].ctx, 1 + verify_[r][i]});
     aggs_[r] = truth_.attention.Aggregate(rank_batch_);
@@ -302,10 +299,10 @@ double Simulation::Time(int depth) {
   // The same work spread perfectly over the ranks; a request cannot be split, so the ideal
   // rank still holds the instance's longest one (critical-path terms of a fitted model).
   BatchAggregates ideal;
-  ideal.num_requests = total.num_requests / R;
-  ideal.query_tokens = total.query_tokens / R;
-  ideal.query_key_pairs = total.query_key_pairs / R;
-  ideal.key_tokens = total.key_tokens / R;
+  ideal.num_requests = total.num_requests / num_ranks;
+  ideal.query_tokens = total.query_tokens / num_ranks;
+  ideal.query_key_pairs = total.query_key_pairs / num_ranks;
+  ideal.key_tokens = total.key_tokens / num_ranks;
   ideal.max_query_key_pairs = total.max_query_key_pairs;
   ideal.max_key_tokens = total.max_key_tokens;
   ideal.multi_query = total.query_tokens > total.num_requests;
@@ -313,7 +310,7 @@ double Simulation::Time(int depth) {
   const double global_us = truth_.global.StepUs(sum_q, truth_.per_rank_draft ? 0 : depth);
   const double step_us = max_attn + global_us;
   if (planned_) totals_.actual_step_sum += step_us;
-  totals_.AddAttention(sum_attn, max_attn, R);
+  totals_.bubble.AddStepMeanMax(sum_attn / num_ranks, max_attn);
   totals_.v1_act += PublishedInstanceCost(PublishedForm::kV1, aggs_);
   totals_.v2_act += PublishedInstanceCost(PublishedForm::kV2, aggs_);
   totals_.v1_ideal += PublishedRankCost(PublishedForm::kV1, ideal);
@@ -321,9 +318,9 @@ double Simulation::Time(int depth) {
   // A grid truth needs a batch to simulate, which the averaged ideal rank is not: there the
   // ideal attention is the ranks' mean (the bubble-free time of the same assignment).
   const double ideal_attention_us =
-      truth_.attention.uses_grid() ? sum_attn / R : truth_.attention.AttentionUs(ideal);
+      truth_.attention.uses_grid() ? sum_attn / num_ranks : truth_.attention.AttentionUs(ideal);
   totals_.ideal_time_us += ideal_attention_us + global_us;
-  totals_.token_balance_sum += max_q > 0 ? (sum_q / R) / max_q : 1.0;
+  totals_.token_balance_sum += max_q > 0 ? (sum_q / num_ranks) / max_q : 1.0;
   totals_.depth_sum += depth;
   return step_us;
 }

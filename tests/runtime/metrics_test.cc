@@ -16,6 +16,7 @@ TEST(BubbleMeter, EmptyMeterReportsNoBubble) {
   EXPECT_EQ(m.last_fraction(), 0);
   EXPECT_EQ(m.last_idle_us(), 0);
   EXPECT_EQ(m.fraction(), 0);
+  EXPECT_EQ(m.balance_efficiency(), 1);
   EXPECT_EQ(m.mean_step_fraction(), 0);
   EXPECT_EQ(m.mean_idle_us(), 0);
 }
@@ -28,6 +29,7 @@ TEST(BubbleMeter, OneStepIsOneMinusMeanOverMax) {
   EXPECT_DOUBLE_EQ(m.last_fraction(), 0.2);
   EXPECT_DOUBLE_EQ(m.last_idle_us(), 20);
   EXPECT_DOUBLE_EQ(m.fraction(), 0.2);
+  EXPECT_DOUBLE_EQ(m.balance_efficiency(), 0.8);
   EXPECT_DOUBLE_EQ(m.mean_step_fraction(), 0.2);
   EXPECT_DOUBLE_EQ(m.mean_idle_us(), 20);
 }

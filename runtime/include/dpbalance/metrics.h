@@ -48,7 +48,9 @@ class BubbleMeter {
   // The last step's idle time per rank, max - mean, µs.
   double last_idle_us() const { return last_idle_us_; }
   // The run's bubble, 1 - Σ mean / Σ max over all steps.
-  double fraction() const { return sum_max_us_ > 0 ? 1 - sum_mean_us_ / sum_max_us_ : 0.0; }
+  double fraction() const { return 1 - balance_efficiency(); }
+  // Σ mean / Σ max over all steps (1 when no step had attention time).
+  double balance_efficiency() const { return sum_max_us_ > 0 ? sum_mean_us_ / sum_max_us_ : 1.0; }
   // The mean of the steps' bubbles (every step weighs the same, however long).
   double mean_step_fraction() const { return steps_ ? sum_step_fraction_ / steps_ : 0.0; }
   // Idle time per rank per step, µs: Σ (max - mean) / steps.
