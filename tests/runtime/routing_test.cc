@@ -221,5 +221,30 @@ TEST(Routing, BadConfigNamesTheValue) {
   EXPECT_EQ(*ParseRouting("cost"), RoutingStrategy::kCostAware);
 }
 
+// E's per-rank aggregates from a rank's summaries equal adding its requests one by one.
+TEST(TypicalBatchAggregates, EqualsAddingTheRequestsOneByOne) {
+  std::mt19937_64 rng(17);
+  for (int trial = 0; trial < 500; ++trial) {
+    const int n = static_cast<int>(rng() % 40);
+    const int32_t q = 1 + static_cast<int32_t>(rng() % 8);
+    BatchAggregates want;
+    int64_t ctx_sum = 0, ctx_max = 0;
+    for (int i = 0; i < n; ++i) {
+      const int64_t ctx = static_cast<int64_t>(rng() % 200000);
+      want.Add(RequestLoad{ctx, q});
+      ctx_sum += ctx;
+      ctx_max = std::max(ctx_max, ctx);
+    }
+    const BatchAggregates got = TypicalBatchAggregates(n, ctx_sum, ctx_max, q);
+    EXPECT_EQ(got.num_requests, want.num_requests);
+    EXPECT_EQ(got.query_tokens, want.query_tokens);
+    EXPECT_EQ(got.query_key_pairs, want.query_key_pairs);
+    EXPECT_EQ(got.key_tokens, want.key_tokens);
+    EXPECT_EQ(got.max_query_key_pairs, want.max_query_key_pairs);
+    EXPECT_EQ(got.max_key_tokens, want.max_key_tokens);
+    EXPECT_EQ(got.multi_query, want.multi_query) << "n " << n << " q " << q;
+  }
+}
+
 }  // namespace
 }  // namespace dpbalance
