@@ -8,6 +8,7 @@
 #include <functional>
 #include <limits>
 
+#include "absl/base/attributes.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "hash.h"
@@ -104,7 +105,10 @@ class BestPlan {
  public:
   // `num_usable_ranks` (>= 1): the ranks whose summaries take part.
   BestPlan(const PlannerConfig& config, int num_usable_ranks)
-      : config_(config), ffn_scale_(static_cast<double>(config.num_ranks) / num_usable_ranks) {
+      : config_(&config),
+        global_(config.global),
+        agreed_draft_depth_(config.agreed_draft_depth),
+        ffn_scale_(static_cast<double>(config.num_ranks) / num_usable_ranks) {
     best_.draft_depth = config.default_k;
   }
 
@@ -112,25 +116,25 @@ class BestPlan {
   // largest; otherwise the sum, scaled up for ranks that sent no usable summary (or, in local
   // mode, for all other ranks).
   double FfnTokens(double sum_tokens, double max_tokens) const {
-    const PlannerConfig& c = config_;
-    if (c.global.padded_tokens) {
-      return c.num_ranks * static_cast<double>(TierFor(c.token_tiers, std::llround(max_tokens)));
+    if (global_.padded_tokens) {
+      return config_->num_ranks *
+             static_cast<double>(TierFor(config_->token_tiers, std::llround(max_tokens)));
     }
     return sum_tokens * ffn_scale_;
   }
   // FFN microseconds per extra token of the instance (0 when padded: the tier counts).
   double FfnUsPerToken() const {
-    return config_.global.padded_tokens ? 0.0 : config_.global.ffn_per_token_us * ffn_scale_;
+    return global_.padded_tokens ? 0.0 : global_.ffn_per_token_us * ffn_scale_;
   }
   // The instance-wide part of a step with `depth` draft steps.
   double GlobalUs(double sum_tokens, double max_tokens, int depth) const {
-    return config_.global.StepUs(FfnTokens(sum_tokens, max_tokens), depth);
+    return global_.StepUs(FfnTokens(sum_tokens, max_tokens), depth);
   }
   // The step time of the engine's default plan: the TPOT guard's reference.
   void SetDefaultStep(double default_step_us) {
     best_.default_step_us = default_step_us;
-    max_step_us_ = config_.max_step_slack < 0 ? std::numeric_limits<double>::infinity()
-                                              : default_step_us * (1 + config_.max_step_slack);
+    max_step_us_ = config_->max_step_slack < 0 ? std::numeric_limits<double>::infinity()
+                                              : default_step_us * (1 + config_->max_step_slack);
   }
 
   // A plan at `barrier_us` with `depth` draft steps (paid globally only when the depth is
@@ -138,7 +142,7 @@ class BestPlan {
   void Consider(int depth, double barrier_us, double gain, double sum_tokens, double max_tokens) {
     const double ffn = FfnTokens(sum_tokens, max_tokens);
     const double step_us =
-        barrier_us + config_.global.StepUs(ffn, config_.agreed_draft_depth ? depth : 0);
+        barrier_us + global_.StepUs(ffn, agreed_draft_depth_ ? depth : 0);
     // Most barriers of a sweep lose to the best so far: decide that with one multiplication.
     if (within_guard_ && step_us <= max_step_us_ && gain <= tokens_per_us_ * step_us) return;
     const double tokens_per_us = gain / step_us;
@@ -155,7 +159,7 @@ class BestPlan {
     best_.tokens_per_us = tokens_per_us;
     best_.ffn_tokens = std::llround(ffn);
     best_.padded_rank_tokens =
-        config_.global.padded_tokens ? TierFor(config_.token_tiers, std::llround(max_tokens)) : 0;
+        global_.padded_tokens ? TierFor(config_->token_tiers, std::llround(max_tokens)) : 0;
   }
   // Whether an upper bound on goodput is clearly below the best within the guard (only clearly:
   // rounding in the bound never drops a barrier that would tie or narrowly win).
@@ -168,7 +172,9 @@ class BestPlan {
   const GlobalDecision& best() const { return best_; }
 
  private:
-  const PlannerConfig& config_;
+  const PlannerConfig* config_;  // a pointer: plans are copied into a sweep and back
+  GlobalCost global_;            // copies of what every Consider reads: kept in registers
+  bool agreed_draft_depth_;
   double ffn_scale_;
   double max_step_us_ = std::numeric_limits<double>::infinity();
   GlobalDecision best_;
@@ -310,15 +316,16 @@ void FillMaxSlopes(RankSummary& s) {
 struct DepthKnots {
   int slot = 0, first = 0, count = 0;  // slot 0: none
 };
-DepthKnots KnotsAtDepth(const RankSummary& s, int depth) {
+ABSL_ATTRIBUTE_ALWAYS_INLINE inline DepthKnots KnotsAtDepth(const RankSummary& s, int depth) {
   const int slot = std::min<int>(depth, s.max_depth);
   if (slot <= 0) return DepthKnots{};
   return DepthKnots{slot, s.knot_begin[slot - 1], s.num_knots[slot - 1]};
 }
 
 // Rank r's segment from knot k (-1: its base) among its knots `dk` at the depth swept. Between
-// knots that skip items the gain is the chord; `steps_only` (uniform levels): steps.
-FrontierSegment SegmentFrom(const RankSummary& s, DepthKnots dk, int k, bool steps_only) {
+// knots that skip items the gain is the chord; `steps_only` (uniform levels): steps. Inlined:
+// it runs once per knot event of the sweep.
+ABSL_ATTRIBUTE_ALWAYS_INLINE inline FrontierSegment SegmentFrom(const RankSummary& s, DepthKnots dk, int k, bool steps_only) {
   const int first = dk.first;
   const double c0 = k < 0 ? s.base_attention_us : s.knot_attention_us[first + k];
   const double g0 = k < 0 ? s.base_gain : s.knot_gain[first + k];
@@ -443,7 +450,7 @@ struct DepthLines {
 // plus the global terms at today's tokens, plus the FFN time of G' - gain more tokens (an extra
 // token adds at most one expected token). That ratio is monotone in T' between T and the T*
 // where the line meets G_max and falls after, so the bound is its larger end value.
-double GoodputBound(double barrier, double gain, const DepthLines& lines, double global_us,
+ABSL_ATTRIBUTE_ALWAYS_INLINE inline double GoodputBound(double barrier, double gain, const DepthLines& lines, double global_us,
                     double ffn_us_per_token) {
   auto at = [&](double t, double g_hi) {
     return g_hi / (t + global_us + ffn_us_per_token * std::max(0.0, g_hi - gain));
@@ -492,7 +499,11 @@ DepthLines EnterDepth(const PlannerConfig& c, int d, absl::Span<const RankSummar
 // knot: only the knots the sweep reaches are ever ordered. Keys are unique (rank and knot in the
 // low bits), so the order is deterministic. Knots above `top_key` never enter.
 void MergeKnots(int d, absl::Span<const RankSummary> summaries, bool steps_only, uint32_t top_key,
-                DepthLines& lines, DecideScratch& scratch, BestPlan& plans) {
+                DepthLines depth_lines, DecideScratch& scratch, BestPlan& best_plan) {
+  // Local copies: the sweep's sums and the best plan stay in registers while the segments are
+  // written through `scratch` (which could otherwise alias them).
+  DepthLines lines = depth_lines;
+  BestPlan plans = best_plan;
   std::erase_if(scratch.events, [&](uint64_t ev) { return EventCostKey(ev) > top_key; });
   EventHeap heap(scratch.events);
   int groups = 0;
@@ -533,6 +544,7 @@ void MergeKnots(int d, absl::Span<const RankSummary> summaries, bool steps_only,
     }
     plans.Consider(d, barrier, lines.GainAt(barrier), lines.TokensAt(barrier), lines.max_tokens);
   }
+  best_plan = plans;
 }
 
 // One agreed draft depth: sweeps the barrier T upwards over the knot costs. Every rank sits on
