@@ -28,6 +28,41 @@ absl::Status CheckLengths(const std::string& path, int line, int64_t in, int64_t
   return absl::OkStatus();
 }
 
+// A length above kMaxRequestTokens (trace.h says why).
+absl::Status TooLong(const std::string& path, int line, const std::string& key, const std::string& value) {
+  return LineError(path, line,
+                   absl::StrFormat("%s %s exceeds %d tokens (2^24, 8x the longest context served "
+                                   "today: a corrupt row)",
+                                   key, value, kMaxRequestTokens));
+}
+
+// A Mooncake length: a JSON integer (or a float with an integral value) in 0..kMaxRequestTokens.
+absl::StatusOr<int64_t> JsonLength(const nlohmann::json& v, const std::string& path, int line,
+                                   const std::string& key) {
+  if (v.is_number_unsigned()) {
+    const uint64_t u = v.get<uint64_t>();
+    if (u > static_cast<uint64_t>(kMaxRequestTokens)) return TooLong(path, line, key, v.dump());
+    return static_cast<int64_t>(u);
+  }
+  if (v.is_number_integer()) {
+    const int64_t i = v.get<int64_t>();
+    if (i < 0) return LineError(path, line, absl::StrFormat("%s %d is negative", key, i));
+    if (i > kMaxRequestTokens) return TooLong(path, line, key, v.dump());
+    return i;
+  }
+  const double d = v.get<double>();  // a JSON float
+  if (!std::isfinite(d) || d != std::floor(d)) {
+    return LineError(path, line, absl::StrFormat("%s %s is not an integer number of tokens", key, v.dump()));
+  }
+  if (d < 0) return LineError(path, line, absl::StrFormat("%s %s is negative", key, v.dump()));
+  if (d > static_cast<double>(kMaxRequestTokens)) return TooLong(path, line, key, v.dump());
+  return static_cast<int64_t>(d);
+}
+
+// The latest timestamp a trace may hold, ms: ~317 years, far past any trace; a larger one is a
+// corrupt row (and would make the arrival spreading meaningless).
+constexpr double kMaxTimestampMs = 1e13;
+
 absl::StatusOr<std::vector<TraceRequest>> LoadMooncake(std::ifstream& in, const std::string& path,
                                                        uint64_t seed) {
   std::vector<TraceRequest> out;
@@ -45,8 +80,16 @@ absl::StatusOr<std::vector<TraceRequest>> LoadMooncake(std::ifstream& in, const 
     }
     TraceRequest r;
     r.arrival_ms = j["timestamp"].get<double>();
-    r.input_tokens = j["input_length"].get<int64_t>();
-    r.output_tokens = j["output_length"].get<int64_t>();
+    if (!(r.arrival_ms >= 0 && r.arrival_ms <= kMaxTimestampMs)) {
+      return LineError(path, line, absl::StrFormat("timestamp %s is not in 0..%g ms",
+                                                   j["timestamp"].dump(), kMaxTimestampMs));
+    }
+    absl::StatusOr<int64_t> in_tokens = JsonLength(j["input_length"], path, line, "input_length");
+    if (!in_tokens.ok()) return in_tokens.status();
+    absl::StatusOr<int64_t> out_tokens = JsonLength(j["output_length"], path, line, "output_length");
+    if (!out_tokens.ok()) return out_tokens.status();
+    r.input_tokens = *in_tokens;
+    r.output_tokens = *out_tokens;
     if (absl::Status s = CheckLengths(path, line, r.input_tokens, r.output_tokens); !s.ok()) return s;
     out.push_back(r);
   }
@@ -63,24 +106,48 @@ absl::StatusOr<std::vector<TraceRequest>> LoadMooncake(std::ifstream& in, const 
   return out;
 }
 
-// "2023-11-16 18:15:46.6805900" -> seconds since the epoch (UTC).
+// "2023-11-16 18:15:46.6805900" -> seconds since the epoch (UTC); false unless the whole field
+// is a real calendar time (month 1..12, day within the month, 00:00:00 to 23:59:60.999...).
 bool ParseAzureTime(std::string_view s, double* seconds) {
   std::tm tm{};
-  double frac = 0;
-  int y, mo, d, h, mi;
+  int y, mo, d, h, mi, consumed = 0;
   double sec;
-  if (std::sscanf(std::string(s).c_str(), "%d-%d-%d %d:%d:%lf", &y, &mo, &d, &h, &mi, &sec) != 6) {
+  const std::string text(s);
+  if (std::sscanf(text.c_str(), "%d-%d-%d %d:%d:%lf%n", &y, &mo, &d, &h, &mi, &sec, &consumed) != 6 ||
+      consumed != static_cast<int>(text.size())) {
     return false;
   }
+  static constexpr int kDaysInMonth[] = {31, 29, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31};
+  if (y < 1970 || y > 9999 || mo < 1 || mo > 12 || d < 1 || d > kDaysInMonth[mo - 1] || h < 0 ||
+      h > 23 || mi < 0 || mi > 59 || !(sec >= 0 && sec < 61)) {
+    return false;
+  }
+  const bool leap = (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
+  if (mo == 2 && d == 29 && !leap) return false;
   tm.tm_year = y - 1900;
   tm.tm_mon = mo - 1;
   tm.tm_mday = d;
   tm.tm_hour = h;
   tm.tm_min = mi;
   tm.tm_sec = 0;
-  frac = sec;
-  *seconds = static_cast<double>(timegm(&tm)) + frac;
+  *seconds = static_cast<double>(timegm(&tm)) + sec;
   return true;
+}
+
+// An Azure length field: a decimal integer in 0..kMaxRequestTokens.
+absl::StatusOr<int64_t> CsvLength(const std::string& field, const std::string& path, int line,
+                                  const std::string& key) {
+  int64_t v;
+  if (!absl::SimpleAtoi(field, &v)) {
+    double d;
+    if (absl::SimpleAtod(field, &d) && std::isfinite(d) && d >= 0 && d <= kMaxRequestTokens) {
+      return LineError(path, line, absl::StrCat(key, " '", field, "' is not an integer number of tokens"));
+    }
+    if (absl::SimpleAtod(field, &d) && d > kMaxRequestTokens) return TooLong(path, line, key, field);
+    return LineError(path, line, absl::StrCat(key, " '", field, "' is not an integer"));
+  }
+  if (v > kMaxRequestTokens) return TooLong(path, line, key, field);
+  return v;
 }
 
 absl::StatusOr<std::vector<TraceRequest>> LoadAzure(std::ifstream& in, const std::string& path) {
@@ -102,14 +169,17 @@ absl::StatusOr<std::vector<TraceRequest>> LoadAzure(std::ifstream& in, const std
     std::vector<std::string> f = absl::StrSplit(row, ',');
     if (f.size() != 3) return LineError(path, line, absl::StrFormat("%d fields, expected 3", f.size()));
     double t;
-    if (!ParseAzureTime(f[0], &t)) return LineError(path, line, absl::StrCat("bad timestamp '", f[0], "'"));
+    if (!ParseAzureTime(f[0], &t)) {
+      return LineError(path, line, absl::StrCat("TIMESTAMP '", f[0],
+                                                "' is not a calendar time 'YYYY-MM-DD hh:mm:ss[.frac]'"));
+    }
     TraceRequest r;
-    if (!absl::SimpleAtoi(f[1], &r.input_tokens)) {
-      return LineError(path, line, absl::StrCat("ContextTokens '", f[1], "' is not an integer"));
-    }
-    if (!absl::SimpleAtoi(f[2], &r.output_tokens)) {
-      return LineError(path, line, absl::StrCat("GeneratedTokens '", f[2], "' is not an integer"));
-    }
+    absl::StatusOr<int64_t> in_tokens = CsvLength(f[1], path, line, "ContextTokens");
+    if (!in_tokens.ok()) return in_tokens.status();
+    absl::StatusOr<int64_t> out_tokens = CsvLength(f[2], path, line, "GeneratedTokens");
+    if (!out_tokens.ok()) return out_tokens.status();
+    r.input_tokens = *in_tokens;
+    r.output_tokens = *out_tokens;
     if (absl::Status s = CheckLengths(path, line, r.input_tokens, r.output_tokens); !s.ok()) return s;
     if (t0 < 0) t0 = t;
     r.arrival_ms = (t - t0) * 1000.0;

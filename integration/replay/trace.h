@@ -2,6 +2,9 @@
 //
 // Contract: `LoadTrace` returns every request in file order, or an error naming the file, the
 // line and the offending value. Arrival times are milliseconds from the first request.
+// Every number is checked before use: lengths are integers in 0..kMaxRequestTokens (output >= 1),
+// timestamps finite, >= 0 and real calendar times. A missing file is NotFound, a bad row
+// InvalidArgument.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +14,11 @@
 #include "absl/status/statusor.h"
 
 namespace dpbalance::replay {
+
+// The longest request a trace may hold, input or output, in tokens: 2^24 = 16,777,216, 8x the
+// longest context window served today (2M tokens). A longer length is a corrupt row, and would
+// stall a replay or the reference engine for minutes on one request.
+inline constexpr int64_t kMaxRequestTokens = int64_t{1} << 24;
 
 struct TraceRequest {
   double arrival_ms = 0;
