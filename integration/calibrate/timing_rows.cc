@@ -7,6 +7,31 @@
 #include "nlohmann/json.hpp"
 
 namespace dpbalance::calibrate {
+namespace {
+
+// A row's token counts (ctx, q, ntok) must be integers in range before any arithmetic: 2^24 =
+// 16,777,216 tokens is 8x the longest context served today (2M), and q is stored as int32.
+constexpr int64_t kMaxRowTokens = int64_t{1} << 24;
+// A measured time above 10 s is no decode kernel (the data's slowest attention row is 240 ms):
+// a unit error (us or ns written as ms) or a corrupt row.
+constexpr double kMaxKernelMs = 1e4;
+
+// `v` as an integer token count in lo..kMaxRowTokens, or an error naming `what` and the value.
+absl::StatusOr<int64_t> TokenCount(const nlohmann::json& v, int64_t lo, const std::string& what) {
+  if (!v.is_number_integer()) {
+    return absl::InvalidArgumentError(absl::StrFormat("%s = %s is not an integer", what, v.dump()));
+  }
+  if (v.is_number_unsigned() ? v.get<uint64_t>() > static_cast<uint64_t>(kMaxRowTokens)
+                             : v.get<int64_t>() > kMaxRowTokens) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s = %s exceeds %d tokens (2^24, 8x the longest context served today)", what, v.dump(), kMaxRowTokens));
+  }
+  const int64_t x = v.get<int64_t>();
+  if (x < lo) return absl::InvalidArgumentError(absl::StrFormat("%s = %d must be >= %d", what, x, lo));
+  return x;
+}
+
+}  // namespace
 
 absl::StatusOr<Target> ParseTarget(const std::string& name) {
   if (name == "attn") return Target::kAttention;
@@ -39,20 +64,21 @@ absl::StatusOr<std::vector<TimingRow>> LoadTimingRows(const std::string& path, T
     TimingRow r;
     std::vector<RequestLoad> batch;
     for (size_t i = 0; i < j["ctx"].size(); ++i) {
-      if (!j["ctx"][i].is_number_integer() || !j["q"][i].is_number_integer()) {
-        return err(absl::StrFormat("ctx[%d] / q[%d] is not an integer", i, i));
-      }
-      const int64_t ctx = j["ctx"][i].get<int64_t>();
-      const int64_t q = j["q"][i].get<int64_t>();
-      if (ctx < 0 || q < 1) return err(absl::StrFormat("ctx[%d] = %d, q[%d] = %d out of range", i, ctx, i, q));
-      batch.push_back({ctx, static_cast<int32_t>(q)});
+      absl::StatusOr<int64_t> ctx = TokenCount(j["ctx"][i], 0, absl::StrFormat("ctx[%d]", i));
+      if (!ctx.ok()) return err(std::string(ctx.status().message()));
+      absl::StatusOr<int64_t> q = TokenCount(j["q"][i], 1, absl::StrFormat("q[%d]", i));
+      if (!q.ok()) return err(std::string(q.status().message()));
+      batch.push_back({*ctx, static_cast<int32_t>(*q)});
       r.sample.agg.Add(batch.back());
     }
     FillGridState(grid, batch, ~0u, ~0u, r.sample.agg.multi_query ? 2u : 1u, &r.sample.agg);
     auto ms = [&](const char* key) -> absl::StatusOr<double> {
       if (!j.contains(key) || !j[key].is_number()) return err(absl::StrCat("missing number '", key, "'"));
       const double v = j[key].get<double>();
-      if (!(v > 0)) return err(absl::StrFormat("%s = %g is not positive", key, v));
+      if (!(v > 0 && v <= kMaxKernelMs)) {
+        return err(absl::StrFormat("%s = %g must be > 0 and <= %g ms (10 s: no decode kernel takes longer)",
+                                   key, v, kMaxKernelMs));
+      }
       return v;
     };
     double us = 0;
@@ -89,10 +115,16 @@ absl::StatusOr<std::vector<TimingSample>> LoadGemmSweep(const std::string& path)
         !j.contains("ms") || !j["ms"].is_number()) {
       return absl::InvalidArgumentError(absl::StrFormat("%s:%d: expected {\"ntok\": int, \"ms\": number}", path, line));
     }
-    const int64_t ntok = j["ntok"].get<int64_t>();
+    absl::StatusOr<int64_t> ntok_or = TokenCount(j["ntok"], 1, "ntok");
+    if (!ntok_or.ok()) {
+      return absl::InvalidArgumentError(absl::StrFormat("%s:%d: %s", path, line, ntok_or.status().message()));
+    }
+    const int64_t ntok = *ntok_or;
     const double ms = j["ms"].get<double>();
-    if (ntok < 1 || !(ms > 0)) {
-      return absl::InvalidArgumentError(absl::StrFormat("%s:%d: ntok %d / ms %g out of range", path, line, ntok, ms));
+    if (!(ms > 0 && ms <= kMaxKernelMs)) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s:%d: ms = %g must be > 0 and <= %g (10 s: no GEMM of a decode step takes longer)",
+                          path, line, ms, kMaxKernelMs));
     }
     TimingSample s;
     s.agg.num_requests = 1;
