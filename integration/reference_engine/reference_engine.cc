@@ -14,6 +14,7 @@
 // request centrally through the same library's router ABI (dpbalanceRouter_v1), as an engine's
 // DP router would: the instance keeps dp x reqs_per_rank in flight and ranks' batches differ.
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -24,6 +25,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <random>
 #include <string>
@@ -44,6 +46,7 @@
 #include "dpbalance/cost_model.h"
 #include "dpbalance/metrics.h"
 #include "dpbalance/plugin/dpbalance_plugin.h"
+#include "cli.h"
 #include "trace.h"
 
 #ifndef DPB_DEFAULT_TRACE
@@ -580,34 +583,69 @@ bool IsRouting(const std::string& routing) {
   return false;
 }
 
-// Exit status: 0, 1 on a failure of the plugin, the router or the trace, 2 on a bad flag.
-int Main() {
+// Every flag checked before the plugin is loaded (exit status 2): numbers in range, the routing
+// known, --json writable.
+absl::Status CheckFlags() {
+  auto in_range = [](const char* name, int64_t v, int64_t lo, int64_t hi) -> absl::Status {
+    if (v < lo || v > hi) {
+      return absl::InvalidArgumentError(absl::StrFormat("--%s = %d must be in %d..%d", name, v, lo, hi));
+    }
+    return absl::OkStatus();
+  };
+  const int k_max = absl::GetFlag(FLAGS_k_max);
+  for (absl::Status s : {in_range("dp", absl::GetFlag(FLAGS_dp), 1, 1024),  // ranks are threads
+                         in_range("reqs_per_rank", absl::GetFlag(FLAGS_reqs_per_rank), 1, 4096),
+                         // 10^6 steps at ~50 ms a step: a 14 h run, past any use of a reference engine
+                         in_range("steps", absl::GetFlag(FLAGS_steps), 1, 1000000),
+                         in_range("k_max", k_max, 0, kMaxDraftLen),
+                         in_range("default_k", absl::GetFlag(FLAGS_default_k), 0, k_max),
+                         in_range("ab_epoch", absl::GetFlag(FLAGS_ab_epoch), 1, 1000000)}) {
+    if (!s.ok()) return s;
+  }
+  // Wall seconds per model second: above 100 a step sleeps minutes; 1e-4 already rounds phases to 0.
+  if (const double t = absl::GetFlag(FLAGS_time_scale); !(std::isfinite(t) && t >= 1e-4 && t <= 100)) {
+    return absl::InvalidArgumentError(absl::StrFormat("--time_scale = %g must be a number in [0.0001, 100]", t));
+  }
   const std::string routing = absl::GetFlag(FLAGS_routing);
   if (!IsRouting(routing)) {
-    std::fprintf(stderr, "reference engine: --routing=%s: expected rr, A, B, C, D or E\n", routing.c_str());
-    return 2;
+    return absl::InvalidArgumentError(absl::StrFormat("--routing=%s: expected rr, A, B, C, D or E", routing));
   }
+  if (const std::string json = absl::GetFlag(FLAGS_json); !json.empty()) {
+    std::error_code ec;
+    const std::filesystem::path p(json);
+    const std::filesystem::path dir = p.has_parent_path() ? p.parent_path() : std::filesystem::path(".");
+    if (std::filesystem::is_directory(p, ec) || !std::filesystem::is_directory(dir, ec) ||
+        access(dir.c_str(), W_OK) != 0 || (std::filesystem::exists(p, ec) && access(json.c_str(), W_OK) != 0)) {
+      return absl::InvalidArgumentError(absl::StrFormat("--json = '%s' cannot be written", json));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Exit status (integration/common/cli.h): 0; 1 when the plugin or the router fails in a run; 2 on
+// a bad flag; 3 when the plugin library or the trace is missing or bad.
+int Main() {
+  auto fail = [](const absl::Status& status, cli::ExitCode code) {
+    return cli::Fail("dpbalance-reference-engine", status, code);
+  };
+  if (absl::Status s = CheckFlags(); !s.ok()) return fail(s, cli::kUsageError);
+  const std::string routing = absl::GetFlag(FLAGS_routing);
   const std::string path = PluginPath();
   if (path == "none") {
-    std::fprintf(stderr, "reference engine: DPB_PLUGIN=none: nothing to compare\n");
-    return 2;
+    return fail(absl::InvalidArgumentError("DPB_PLUGIN=none: nothing to compare"), cli::kUsageError);
   }
-  auto fail = [](const absl::Status& status) {
-    std::fprintf(stderr, "reference engine: %s\n", std::string(status.message()).c_str());
-    return 1;
-  };
   const absl::StatusOr<Library> lib = LoadLibrary(path, routing);
-  if (!lib.ok()) return fail(lib.status());
+  if (!lib.ok()) return fail(lib.status(), cli::kBadData);
   const absl::StatusOr<std::vector<replay::TraceRequest>> trace =
       replay::LoadTrace(absl::GetFlag(FLAGS_trace), replay::TraceFormat::kAuto, absl::GetFlag(FLAGS_seed));
-  if (!trace.ok()) return fail(trace.status());
+  if (!trace.ok()) return fail(trace.status(), cli::kBadData);
   std::printf("reference engine: plugin %s (%s), DP%d, %d requests/rank from %s, %d steps per run, "
               "routing %s\n",
               path.c_str(), lib->plugin->name, absl::GetFlag(FLAGS_dp), absl::GetFlag(FLAGS_reqs_per_rank),
               absl::GetFlag(FLAGS_trace).c_str(), absl::GetFlag(FLAGS_steps),
               routing == "rr" ? "round robin per rank" : absl::StrCat(routing, " (router ABI)").c_str());
   const absl::StatusOr<ThreeRuns> runs = RunOffOnAb(*lib, routing, *trace);
-  if (!runs.ok()) return fail(runs.status());
+  if (!runs.ok()) return fail(runs.status(), cli::kInternalError);
   PrintResults(*runs);
   if (const std::string json = absl::GetFlag(FLAGS_json); !json.empty()) WriteJson(json, routing, *runs);
   return 0;
@@ -626,6 +664,6 @@ int main(int argc, char** argv) {
       "Multi-rank reference decode loop that loads dpbalance via dlopen + C ABI: runs the plugin off, on "
       "and in A/B epochs and prints the measured bubble and goodput.\n"
       "Usage: dpbalance-reference-engine [--dp=8] [--steps=240] [--routing=rr|A..E] [--json=out.json]");
-  absl::ParseCommandLine(argc, argv);
+  dpbalance::cli::ParseFlags("dpbalance-reference-engine", argc, argv);
   return dpbalance::reference::Main();
 }

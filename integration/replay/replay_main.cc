@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <unistd.h>
 #include <functional>
 #include <mutex>
 #include <optional>
@@ -11,6 +12,8 @@
 #include <thread>
 #include <utility>
 #include <vector>
+
+#include <filesystem>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -20,6 +23,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "cli.h"
 #include "nlohmann/json.hpp"
 #include "simulator.h"
 #include "trace.h"
@@ -125,9 +129,34 @@ struct Comparison {
   std::string slo_source;
 };
 
-int Fail(const absl::Status& s, int exit_code = 1) {
-  std::fprintf(stderr, "dpbalance-replay: %s\n", std::string(s.message()).c_str());
-  return exit_code;
+// Exit codes: integration/common/cli.h (0 ok, 1 internal, 2 bad flag, 3 bad input file).
+int Fail(const absl::Status& s, cli::ExitCode exit_code) { return cli::Fail("dpbalance-replay", s, exit_code); }
+
+// A model spec (--truth, --planner_model) that failed: a bad file's contents are bad data, a bad
+// name a bad flag.
+cli::ExitCode ModelSpecExitCode(const std::string& spec) {
+  std::error_code ec;
+  return std::filesystem::is_regular_file(spec, ec) ? cli::kBadData : cli::kUsageError;
+}
+
+// An output path (--json) that cannot be written: checked before any run, so a long comparison
+// never ends in "cannot write". Does not create the file.
+absl::Status CheckWritable(const std::string& flag, const std::string& path) {
+  if (path.empty()) return absl::OkStatus();
+  std::error_code ec;
+  const std::filesystem::path p(path);
+  if (std::filesystem::is_directory(p, ec)) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, " = '", path, "' is a directory"));
+  }
+  const std::filesystem::path dir = p.has_parent_path() ? p.parent_path() : std::filesystem::path(".");
+  if (!std::filesystem::is_directory(dir, ec)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, " = '", path, "': directory '", dir.string(), "' does not exist"));
+  }
+  if (std::filesystem::exists(p, ec) ? access(path.c_str(), W_OK) != 0 : access(dir.c_str(), W_OK) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, " = '", path, "' is not writable"));
+  }
+  return absl::OkStatus();
 }
 
 // --tpot_slo_ms: nullopt for 'auto', else the SLO in ms (0: none).
@@ -158,29 +187,46 @@ absl::StatusOr<VerifyMode> ParseVerifyMode(const std::string& name) {
       absl::StrCat("--verify = '", name, "' is not off, local, goodput, fill or oracle"));
 }
 
-// The range checks on numeric flags (exit status 2 when one fails).
+// The checks on every flag, before anything is loaded or run (exit status 2 when one fails):
+// numbers finite and in range, names known, the output writable.
 absl::Status CheckFlags() {
-  auto positive = [](const char* name, double v) -> absl::Status {
-    if (!(v > 0)) return absl::InvalidArgumentError(absl::StrFormat("--%s = %g must be > 0", name, v));
+  // [lo, hi], finite (hi's reason in the comment next to each use).
+  auto in_range = [](const char* name, double v, double lo, double hi) -> absl::Status {
+    if (!(std::isfinite(v) && v >= lo && v <= hi)) {
+      return absl::InvalidArgumentError(absl::StrFormat("--%s = %g must be a number in [%g, %g]", name, v, lo, hi));
+    }
     return absl::OkStatus();
   };
-  auto nonneg = [](const char* name, double v) -> absl::Status {
-    if (!(v >= 0)) return absl::InvalidArgumentError(absl::StrFormat("--%s = %g must be >= 0", name, v));
+  auto positive = [](const char* name, double v, double hi) -> absl::Status {
+    if (!(std::isfinite(v) && v > 0 && v <= hi)) {
+      return absl::InvalidArgumentError(absl::StrFormat("--%s = %g must be > 0 and <= %g", name, v, hi));
+    }
     return absl::OkStatus();
   };
-  for (absl::Status s : {positive("dp", absl::GetFlag(FLAGS_dp)),
-                         positive("rank_capacity_tokens", absl::GetFlag(FLAGS_rank_capacity_tokens)),
-                         positive("max_batch", absl::GetFlag(FLAGS_max_batch)),
-                         positive("inflight", absl::GetFlag(FLAGS_inflight)),
-                         positive("arrival_speedup", absl::GetFlag(FLAGS_arrival_speedup)),
-                         nonneg("ffn_fixed_ms", absl::GetFlag(FLAGS_ffn_fixed_ms)),
-                         nonneg("ffn_per_token_ms", absl::GetFlag(FLAGS_ffn_per_token_ms)),
-                         nonneg("draft_ms", absl::GetFlag(FLAGS_draft_ms)),
-                         nonneg("noise", absl::GetFlag(FLAGS_noise)),
-                         nonneg("acceptance_sigma", absl::GetFlag(FLAGS_acceptance_sigma)),
-                         nonneg("max_requests", absl::GetFlag(FLAGS_max_requests)),
-                         nonneg("threads", absl::GetFlag(FLAGS_threads))}) {
+  const int dp = absl::GetFlag(FLAGS_dp);
+  for (absl::Status s : {
+           in_range("dp", dp, 1, 4096),  // 16x the largest DP decode instance deployed (256)
+           // 2^40 tokens: far above any rank's KV (an H200 holds ~2^22 tokens of V3's MLA cache).
+           positive("rank_capacity_tokens", absl::GetFlag(FLAGS_rank_capacity_tokens), 1099511627776.0),
+           in_range("max_batch", absl::GetFlag(FLAGS_max_batch), 1, 65536),
+           in_range("inflight", absl::GetFlag(FLAGS_inflight), 1, 1 << 24),
+           positive("arrival_speedup", absl::GetFlag(FLAGS_arrival_speedup), 1e6),
+           positive("z", absl::GetFlag(FLAGS_z), 1e6),
+           in_range("groups", absl::GetFlag(FLAGS_groups), 1, dp),
+           in_range("split_window", absl::GetFlag(FLAGS_split_window), 1, 1e8),
+           in_range("step_slack", absl::GetFlag(FLAGS_step_slack), -1e9, 100),  // < 0: no guard
+           in_range("truth_layers", absl::GetFlag(FLAGS_truth_layers), 1, 1000),
+           in_range("ffn_fixed_ms", absl::GetFlag(FLAGS_ffn_fixed_ms), 0, 1e6),  // a step over 1000 s is a typo
+           in_range("ffn_per_token_ms", absl::GetFlag(FLAGS_ffn_per_token_ms), 0, 1e6),
+           in_range("draft_ms", absl::GetFlag(FLAGS_draft_ms), 0, 1e6),
+           in_range("noise", absl::GetFlag(FLAGS_noise), 0, 10),  // sigma 10: a factor e^10 already
+           in_range("acceptance_sigma", absl::GetFlag(FLAGS_acceptance_sigma), 0, 100),  // logits
+           in_range("max_requests", absl::GetFlag(FLAGS_max_requests), 0, 2147483647),
+           in_range("threads", absl::GetFlag(FLAGS_threads), 0, 1024)}) {
     if (!s.ok()) return s;
+  }
+  if (const double p = absl::GetFlag(FLAGS_split_percentile); !(p > 0 && p < 1)) {
+    return absl::InvalidArgumentError(absl::StrFormat("--split_percentile = %g must be in (0, 1)", p));
   }
   const int k_max = absl::GetFlag(FLAGS_k_max);
   if (k_max < 0 || k_max > kMaxDraftLen) {
@@ -189,7 +235,7 @@ absl::Status CheckFlags() {
   const std::string k = absl::GetFlag(FLAGS_k);
   int kv;
   if (k != "best" && (!absl::SimpleAtoi(k, &kv) || kv < 0 || kv > k_max)) {
-    return absl::InvalidArgumentError(absl::StrCat("--k = '", k, "' must be 'best' or 0..k_max"));
+    return absl::InvalidArgumentError(absl::StrCat("--k = '", k, "' must be 'best' or 0..k_max (", k_max, ")"));
   }
   if (absl::StatusOr<std::optional<double>> slo = ParseSlo(absl::GetFlag(FLAGS_tpot_slo_ms)); !slo.ok()) {
     return slo.status();
@@ -198,7 +244,26 @@ absl::Status CheckFlags() {
   if (e != "v1" && e != "v2") {
     return absl::InvalidArgumentError(absl::StrCat("--eval_cost = '", e, "' must be v1 or v2"));
   }
-  return absl::OkStatus();
+  if (absl::StatusOr<TraceFormat> f = ParseTraceFormat(absl::GetFlag(FLAGS_trace_format)); !f.ok()) {
+    return f.status();
+  }
+  if (const std::string d = absl::GetFlag(FLAGS_draft); d != "agreed" && d != "per_rank") {
+    return absl::InvalidArgumentError(absl::StrCat("--draft = '", d, "' must be agreed or per_rank"));
+  }
+  if (const std::string g = absl::GetFlag(FLAGS_granularity); g != "request" && g != "rank") {
+    return absl::InvalidArgumentError(absl::StrCat("--granularity = '", g, "' must be request or rank"));
+  }
+  if (absl::StatusOr<RoutingStrategy> r = ParseRouting(absl::GetFlag(FLAGS_group_choice));
+      !r.ok() || (*r != RoutingStrategy::kMinBatch && *r != RoutingStrategy::kMinContext)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--group_choice = '", absl::GetFlag(FLAGS_group_choice), "' must be A or B"));
+  }
+  if (absl::StatusOr<RoutingStrategy> r = ParseRouting(absl::GetFlag(FLAGS_routing)); !r.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--routing = '", absl::GetFlag(FLAGS_routing),
+                                                   "' must be A, B, C, D or E"));
+  }
+  if (absl::StatusOr<VerifyMode> v = ParseVerifyMode(absl::GetFlag(FLAGS_verify)); !v.ok()) return v.status();
+  return CheckWritable("--json", absl::GetFlag(FLAGS_json));
 }
 
 // --trace, --trace_format, --seed, --max_requests.
@@ -276,11 +341,20 @@ absl::StatusOr<SimConfig> BaseConfigFromFlags(const TruthModel& truth) {
   return base;
 }
 
-absl::StatusOr<Instance> InstanceFromFlags() {
+// The trace and the models; on an error, `exit_code` says whose: a bad input file (the trace, a
+// model JSON) or a bad model name.
+absl::StatusOr<Instance> InstanceFromFlags(cli::ExitCode& exit_code) {
+  exit_code = cli::kBadData;
   absl::StatusOr<std::vector<TraceRequest>> trace = TraceFromFlags();
   if (!trace.ok()) return trace.status();
+  exit_code = ModelSpecExitCode(absl::GetFlag(FLAGS_truth));
   absl::StatusOr<TruthModel> truth = TruthFromFlags();
   if (!truth.ok()) return truth.status();
+  std::string planner_model = absl::GetFlag(FLAGS_planner_model);
+  if (const size_t colon = planner_model.find(':'); planner_model.rfind("online", 0) == 0) {
+    planner_model = colon == std::string::npos ? "v2" : planner_model.substr(colon + 1);
+  }
+  exit_code = ModelSpecExitCode(planner_model);
   absl::StatusOr<SimConfig> base = BaseConfigFromFlags(*truth);
   if (!base.ok()) return base.status();
   return Instance{*std::move(trace), *std::move(truth), *std::move(base)};
@@ -288,7 +362,24 @@ absl::StatusOr<Instance> InstanceFromFlags() {
 
 // The default comparison: routings A-E at the static verify length, then verify balancing on D.
 // `fixed_k`: --k, or nullopt for each row's best static k.
-std::vector<RowSpec> ComparisonRows(std::optional<int> fixed_k) {
+std::vector<RowSpec> AllComparisonRows(std::optional<int> fixed_k);
+
+// Grouped rows with more groups than --dp ranks are left out (`skipped` names them): a group
+// needs at least one rank.
+std::vector<RowSpec> ComparisonRows(std::optional<int> fixed_k, int num_ranks, std::vector<std::string>& skipped) {
+  std::vector<RowSpec> rows = AllComparisonRows(fixed_k);
+  std::vector<RowSpec> kept;
+  for (RowSpec& r : rows) {
+    if (r.groups > num_ranks) {
+      skipped.push_back(absl::StrFormat("%s (%d groups > --dp %d)", r.name, r.groups, num_ranks));
+    } else {
+      kept.push_back(std::move(r));
+    }
+  }
+  return kept;
+}
+
+std::vector<RowSpec> AllComparisonRows(std::optional<int> fixed_k) {
   using RS = RoutingStrategy;
   return {{"A", RS::kMinBatch, 1.2, 1, VerifyMode::kStatic, fixed_k},
           {"B", RS::kMinContext, 1.2, 1, VerifyMode::kStatic, fixed_k},
@@ -656,9 +747,10 @@ void PrintRoutingSummary(const std::vector<Row>& rows, const CostModel& planner_
 }
 
 int Main() {
-  if (absl::Status s = CheckFlags(); !s.ok()) return Fail(s, 2);
-  absl::StatusOr<Instance> instance = InstanceFromFlags();
-  if (!instance.ok()) return Fail(instance.status());
+  if (absl::Status s = CheckFlags(); !s.ok()) return Fail(s, cli::kUsageError);
+  cli::ExitCode load_exit_code;
+  absl::StatusOr<Instance> instance = InstanceFromFlags(load_exit_code);
+  if (!instance.ok()) return Fail(instance.status(), load_exit_code);
   const std::string eval_cost = absl::GetFlag(FLAGS_eval_cost);
   const int threads = absl::GetFlag(FLAGS_threads) > 0
                           ? absl::GetFlag(FLAGS_threads)
@@ -667,23 +759,27 @@ int Main() {
   const std::optional<int> fixed_k = k_flag == "best" ? std::nullopt : std::optional<int>(std::stoi(k_flag));
 
   std::vector<RowSpec> specs;
+  std::vector<std::string> skipped;
   if (absl::GetFlag(FLAGS_compare)) {
-    specs = ComparisonRows(fixed_k);
+    specs = ComparisonRows(fixed_k, instance->base.num_ranks, skipped);
   } else {
     absl::StatusOr<RowSpec> single = SingleRunRow(fixed_k);
-    if (!single.ok()) return Fail(single.status());
+    if (!single.ok()) return Fail(single.status(), cli::kUsageError);
     specs = {*single};
   }
   absl::StatusOr<Comparison> comparison = ComparisonRunner(*instance, threads).Run(specs, fixed_k);
-  if (!comparison.ok()) return Fail(comparison.status());
+  if (!comparison.ok()) return Fail(comparison.status(), cli::kInternalError);
 
   PrintHeader(*instance, *comparison, eval_cost);
+  for (const std::string& row : skipped) std::printf("note: row %s left out of the comparison\n", row.c_str());
   PrintTable(comparison->rows, eval_cost);
   PrintStepRate(comparison->rows);
   PrintVerifyBalancingSummary(comparison->rows);
   PrintRoutingSummary(comparison->rows, instance->base.planner_model);
   if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
-    if (absl::Status s = WriteJson(path, *instance, comparison->rows, eval_cost); !s.ok()) return Fail(s);
+    if (absl::Status s = WriteJson(path, *instance, comparison->rows, eval_cost); !s.ok()) {
+      return Fail(s, cli::kUsageError);
+    }
   }
   return 0;
 }
@@ -707,6 +803,6 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "Replays a serving trace through a simulated DP decode instance; compares routing "
       "strategies A-E and verify balancing.\nUsage: dpbalance-replay [--trace FILE] [flags]");
-  absl::ParseCommandLine(argc, argv);
+  dpbalance::cli::ParseFlags("dpbalance-replay", argc, argv);
   return dpbalance::replay::Main();
 }
