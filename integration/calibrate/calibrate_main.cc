@@ -10,8 +10,11 @@
 // Prints and (--json) writes {"rows":N,"mape":x,"p90_ape":x,"max_ape":x} for the test rows
 // (errors as fractions), plus K-fold cross-validated figures on the training rows for our model
 // and for the published (1, B, C) form refitted to the same rows.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <optional>
@@ -19,12 +22,60 @@
 #include <string>
 #include <vector>
 
+#include "absl/flags/flag.h"
+#include "absl/flags/marshalling.h"
+#include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "dpbalance/calibration.h"
+#include "cli.h"
 #include "nlohmann/json.hpp"
 #include "timing_rows.h"
+
+namespace dpbalance::calibrate {
+
+// A repeatable path flag (--train A --train B): Abseil parses each occurrence into a fresh value,
+// so the occurrences so far are kept per flag (Tag) and each parse returns all of them, in order.
+template <int Tag>
+struct PathList {
+  std::vector<std::string> paths;
+};
+template <int Tag>
+std::vector<std::string>& PathsSoFar() {
+  static std::vector<std::string> paths;
+  return paths;
+}
+template <int Tag>
+bool AbslParseFlag(absl::string_view text, PathList<Tag>* out, std::string* /*error*/) {
+  if (text.empty()) {  // the default (Abseil checks it parses); --train= names no file
+    out->paths.clear();
+    return true;
+  }
+  PathsSoFar<Tag>().emplace_back(text);
+  out->paths = PathsSoFar<Tag>();
+  return true;
+}
+template <int Tag>
+std::string AbslUnparseFlag(const PathList<Tag>& list) {
+  return absl::StrJoin(list.paths, ",");
+}
+using TrainFiles = PathList<0>;
+using TestFiles = PathList<1>;
+
+}  // namespace dpbalance::calibrate
+
+ABSL_FLAG(dpbalance::calibrate::TrainFiles, train, {}, "timing rows to fit on; repeatable");
+ABSL_FLAG(dpbalance::calibrate::TestFiles, test, {}, "held-out timing rows; repeatable");
+ABSL_FLAG(std::string, json, "", "write the test and cross-validation errors as JSON");
+ABSL_FLAG(std::string, out, "", "write the fitted model");
+ABSL_FLAG(std::string, dump, "", "write each training row's aggregates, measured and out-of-fold time");
+ABSL_FLAG(std::string, gemm, "", "fit the projection GEMMs of a sweep");
+ABSL_FLAG(std::string, target, "attn", "attn, gemm or step");
+ABSL_FLAG(std::string, kernel, "none", "none, fa2-gqa-h200 or fa2-packed-h200");
+ABSL_FLAG(int, cv, 5, "K-fold cross-validation (0: none; else 2..training rows)");
+ABSL_FLAG(uint64_t, seed, 1, "fold shuffle seed");
 
 namespace dpbalance::calibrate {
 namespace {
@@ -100,53 +151,72 @@ void PrintHelp() {
       kUsage);
 }
 
-int Usage(const char* why) {
-  std::fprintf(stderr, "dpbalance-calibrate: %s\n%s", why, kUsage);
-  return 2;
+// Exit codes: integration/common/cli.h (0 ok, 1 internal, 2 bad flag, 3 bad input file).
+int Usage(const std::string& why) {
+  std::fprintf(stderr, "dpbalance-calibrate: %s\n%s", why.c_str(), kUsage);
+  return cli::kUsageError;
 }
 
-int Fail(const absl::Status& s) {
-  std::fprintf(stderr, "dpbalance-calibrate: %s\n", std::string(s.message()).c_str());
-  return 1;
-}
+int Fail(const absl::Status& s, cli::ExitCode code) { return cli::Fail("dpbalance-calibrate", s, code); }
 
 struct Options {
   std::vector<std::string> train_files, test_files;
   std::string json_out, model_out, dump_out, gemm_file, target_name = "attn", kernel_name = "none";
   int folds = 5;
   uint64_t seed = 1;
+
+  static Options FromFlags() {
+    Options o;
+    o.train_files = absl::GetFlag(FLAGS_train).paths;
+    o.test_files = absl::GetFlag(FLAGS_test).paths;
+    o.json_out = absl::GetFlag(FLAGS_json);
+    o.model_out = absl::GetFlag(FLAGS_out);
+    o.dump_out = absl::GetFlag(FLAGS_dump);
+    o.gemm_file = absl::GetFlag(FLAGS_gemm);
+    o.target_name = absl::GetFlag(FLAGS_target);
+    o.kernel_name = absl::GetFlag(FLAGS_kernel);
+    o.folds = absl::GetFlag(FLAGS_cv);
+    o.seed = absl::GetFlag(FLAGS_seed);
+    return o;
+  }
 };
 
-// Parses argv into `options`; returns the exit status when the tool should stop here (--help: 0;
-// a bad flag: 2, after its usage), nullopt to go on.
-std::optional<int> ParseArgs(int argc, char** argv, Options& options) {
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--help" || a == "-h") {
-      PrintHelp();
-      return 0;
-    }
-    if (i + 1 >= argc) return Usage(absl::StrFormat("flag %s needs a value", a).c_str());
-    const std::string v = argv[++i];
-    if (a == "--train") options.train_files.push_back(v);
-    else if (a == "--test") options.test_files.push_back(v);
-    else if (a == "--json") options.json_out = v;
-    else if (a == "--out") options.model_out = v;
-    else if (a == "--dump") options.dump_out = v;
-    else if (a == "--gemm") options.gemm_file = v;
-    else if (a == "--target") options.target_name = v;
-    else if (a == "--kernel") options.kernel_name = v;
-    else if (a == "--cv") {
-      if (!absl::SimpleAtoi(v, &options.folds) || options.folds < 0 || options.folds == 1) {
-        return Usage("--cv must be 0 or >= 2");
-      }
-    } else if (a == "--seed") {
-      if (!absl::SimpleAtoi(v, &options.seed)) return Usage("--seed must be an integer");
-    } else {
-      return Usage(absl::StrFormat("unknown flag '%s'", a).c_str());
-    }
+// An output flag's path that cannot be written, checked before the fit (which can take minutes)
+// rather than after it. Does not create the file.
+absl::Status CheckWritable(const std::string& flag, const std::string& path) {
+  if (path.empty()) return absl::OkStatus();
+  std::error_code ec;
+  const std::filesystem::path p(path);
+  const std::filesystem::path dir = p.has_parent_path() ? p.parent_path() : std::filesystem::path(".");
+  if (std::filesystem::is_directory(p, ec)) {
+    return absl::InvalidArgumentError(absl::StrFormat("%s = '%s' is a directory", flag, path));
   }
-  return std::nullopt;
+  if (!std::filesystem::is_directory(dir, ec)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s = '%s': directory '%s' does not exist", flag, path, dir.string()));
+  }
+  if (std::filesystem::exists(p, ec) ? access(path.c_str(), W_OK) != 0 : access(dir.c_str(), W_OK) != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat("%s = '%s' is not writable", flag, path));
+  }
+  return absl::OkStatus();
+}
+
+// The flag checks that need no file: --cv's range (its upper bound, the row count, comes after
+// loading), --target, --kernel and the outputs' writability.
+absl::Status CheckFlags(const Options& options) {
+  if (options.folds < 0 || options.folds == 1) {
+    return absl::InvalidArgumentError(absl::StrFormat("--cv = %d must be 0 (none) or >= 2", options.folds));
+  }
+  if (absl::StatusOr<Target> t = ParseTarget(options.target_name); !t.ok()) return t.status();
+  if (absl::StatusOr<KernelGrid> g = KernelGrid::Named(options.kernel_name); !g.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--kernel = '", options.kernel_name, "': ", g.status().message()));
+  }
+  for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--json", options.json_out},
+                                   {"--out", options.model_out},
+                                   {"--dump", options.dump_out}}) {
+    if (absl::Status s = CheckWritable(flag, path); !s.ok()) return s;
+  }
+  return absl::OkStatus();
 }
 
 void PrintCoefficients(const CostModel& model) {
@@ -217,29 +287,35 @@ absl::Status CrossValidateBoth(const std::vector<TimingSample>& train, const Opt
 // Fits the attention model on --train, cross-validates it, evaluates it on --test and writes
 // --json and --out.
 int FitAttention(const Options& options) {
-  absl::StatusOr<Target> target = ParseTarget(options.target_name);
-  if (!target.ok()) return Usage(std::string(target.status().message()).c_str());
+  absl::StatusOr<Target> target = ParseTarget(options.target_name);      // checked in CheckFlags
   absl::StatusOr<KernelGrid> grid = KernelGrid::Named(options.kernel_name);
-  if (!grid.ok()) return Usage(absl::StrCat("--kernel: ", grid.status().message()).c_str());
+  if (!target.ok() || !grid.ok()) return Usage("--target or --kernel");
   FitOptions fit_options;
   fit_options.grid = *grid;
   const Fitter fit_ours = [&](absl::Span<const TimingSample> rows) {
     return FitCostModel(rows, fit_options);
   };
   absl::StatusOr<std::vector<TimingSample>> train = LoadSamples(options.train_files, *target, *grid);
-  if (!train.ok()) return Fail(train.status());
+  if (!train.ok()) return Fail(train.status(), cli::kBadData);
   absl::StatusOr<std::vector<TimingSample>> test = LoadSamples(options.test_files, *target, *grid);
-  if (!test.ok()) return Fail(test.status());
+  if (!test.ok()) return Fail(test.status(), cli::kBadData);
+  // K folds of a fit each: more folds than rows leaves empty folds and costs K fits for nothing.
+  if (options.folds > static_cast<int64_t>(train->size())) {
+    return Usage(absl::StrFormat("--cv = %d must be 0 or in 2..%d (the training rows of %s)", options.folds,
+                                 train->size(), absl::StrJoin(options.train_files, ", ")));
+  }
 
   absl::StatusOr<CostModel> model = fit_ours(*train);
-  if (!model.ok()) return Fail(model.status());
+  if (!model.ok()) return Fail(model.status(), cli::kBadData);
   nlohmann::json out;
   std::printf("fitted on %zu rows; nonzero coefficients (us per unit):\n", train->size());
   PrintCoefficients(*model);
   const ErrorStats fit_err = EvaluateModel(*model, *train);
   std::printf("training rows: mape %.4f p90 %.4f max %.4f\n", fit_err.mape, fit_err.p90_ape, fit_err.max_ape);
   if (options.folds >= 2) {
-    if (absl::Status s = CrossValidateBoth(*train, options, fit_ours, out); !s.ok()) return Fail(s);
+    if (absl::Status s = CrossValidateBoth(*train, options, fit_ours, out); !s.ok()) {
+      return Fail(s, cli::kInternalError);
+    }
   }
   if (!test->empty()) {
     const ErrorStats e = EvaluateModel(*model, *test);
@@ -249,29 +325,43 @@ int FitAttention(const Options& options) {
   }
   if (!options.json_out.empty()) {
     std::ofstream f(options.json_out);
-    if (!f) return Usage(absl::StrFormat("cannot write --json '%s'", options.json_out).c_str());
+    if (!f) return Usage(absl::StrFormat("cannot write --json '%s'", options.json_out));
     f << out.dump(2) << "\n";
   }
   if (!options.model_out.empty()) {
     std::ofstream f(options.model_out);
-    if (!f) return Usage(absl::StrFormat("cannot write --out '%s'", options.model_out).c_str());
+    if (!f) return Usage(absl::StrFormat("cannot write --out '%s'", options.model_out));
     f << model->ToJson() << "\n";
   }
   return 0;
 }
 
-int Main(int argc, char** argv) {
-  Options options;
-  if (std::optional<int> exit_code = ParseArgs(argc, argv, options)) return *exit_code;
+int Main() {
+  const Options options = Options::FromFlags();
+  if (absl::Status s = CheckFlags(options); !s.ok()) return Usage(std::string(s.message()));
+  if (options.train_files.empty() && options.gemm_file.empty()) {
+    return Usage("at least one --train FILE (or --gemm FILE) is required");
+  }
   if (!options.gemm_file.empty()) {
-    if (absl::Status s = FitGemmSweep(options.gemm_file); !s.ok()) return Fail(s);
+    if (absl::Status s = FitGemmSweep(options.gemm_file); !s.ok()) return Fail(s, cli::kBadData);
     if (options.train_files.empty()) return 0;
   }
-  if (options.train_files.empty()) return Usage("at least one --train FILE (or --gemm FILE) is required");
   return FitAttention(options);
 }
 
 }  // namespace
 }  // namespace dpbalance::calibrate
 
-int main(int argc, char** argv) { return dpbalance::calibrate::Main(argc, argv); }
+int main(int argc, char** argv) {
+  // --help / -h: the tool's own text (every flag with its argument), not Abseil's listing.
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--help" || a == "-h" || a == "-help") {
+      dpbalance::calibrate::PrintHelp();
+      return 0;
+    }
+  }
+  absl::SetProgramUsageMessage(dpbalance::calibrate::kUsage);
+  dpbalance::cli::ParseFlags("dpbalance-calibrate", argc, argv);
+  return dpbalance::calibrate::Main();
+}
