@@ -1,6 +1,9 @@
 #include "flags.h"
 
+#include <unistd.h>
+
 #include <cmath>
+#include <filesystem>
 #include <functional>
 
 #include "absl/strings/ascii.h"
@@ -111,6 +114,20 @@ void AddBalancerFlags(FlagTable& t) {
          return BadValue(v, "trace, debug, info, warn, error or off");
        }},
       {"metrics_file", [](PluginFlags& f, const std::string& v) -> absl::Status {
+         // Checked at init, where a bad value disables the plugin like any bad flag: a path the
+         // balancer cannot append to would otherwise lose every metrics line silently.
+         if (!v.empty()) {
+           std::error_code ec;
+           const std::filesystem::path p(v);
+           const std::filesystem::path dir = p.has_parent_path() ? p.parent_path() : std::filesystem::path(".");
+           if (std::filesystem::is_directory(p, ec)) return BadValue(v, "a file (it is a directory)");
+           if (!std::filesystem::is_directory(dir, ec)) {
+             return BadValue(v, absl::StrCat("a writable file: directory '", dir.string(), "' does not exist"));
+           }
+           if (std::filesystem::exists(p, ec) ? access(v.c_str(), W_OK) != 0 : access(dir.c_str(), W_OK) != 0) {
+             return BadValue(v, "a writable file (permission denied)");
+           }
+         }
          f.balancer.metrics_file = v;
          return absl::OkStatus();
        }},

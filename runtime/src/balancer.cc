@@ -1,6 +1,7 @@
 #include "dpbalance/balancer.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -81,7 +82,7 @@ absl::Status Balancer::Handshake() {
   RankSummary slot{};
   Hello hello{kHelloMagic, kSummaryVersion, 0, config_.Hash()};
   std::memcpy(&slot, &hello, sizeof(hello));
-  absl::Status s = Exchange(slot, std::max(config_.timeout, absl::Seconds(10)));
+  absl::Status s = Exchange(slot, config_.timeout);  // DPB_TIMEOUT_MS, as every exchange
   if (!s.ok()) return absl::UnavailableError(absl::StrCat("handshake all-gather failed: ", s.message()));
   for (size_t r = 0; r < gathered_.size(); ++r) {
     Hello h;
@@ -415,7 +416,14 @@ void Balancer::MaybeLog() {
       s.enabled ? "" : " (disabled)");
   if (config_.metrics_file.empty()) return;
   std::ofstream f(config_.metrics_file, std::ios::app);
-  if (!f) return;
+  if (!f) {  // writable at init (the flag checks it): it went away since; say so once
+    static std::atomic<bool> warned{false};  // once per process, not once per log line
+    if (!warned.exchange(true)) {
+      Logger()->warn("rank {}: metrics file '{}' cannot be opened for appending; its lines are lost",
+                     rank_, config_.metrics_file);
+    }
+    return;
+  }
   f << absl::StrFormat(
       "{\"rank\":%d,\"step\":%d,\"bubble_fraction\":%.6f,\"bubble_us\":%.3f,\"goodput_tok_per_s\":%.3f,"
       "\"tokens_per_step\":%.3f,\"predicted_error\":%.6f,\"barrier_over_plan\":%.6f,"
