@@ -132,11 +132,13 @@ struct Comparison {
 // Exit codes: integration/common/cli.h (0 ok, 1 internal, 2 bad flag, 3 bad input file).
 int Fail(const absl::Status& s, cli::ExitCode exit_code) { return cli::Fail("dpbalance-replay", s, exit_code); }
 
-// A model spec (--truth, --planner_model) that failed: a bad file's contents are bad data, a bad
-// name a bad flag.
+// A model spec (--truth, --planner_model) that failed: a file (one that exists, or a spec that
+// names a path) missing or bad is bad data, an unknown model name a bad flag.
 cli::ExitCode ModelSpecExitCode(const std::string& spec) {
   std::error_code ec;
-  return std::filesystem::is_regular_file(spec, ec) ? cli::kBadData : cli::kUsageError;
+  const bool names_file = std::filesystem::exists(spec, ec) || spec.find('/') != std::string::npos ||
+                          absl::EndsWith(spec, ".json");
+  return names_file ? cli::kBadData : cli::kUsageError;
 }
 
 // An output path (--json) that cannot be written: checked before any run, so a long comparison
