@@ -138,6 +138,129 @@ TEST(Simulator, TpotSloKeepsTheStaticTailOnRealRequests) {
   EXPECT_LT(1 - slo.balance_efficiency, 0.3 * (1 - base.balance_efficiency));
 }
 
+// --draft per_rank: a rank that runs its own draft spends draft_per_step_us per draft step, to its
+// deepest verify length, before the barrier. In static mode with the truth's noise off the
+// verify lengths and accepted tokens do not depend on time, so a run with a 1.5 ms draft and one
+// with a free draft take the same steps, and each step differs by the slowest rank's draft:
+// at most 1.5 ms x k, and about that (nearly every rank verifies k). The agreed draft (every
+// rank drafts k) costs at least as much.
+TEST(Simulator, PerRankDraftTimeRunsBeforeTheBarrier) {
+  const auto trace = Slice(600);
+  SimConfig c = Small();
+  c.static_k = 3;
+  TruthModel truth;
+  truth.per_rank_draft = true;
+  truth.global.draft_per_step_us = 1500;
+  const RunResult paid = *Simulate(c, truth, trace);
+  truth.global.draft_per_step_us = 0;
+  const RunResult free = *Simulate(c, truth, trace);
+  truth.per_rank_draft = false;
+  truth.global.draft_per_step_us = 1500;
+  const RunResult agreed = *Simulate(c, truth, trace);
+  ASSERT_EQ(paid.steps, free.steps);
+  ASSERT_EQ(paid.tokens, free.tokens);
+  const double draft_ms_per_step = (paid.sim_time_s - free.sim_time_s) * 1000 / paid.steps;
+  EXPECT_LE(draft_ms_per_step, 1.5 * 3 * (1 + 1e-9));
+  EXPECT_GE(draft_ms_per_step, 0.9 * 1.5 * 3);
+  EXPECT_GE(agreed.sim_time_s, paid.sim_time_s * (1 - 1e-12));
+  // The planner, told the draft is per rank, still beats the static run.
+  c.verify = VerifyMode::kGoodput;
+  c.static_k = 1;
+  truth.per_rank_draft = true;
+  const RunResult planned = *Simulate(c, truth, trace);
+  EXPECT_GT(planned.goodput_tok_per_s, paid.goodput_tok_per_s);
+  EXPECT_LT(1 - planned.balance_efficiency, 1 - paid.balance_efficiency);
+}
+
+// --noise: log-normal noise on each rank's attention. Static runs take the same steps with or
+// without it (the draws share the run's generator, so the steps differ a little); the noise
+// widens the bubble and, the step being the slowest rank's time, lengthens the mean step.
+// Deterministic for a seed; another seed draws other noise.
+TEST(Simulator, NoiseWidensTheBubbleAndIsSeeded) {
+  const auto trace = Slice(600);
+  SimConfig c = Small();
+  c.static_k = 2;
+  TruthModel truth;
+  const RunResult quiet = *Simulate(c, truth, trace);
+  truth.noise_sigma = 0.3;
+  const RunResult noisy = *Simulate(c, truth, trace), again = *Simulate(c, truth, trace);
+  EXPECT_EQ(noisy.sim_time_s, again.sim_time_s);
+  EXPECT_LT(noisy.balance_efficiency, quiet.balance_efficiency - 0.05);
+  EXPECT_GT(noisy.mean_step_ms, quiet.mean_step_ms);
+  c.seed = 2;
+  const RunResult other = *Simulate(c, truth, trace);
+  EXPECT_NE(other.sim_time_s, noisy.sim_time_s);
+}
+
+// --open_loop: requests are admitted at their arrival times (divided by --arrival_speedup), so
+// the run lasts at least until the last one arrives, and at 10x the trace's pace the instance
+// is nearly idle: shorter steps than the closed loop's full batches.
+TEST(Simulator, OpenLoopAdmitsAtArrivalTimes) {
+  const auto trace = Slice(300);
+  SimConfig c = Small();
+  c.static_k = 2;
+  const RunResult closed = *Simulate(c, TruthModel{}, trace);
+  c.open_loop = true;
+  c.arrival_speedup = 10;
+  const RunResult open = *Simulate(c, TruthModel{}, trace);
+  const double last_arrival_s = trace.back().arrival_ms / 10 / 1000;
+  ASSERT_GT(last_arrival_s, 5);
+  EXPECT_GE(open.sim_time_s, last_arrival_s);
+  EXPECT_LE(open.sim_time_s, last_arrival_s + 1.0);  // the last one is admitted within steps
+  EXPECT_LT(open.mean_step_ms, closed.mean_step_ms);
+  EXPECT_GT(closed.goodput_tok_per_s, open.goodput_tok_per_s);
+}
+
+// --planner_model online: the planner starts from a model 3x too slow and refits it from the
+// measured attention; its error against the truth ends small, and it plans better than the
+// same wrong model held fixed.
+TEST(Simulator, OnlineModelLearnsTheTruth) {
+  const auto trace = Slice(1500);
+  SimConfig c = Small();
+  c.verify = VerifyMode::kGoodput;
+  c.static_k = 1;
+  c.planner_model = CostModel::PublishedV2().Scaled(3);
+  const RunResult fixed = *Simulate(c, TruthModel{}, trace);
+  c.planner_online = true;
+  const RunResult online = *Simulate(c, TruthModel{}, trace);
+  EXPECT_EQ(fixed.planner_model_error, 0);  // measured only for an online model
+  EXPECT_GT(online.planner_model_error, 0);
+  EXPECT_LT(online.planner_model_error, 0.15);
+  EXPECT_GE(online.goodput_tok_per_s, fixed.goodput_tok_per_s);
+}
+
+// --verify local: each rank plans alone. It changes the verify lengths, but without the other
+// ranks' barrier it does worse than the coordinated plan (on this slice even worse than the
+// static default: each rank lengthens its own batch and the slowest sets the step).
+TEST(Simulator, LocalPlansLoseToCoordinated) {
+  const auto trace = Slice(1500);
+  SimConfig c = Small();
+  c.static_k = 1;
+  const RunResult base = *Simulate(c, TruthModel{}, trace);
+  c.verify = VerifyMode::kLocal;
+  const RunResult local = *Simulate(c, TruthModel{}, trace);
+  c.verify = VerifyMode::kGoodput;
+  const RunResult coord = *Simulate(c, TruthModel{}, trace);
+  EXPECT_NE(local.mean_verify_len, base.mean_verify_len);
+  EXPECT_GT(coord.goodput_tok_per_s, base.goodput_tok_per_s);
+  EXPECT_LT(local.goodput_tok_per_s, coord.goodput_tok_per_s);
+  EXPECT_LT(local.balance_efficiency, coord.balance_efficiency);
+}
+
+// --groups: D inside groups routes every request and stays within capacity.
+TEST(Simulator, DualPathInsideGroupsRoutesTheTrace) {
+  const auto trace = Slice(600);
+  SimConfig c = Small();
+  c.routing.groups = 2;
+  c.routing.group_choice = RoutingStrategy::kMinContext;
+  const RunResult g = *Simulate(c, TruthModel{}, trace);
+  c.routing.groups = 1;
+  const RunResult one = *Simulate(c, TruthModel{}, trace);
+  EXPECT_GT(g.steps, 10);
+  EXPECT_NE(g.sim_time_s, one.sim_time_s);  // the groups changed where requests went
+  EXPECT_GT(g.balance_efficiency, 0.5);
+}
+
 TEST(Simulator, BadConfigIsAnError) {
   const auto trace = Slice(10);
   SimConfig c = Small();

@@ -1,5 +1,6 @@
 // The router ABI as an engine's DP router sees it: dlopen + dlsym + dpbalance_router_v1.h. Its
-// choices must be the runtime Router's (the replay's) for the same loads.
+// choices must equal the reference written from the routing contract (reference_router.h), and
+// so the runtime Router's (the replay's) for the same loads.
 #include <dlfcn.h>
 
 #include <cstdio>
@@ -12,6 +13,7 @@
 #include "dpbalance/plugin/dpbalance_plugin.h"
 #include "dpbalance/routing.h"
 #include "gtest/gtest.h"
+#include "../runtime/reference_router.h"
 
 namespace dpbalance {
 namespace {
@@ -49,7 +51,7 @@ std::string WriteFitModel() {
   return path;
 }
 
-TEST_F(RouterAbi, ChoosesAsTheRuntimeRouterForEveryStrategy) {
+TEST_F(RouterAbi, ChoosesAsTheReferenceAndTheRuntimeRouterForEveryStrategy) {
   const std::string fit = WriteFitModel();
   struct Case {
     std::string config;
@@ -83,6 +85,7 @@ TEST_F(RouterAbi, ChoosesAsTheRuntimeRouterForEveryStrategy) {
     ASSERT_NE(abi, nullptr);
     absl::StatusOr<Router> cpp = Router::Create(c.rc, ranks, c.model);
     ASSERT_TRUE(cpp.ok()) << cpp.status();
+    testing::ReferenceRouter ref(c.rc, ranks, c.model);
     std::mt19937_64 rng(5);
     // Each rank's requests (contexts); loads are rebuilt from them before every route.
     std::vector<std::vector<int64_t>> reqs(ranks);
@@ -106,16 +109,19 @@ TEST_F(RouterAbi, ChoosesAsTheRuntimeRouterForEveryStrategy) {
       std::lognormal_distribution<double> len(8.5, 1.2);
       const int64_t input = std::min<int64_t>(200000, static_cast<int64_t>(len(rng)));
       const RouteRequest req{input, 500};
-      absl::StatusOr<int> want = cpp->Route(req, cl);
+      const int want = ref.Route(req, cl);
+      absl::StatusOr<int> runtime = cpp->Route(req, cl);
+      ASSERT_EQ(runtime.ok(), want >= 0) << "request " << t;
+      if (runtime.ok()) ASSERT_EQ(*runtime, want) << "request " << t;
       int32_t got = -7;
       const dpbResult_t res = router_->route(abi, al.data(), ranks, req.input_tokens, req.output_tokens, &got);
-      if (!want.ok()) {
+      if (want < 0) {
         EXPECT_EQ(res, dpbFallback);
         EXPECT_EQ(got, -1);
         ++waited;
       } else {
         ASSERT_EQ(res, dpbSuccess) << "request " << t;
-        ASSERT_EQ(got, *want) << "request " << t;
+        ASSERT_EQ(got, want) << "request " << t;
         reqs[got].push_back(input);
         ++routed;
       }
@@ -126,6 +132,7 @@ TEST_F(RouterAbi, ChoosesAsTheRuntimeRouterForEveryStrategy) {
           reqs[r].erase(reqs[r].begin() + static_cast<long>(rng() % reqs[r].size()));
           const int64_t out = static_cast<int64_t>(rng() % 3000);
           cpp->ObserveFinished(out);
+          ref.ObserveFinished(out);
           EXPECT_EQ(router_->observe_finished(abi, out), dpbSuccess);
         }
       }

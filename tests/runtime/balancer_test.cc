@@ -233,6 +233,55 @@ TEST(Balancer, ARankWhoseAssignFailsStillDraftsTheAgreedDepth) {
   EXPECT_EQ(logs[kVictim].stats.fallbacks, failed_steps);
 }
 
+// Passes every exchange through, but lets the test choose each call's timeout and hold a call
+// until the test releases it: `before(rank, call, timeout)` runs first and returns the timeout
+// the inner backend gets (call 0 is the handshake, call s + 1 step s); `after(rank, call)` runs
+// when the inner call returned. Timeouts that matter are then forced, not raced against sleeps.
+class Hooked : public AllGather {
+ public:
+  using Before = std::function<absl::Duration(int, int64_t, absl::Duration)>;
+  using After = std::function<void(int, int64_t)>;
+  Hooked(std::unique_ptr<AllGather> inner, Before before, After after = nullptr)
+      : inner_(std::move(inner)), before_(std::move(before)), after_(std::move(after)) {}
+  int num_ranks() const override { return inner_->num_ranks(); }
+  int rank() const override { return inner_->rank(); }
+  size_t record_bytes() const override { return inner_->record_bytes(); }
+  bool healthy() const override { return inner_->healthy(); }
+  bool ordered() const override { return inner_->ordered(); }
+  std::string name() const override { return "hooked(" + inner_->name() + ")"; }
+  absl::Status Gather(absl::Span<const uint8_t> send, absl::Span<uint8_t> recv, absl::Duration timeout) override {
+    const int64_t call = calls_++;
+    absl::Status s = inner_->Gather(send, recv, before_(rank(), call, timeout));
+    if (after_) after_(rank(), call);
+    return s;
+  }
+
+ private:
+  std::unique_ptr<AllGather> inner_;
+  Before before_;
+  After after_;
+  int64_t calls_ = 0;
+};
+
+// Counts arrivals and lets a thread wait for a number of them.
+class Latch {
+ public:
+  void Arrive() {
+    std::lock_guard<std::mutex> l(mu_);
+    ++n_;
+    cv_.notify_all();
+  }
+  void WaitFor(int n) {
+    std::unique_lock<std::mutex> l(mu_);
+    cv_.wait(l, [&] { return n_ >= n; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int n_ = 0;
+};
+
 // A model of NCCL on the engine's communicator (AllGather::ordered): calls pair up across ranks
 // by their order; a call that times out leaves its record queued, and that collective completes
 // whenever the last rank makes its matching call. `Unmatched()` counts collectives some rank
@@ -293,21 +342,27 @@ class OrderedMember : public AllGather {
 std::unique_ptr<AllGather> OrderedGroup::Join(int rank) { return std::make_unique<OrderedMember>(this, rank); }
 
 TEST(Balancer, OnAnOrderedBackendADisabledRankStillJoinsEveryStep) {
-  // At step 2 rank 3 calls 1 s late. Ranks 0-2 time out after 200 ms and, with
-  // max_consecutive_failures = 1, disable themselves on the spot; rank 3's late call then
+  // At step 2 rank 3 calls late: its call is held until ranks 0-2 have timed out (their step-2
+  // call gets a 1 ms timeout, every other call the config's 20 s). With
+  // max_consecutive_failures = 1 they disable themselves on the spot; rank 3's late call then
   // completes that collective, so rank 3 balances step 2 and calls again at step 3.
   OrderedGroup group(4);
-  auto late = [](int r, int s, std::mt19937_64& rng) {
-    if (r == 3 && s == 2) std::this_thread::sleep_for(std::chrono::seconds(1));
-    return Normal(r, s, rng);
+  Latch timed_out;
+  constexpr int64_t kStep2Call = 3;  // call 0 is the handshake
+  auto before = [&timed_out](int r, int64_t call, absl::Duration timeout) {
+    if (call != kStep2Call) return timeout;
+    if (r < 3) return absl::Milliseconds(1);
+    timed_out.WaitFor(3);
+    return timeout;
+  };
+  auto after = [&timed_out](int r, int64_t call) {
+    if (call == kStep2Call && r < 3) timed_out.Arrive();
   };
   const auto logs = RunRanks(
-      4, 8,
-      [](int, BalancerConfig& c) {
-        c.timeout = absl::Milliseconds(200);
-        c.max_consecutive_failures = 1;
-      },
-      late, nullptr, nullptr, [&group](int r, std::unique_ptr<AllGather>) { return group.Join(r); });
+      4, 8, [](int, BalancerConfig& c) { c.max_consecutive_failures = 1; }, Normal, nullptr, nullptr,
+      [&](int r, std::unique_ptr<AllGather>) -> std::unique_ptr<AllGather> {
+        return std::make_unique<Hooked>(group.Join(r), before, after);
+      });
   // Every collective was joined by every rank: none is left to pair with the engine's own.
   EXPECT_EQ(group.Unmatched(), 0);
   for (int r = 0; r < 3; ++r) EXPECT_TRUE(logs[r].failed[2]) << "rank " << r << " did not time out";
@@ -329,10 +384,39 @@ TEST(Balancer, MismatchedConfigsDisableEveryRankConsistently) {
   }
 }
 
+// The handshake compares the whole balancer config hash, so a difference that leaves every
+// batch valid (another default length, A/B epochs or online calibration on one rank) still
+// disables every rank before the first step, with the reason naming the hashes.
+TEST(Balancer, HandshakeCatchesConfigsThatDifferOnlyWhereBatchesStayValid) {
+  const std::function<void(BalancerConfig&)> tweaks[] = {
+      [](BalancerConfig& c) { c.planner.default_k = 2; },
+      [](BalancerConfig& c) { c.ab_epoch_steps = 4; },
+      [](BalancerConfig& c) { c.online_calibration = !c.online_calibration; },
+  };
+  for (size_t t = 0; t < std::size(tweaks); ++t) {
+    const auto logs = RunRanks(4, 3, [&](int r, BalancerConfig& c) { if (r == 2) tweaks[t](c); }, Normal);
+    for (size_t r = 0; r < logs.size(); ++r) {
+      const RankLog& l = logs[r];
+      EXPECT_FALSE(l.enabled) << "tweak " << t << " rank " << r;
+      EXPECT_NE(l.stats.disabled_reason.find("handshake"), std::string::npos) << l.stats.disabled_reason;
+      EXPECT_NE(l.stats.disabled_reason.find("config hash"), std::string::npos) << l.stats.disabled_reason;
+      for (bool b : l.balanced) EXPECT_FALSE(b) << "tweak " << t << " rank " << r;
+    }
+  }
+}
+
 TEST(Balancer, ARankThatStopsCausesTimeoutsThenEveryoneDisablesNoHang) {
+  // Rank 2 vanishes at step 2. The others' calls from step 2 on get a 50 ms timeout (which they
+  // must reach: rank 2 never calls again); steps 0 and 1 keep the config's 20 s, so a slow
+  // machine cannot time them out.
+  auto short_from_step2 = [](int, int64_t call, absl::Duration timeout) {
+    return call >= 3 ? absl::Milliseconds(50) : timeout;  // call 0 is the handshake
+  };
   const auto logs = RunRanks(
-      3, 6, [](int, BalancerConfig& c) { c.timeout = absl::Milliseconds(200); }, Normal,
-      [](int r, int s) { return r == 2 && s >= 2; });  // rank 2 vanishes at step 2
+      3, 6, nullptr, Normal, [](int r, int s) { return r == 2 && s >= 2; }, nullptr,
+      [&](int, std::unique_ptr<AllGather> inner) -> std::unique_ptr<AllGather> {
+        return std::make_unique<Hooked>(std::move(inner), short_from_step2);
+      });
   for (int r = 0; r < 2; ++r) {
     EXPECT_TRUE(logs[r].balanced[0]);
     EXPECT_FALSE(logs[r].balanced[2]);

@@ -34,18 +34,29 @@ TEST(PublishedCost, ReproducesPublishedFormulasWithSeparateMaxTerms) {
   EXPECT_GT(v2, std::max(PublishedRankCost(PublishedForm::kV2, r0), PublishedRankCost(PublishedForm::kV2, r1)));
 }
 
+// CostModel::PublishedV1/V2 on one rank is the published formula (docs/cost-model.md) with both
+// max() terms on that rank, in microseconds, extended to q > 1 by B -> sum q_i and
+// C -> sum q_i ctx_i. Expected values from the literal formulas, not from PublishedRankCost.
 TEST(PublishedCost, PerRankModelIsTheSameFormulaInMicroseconds) {
+  // Worked by hand: ctx {10,000, 50,000}, q {1, 3}: B = 4, C = 10,000 + 150,000 = 160,000.
+  //   V2 = 4.32158 + 0.336 * 4 + 0.1238 * (4 + 2.89453 * 1.6)  = 6.7341285024 ms
+  //   V1 = 0.72482 * 4 + 0.27518 * (4 + 1.30219 * 1.6)          = 4.57333863072 ms
+  const std::vector<RequestLoad> worked = {{10000, 1}, {50000, 3}};
+  EXPECT_NEAR(CostModel::PublishedV2().AttentionUs(worked), 6734.1285024, 1e-6);
+  EXPECT_NEAR(CostModel::PublishedV1().AttentionUs(worked), 4573.33863072, 1e-6);
   std::mt19937_64 rng(7);
   std::uniform_int_distribution<int64_t> ctx(0, 130000);
   std::uniform_int_distribution<int> q(1, 8);
   for (int trial = 0; trial < 200; ++trial) {
     std::vector<RequestLoad> batch;
-    for (int i = 0; i < 1 + trial % 40; ++i) batch.push_back({ctx(rng), q(rng)});
-    BatchAggregates a;
-    for (const RequestLoad& r : batch) a.Add(r);
-    // Extension to q > 1: B -> sum q_i, C -> sum q_i ctx_i.
-    EXPECT_NEAR(CostModel::PublishedV1().AttentionUs(batch), 1000 * PublishedRankCost(PublishedForm::kV1, a), 1e-6);
-    EXPECT_NEAR(CostModel::PublishedV2().AttentionUs(batch), 1000 * PublishedRankCost(PublishedForm::kV2, a), 1e-6);
+    double b = 0, c = 0;
+    for (int i = 0; i < 1 + trial % 40; ++i) {
+      batch.push_back({ctx(rng), q(rng)});
+      b += batch.back().query_tokens;
+      c += static_cast<double>(batch.back().query_tokens) * static_cast<double>(batch.back().ctx_tokens);
+    }
+    EXPECT_NEAR(CostModel::PublishedV1().AttentionUs(batch), 1000 * LiteralV1(b, b + 1.30219 * c / 1e5), 1e-6);
+    EXPECT_NEAR(CostModel::PublishedV2().AttentionUs(batch), 1000 * LiteralV2(b, b + 2.89453 * c / 1e5), 1e-6);
   }
 }
 

@@ -462,6 +462,136 @@ TEST(PlannerProperties, GoodputBeatsOrMatchesStaticDefault) {
   }
 }
 
+// Step time of an assignment, priced independently of the planner: the slowest rank's attention
+// plus the instance's FFN and draft time at `depth` (agreed) draft steps.
+double StepTimeUs(const Batches& b, const std::vector<std::vector<int32_t>>& k, int depth,
+                  const CostModel& m, const GlobalCost& g) {
+  double tokens = 0, barrier = 0;
+  for (size_t r = 0; r < b.size(); ++r) {
+    BatchAggregates a;
+    for (size_t i = 0; i < b[r].size(); ++i) a.Add({b[r][i].ctx_tokens, 1 + k[r][i]});
+    tokens += a.query_tokens;
+    barrier = std::max(barrier, m.AttentionUs(a));
+  }
+  return barrier + g.StepUs(tokens, depth);
+}
+
+// Exhaustive search for the best objective among assignments whose step time stays within
+// `max_step_us` (the TPOT guard); an agreed depth is the largest length used.
+double BruteForceGuarded(const Batches& b, const CostModel& m, const GlobalCost& g,
+                         double max_step_us) {
+  std::vector<std::pair<int, int>> idx;
+  for (size_t r = 0; r < b.size(); ++r)
+    for (size_t i = 0; i < b[r].size(); ++i) idx.push_back({static_cast<int>(r), static_cast<int>(i)});
+  std::vector<std::vector<int32_t>> k(b.size());
+  for (size_t r = 0; r < b.size(); ++r) k[r].assign(b[r].size(), 0);
+  double best = 0;
+  while (true) {
+    int depth = 0;
+    for (const auto& row : k)
+      for (int32_t v : row) depth = std::max(depth, v);
+    if (StepTimeUs(b, k, depth, m, g) <= max_step_us) best = std::max(best, Objective(b, k, depth, m, g));
+    size_t p = 0;
+    for (; p < idx.size(); ++p) {
+      auto [r, i] = idx[p];
+      if (k[r][i] < b[r][i].k_cap) {
+        ++k[r][i];
+        break;
+      }
+      k[r][i] = 0;
+    }
+    if (p == idx.size()) break;
+  }
+  return best;
+}
+
+// The TPOT guard (PlannerConfig::max_step_slack): the planned step never exceeds (1 + slack) x
+// the step of the engine's default plan (every request at min(default_k, k_cap), default_k draft
+// steps), both priced here from the cost model, and the plan is within 1% of the best guarded
+// assignment found by exhaustive search. Short defaults and tight slacks, so the unguarded
+// optimum often breaks the guard.
+TEST(PlannerTpotGuard, StepWithinSlackOfDefaultAndNearBestGuardedPlan) {
+  for (int model_idx = 0; model_idx < 2; ++model_idx) {
+    const CostModel model = model_idx == 0 ? CostModel::PublishedV2() : RegimeModel();
+    std::mt19937_64 rng(5000 + model_idx);
+    int guard_binds = 0;  // trials where the unguarded plan breaks the guard
+    for (int trial = 0; trial < 60; ++trial) {
+      auto [b, c] = SmallCase(rng, 1);  // trial 1: no floors, so the default plan is feasible
+      c.max_step_slack = std::array<double, 3>{0.0, 0.02, 0.1}[trial % 3];
+      c.default_k = std::min(c.k_max, trial % 2);  // short defaults: the optimum drafts deeper
+      std::vector<std::vector<int32_t>> kdef(b.size());
+      for (size_t r = 0; r < b.size(); ++r)
+        for (const PlanRequest& q : b[r]) kdef[r].push_back(std::min(c.default_k, q.k_cap));
+      const double default_step = StepTimeUs(b, kdef, c.default_k, model, c.global);
+      const double max_step = default_step * (1 + c.max_step_slack);
+
+      Planner p = *Planner::Create(c, model);
+      std::vector<std::vector<int32_t>> k;
+      absl::StatusOr<GlobalDecision> d = p.PlanAll(b, std::vector<int64_t>(c.num_ranks, -1), &k);
+      ASSERT_TRUE(d.ok()) << d.status();
+      SCOPED_TRACE(::testing::Message() << "model " << model_idx << " trial " << trial << " slack "
+                                        << c.max_step_slack);
+      EXPECT_NEAR(d->default_step_us, default_step, 1e-5 * default_step);
+      const double step = StepTimeUs(b, k, d->draft_depth, model, c.global);
+      EXPECT_LE(step, max_step * (1 + 1e-6));
+      const double best = BruteForceGuarded(b, model, c.global, max_step * (1 + 1e-9));
+      EXPECT_GE(Objective(b, k, d->draft_depth, model, c.global), 0.99 * best);
+
+      PlannerConfig free = c;
+      free.max_step_slack = -1;
+      Planner unguarded = *Planner::Create(free, model);
+      std::vector<std::vector<int32_t>> ku;
+      absl::StatusOr<GlobalDecision> du = unguarded.PlanAll(b, std::vector<int64_t>(c.num_ranks, -1), &ku);
+      ASSERT_TRUE(du.ok());
+      guard_binds += StepTimeUs(b, ku, du->draft_depth, model, c.global) > max_step * (1 + 1e-6);
+    }
+    EXPECT_GT(guard_binds, 10) << "the guard rarely mattered: the test shows little";
+    std::printf("TPOT guard: the unguarded plan broke it in %d of 60 instances\n", guard_binds);
+  }
+}
+
+// PlanMode::kLocal: each rank plans alone, as if every other rank ran a batch like its own (its
+// FFN term scaled by num_ranks), with the draft depth it needs. Each rank's lengths are within
+// 1% of an exhaustive search of that rank-local objective.
+TEST(PlannerLocalMode, EachRankWithinOnePercentOfItsOwnExhaustiveOptimum) {
+  std::mt19937_64 rng(6000);
+  const CostModel model = CostModel::PublishedV2();
+  int differs_from_goodput = 0;
+  for (int trial = 0; trial < 60; ++trial) {
+    auto [b, c] = SmallCase(rng, trial);
+    c.mode = PlanMode::kLocal;
+    Planner p = *Planner::Create(c, model);
+    std::vector<std::vector<int32_t>> k;
+    absl::StatusOr<GlobalDecision> d = p.PlanAll(b, std::vector<int64_t>(c.num_ranks, -1), &k);
+    ASSERT_TRUE(d.ok()) << d.status();
+    int deepest = 0;
+    for (size_t r = 0; r < b.size(); ++r) {
+      // The rank alone, with its FFN tokens counted num_ranks times.
+      GlobalCost g = c.global;
+      g.ffn_per_token_us *= c.num_ranks;
+      const Batches alone = {b[r]};
+      const std::vector<std::vector<int32_t>> mine = {k[r]};
+      int depth = 0;
+      for (size_t i = 0; i < b[r].size(); ++i) {
+        EXPECT_GE(k[r][i], b[r][i].k_min);
+        EXPECT_LE(k[r][i], b[r][i].k_cap);
+        depth = std::max(depth, static_cast<int>(k[r][i]));
+      }
+      deepest = std::max(deepest, depth);
+      EXPECT_GE(Objective(alone, mine, depth, model, g), 0.99 * BruteForce(alone, model, g))
+          << "trial " << trial << " rank " << r;
+    }
+    EXPECT_GE(d->draft_depth, deepest);  // the instance drafts as deep as the deepest rank asks
+    PlannerConfig gc = c;
+    gc.mode = PlanMode::kGoodput;
+    Planner gp = *Planner::Create(gc, model);
+    std::vector<std::vector<int32_t>> kg;
+    ASSERT_TRUE(gp.PlanAll(b, std::vector<int64_t>(c.num_ranks, -1), &kg).ok());
+    differs_from_goodput += kg != k;
+  }
+  EXPECT_GT(differs_from_goodput, 5) << "local plans equal coordinated ones: the test shows little";
+}
+
 TEST(PlannerErrors, BadInputIsAStatusNamingTheValue) {
   PlannerConfig c;
   c.num_ranks = 2;

@@ -3,6 +3,7 @@
 #include <random>
 
 #include "gtest/gtest.h"
+#include "reference_router.h"
 
 namespace dpbalance {
 namespace {
@@ -92,6 +93,21 @@ TEST(Routing, GroupsChooseGroupThenDualPathInside) {
   Router g = Make(RoutingStrategy::kDualPath, 4, 1.2, 2);
   // Group 0 total batch 10, group 1 total 8 -> group 1; inside, tie -> lower index (2).
   EXPECT_EQ(*g.Route({1, 1}, loads), 2);
+  // D's average is the chosen group's: of 6 ranks in 2 groups, group 1 (ranks 3-5, 10 requests
+  // against 15) holds 300 + 100 + 500 tokens: average 300, limit 360 at z 1.2, so ranks 3 and 4
+  // are under it and A takes rank 3 (1 request). Dividing the group's usage by all 6 ranks
+  // (limit 180) would leave only rank 4.
+  Router g6 = Make(RoutingStrategy::kDualPath, 6, 1.2, 2);
+  EXPECT_EQ(*g6.Route({1, 1}, Loads({{5, 100}, {5, 100}, {5, 100}, {1, 300}, {4, 100}, {5, 500}})), 3);
+  // By context (group_choice B) with three groups of uneven size (ranks 0 | 1-2 | 3-4 of 5):
+  // group totals 900, 500, 700 -> group 1; its average 250, limit 300: rank 1 (400) is over,
+  // rank 2 (100) under -> rank 2, though rank 1 has fewer requests.
+  RoutingConfig c3;
+  c3.strategy = RoutingStrategy::kDualPath;
+  c3.groups = 3;
+  c3.group_choice = RoutingStrategy::kMinContext;
+  Router g3 = *Router::Create(c3, 5, CostModel::PublishedV2());
+  EXPECT_EQ(*g3.Route({1, 1}, Loads({{1, 900}, {1, 400}, {6, 100}, {1, 350}, {1, 350}})), 2);
 }
 
 TEST(Routing, CostAwarePicksLowestPredictedCostAfterAdding) {
@@ -181,12 +197,38 @@ TEST(Routing, CostAwareWithAPublishedModelEqualsBruteForceOverRanks) {
   }
 }
 
-TEST(Routing, PropertyRouteAlwaysFitsAndIsDeterministic) {
+// Every strategy (and D inside groups, chosen by A or B) on random loads: the route fits, two
+// routers fed the same requests agree, and both equal the reference written from the contract
+// (reference_router.h), not from the router's code.
+TEST(Routing, PropertyRouteAlwaysFitsIsDeterministicAndEqualsTheReference) {
   std::mt19937_64 rng(3);
-  for (RoutingStrategy s : {RoutingStrategy::kMinBatch, RoutingStrategy::kMinContext,
-                            RoutingStrategy::kLengthSplit, RoutingStrategy::kDualPath,
-                            RoutingStrategy::kCostAware}) {
-    Router r1 = Make(s, 16), r2 = Make(s, 16);
+  struct Case {
+    RoutingStrategy s;
+    int groups;
+    RoutingStrategy group_choice;
+  };
+  const Case cases[] = {
+      {RoutingStrategy::kMinBatch, 1, RoutingStrategy::kMinBatch},
+      {RoutingStrategy::kMinContext, 1, RoutingStrategy::kMinBatch},
+      {RoutingStrategy::kLengthSplit, 1, RoutingStrategy::kMinBatch},
+      {RoutingStrategy::kDualPath, 1, RoutingStrategy::kMinBatch},
+      {RoutingStrategy::kCostAware, 1, RoutingStrategy::kMinBatch},
+      {RoutingStrategy::kDualPath, 2, RoutingStrategy::kMinBatch},
+      {RoutingStrategy::kDualPath, 3, RoutingStrategy::kMinContext},
+      {RoutingStrategy::kDualPath, 5, RoutingStrategy::kMinBatch},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(::testing::Message() << RoutingName(k.s) << " groups " << k.groups << " by "
+                                      << RoutingName(k.group_choice));
+    RoutingConfig c;
+    c.strategy = k.s;
+    c.groups = k.groups;
+    c.group_choice = k.group_choice;
+    c.split_window = 50;
+    Router r1 = *Router::Create(c, 16, CostModel::PublishedV2());
+    Router r2 = *Router::Create(c, 16, CostModel::PublishedV2());
+    testing::ReferenceRouter ref(c, 16, CostModel::PublishedV2());
+    int routed = 0;
     for (int t = 0; t < 300; ++t) {
       std::vector<RankLoad> loads(16);
       for (auto& l : loads) {
@@ -201,13 +243,27 @@ TEST(Routing, PropertyRouteAlwaysFitsAndIsDeterministic) {
       }
       const RouteRequest req{static_cast<int64_t>(rng() % 60000), static_cast<int64_t>(rng() % 2000)};
       absl::StatusOr<int> a = r1.Route(req, loads), b = r2.Route(req, loads);
+      const int want = ref.Route(req, loads);
+      if (t % 7 == 0) {
+        const int64_t out = static_cast<int64_t>(rng() % 3000);
+        r1.ObserveFinished(out);
+        r2.ObserveFinished(out);
+        ref.ObserveFinished(out);
+      }
       ASSERT_EQ(a.ok(), b.ok());
-      if (!a.ok()) continue;
+      ASSERT_EQ(a.ok(), want >= 0) << "request " << t;
+      if (!a.ok()) {
+        EXPECT_EQ(a.status().code(), absl::StatusCode::kResourceExhausted);
+        continue;
+      }
+      ++routed;
       EXPECT_EQ(*a, *b);
+      EXPECT_EQ(*a, want) << "request " << t;
       const RankLoad& l = loads[*a];
       EXPECT_LE(l.reserved_tokens + req.input_tokens + req.output_tokens, l.capacity_tokens);
       EXPECT_LT(l.num_requests, l.max_requests);
     }
+    EXPECT_GT(routed, 200);
   }
 }
 
