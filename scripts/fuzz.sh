@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets (the `fuzz` preset: clang, -fsanitize=fuzzer,address,undefined)
 # and runs every target for SECONDS on a copy of its seed corpus (tests/fuzz/corpus/<target>/),
-# in a temporary directory, so the repository is never modified. Fails if any target finds a
+# (with tests/fuzz/dict/<target>.dict where there is one), in a temporary directory, so the
+# repository is never modified. Fails if any target finds a
 # crash, hang (> 10 s per input), leak, out-of-memory or sanitizer report; the failing target's
 # log and reproducer stay in the printed directory.
 #   scripts/fuzz.sh [SECONDS]   seconds per target (default 20)
@@ -21,12 +22,14 @@ for dir in tests/fuzz/corpus/*/; do
   target="$(basename "$dir")"
   mkdir -p "$work/$target/corpus" "$work/$target/artifacts"
   cp "$dir"* "$work/$target/corpus/"
+  dict=()
+  [ -f "tests/fuzz/dict/$target.dict" ] && dict=(-dict="$root/tests/fuzz/dict/$target.dict")
   # The target's working directory is its own (empty) folder: nothing it writes or reads by a
   # relative name touches the repository.
   if (cd "$work/$target" &&
       "$root/build/fuzz/tests/fuzz/$target" -max_total_time="$seconds" -timeout=10 \
         -rss_limit_mb=2048 -print_final_stats=1 -artifact_prefix="$work/$target/artifacts/" \
-        corpus >log 2>&1); then
+        ${dict[@]+"${dict[@]}"} corpus >log 2>&1); then
     echo "fuzz: $target ok: $(grep -E '^#[0-9]+.*DONE' "$work/$target/log" | tail -1)"
   else
     echo "fuzz: $target FAILED; log and reproducer in $work/$target" >&2
