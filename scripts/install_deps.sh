@@ -3,7 +3,9 @@
 set -euo pipefail
 pkgs=(cmake ninja-build g++ pkg-config libabsl-dev libspdlog-dev libgtest-dev libgmock-dev
       libbenchmark-dev nlohmann-json3-dev libeigen3-dev python3
-      python3-torch)  # the python_adapter test's torch.distributed (gloo) cases
+      python3-torch  # the python_adapter test's torch.distributed (gloo) cases
+      # scripts/fuzz.sh: clang 14 and its runtimes (libclang-rt-14-dev holds libFuzzer, ASan, UBSan)
+      clang libclang-rt-14-dev)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -67,6 +67,11 @@ void AddPlannerFlags(FlagTable& t) {
          for (absl::string_view part : absl::StrSplit(v, ',')) {
            int32_t t;
            if (!absl::SimpleAtoi(part, &t) || t <= 0) return BadValue(v, "a comma list of positive token counts");
+           // The planner takes only strictly ascending tiers (PlannerConfig::Validate); said here,
+           // the error names the flag and its source instead of failing later in init.
+           if (!f.balancer.planner.token_tiers.empty() && t <= f.balancer.planner.token_tiers.back()) {
+             return BadValue(v, "a strictly ascending list of token counts");
+           }
            f.balancer.planner.token_tiers.push_back(t);
          }
          return absl::OkStatus();
