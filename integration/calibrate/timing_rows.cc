@@ -93,6 +93,9 @@ absl::StatusOr<std::vector<TimingRow>> LoadTimingRows(const std::string& path, T
       us += *g * 1000;
     }
     r.sample.measured_us = us;
+    for (const char* key : {"variant", "mode"}) {  // optional labels
+      if (j.contains(key) && !j[key].is_string()) return err(absl::StrCat("'", key, "' is not a string"));
+    }
     r.variant = j.value("variant", "");
     r.mode = j.value("mode", "");
     rows.push_back(std::move(r));

@@ -118,7 +118,10 @@ TEST(BadTimingRows, NumbersOutOfRangeNameLineAndValue) {
            {R"({"ctx": [100], "q": [1], "attn_ms": -0.5})", "attn_ms = -0.5 must be > 0"},
            {R"({"ctx": [100], "q": [1], "attn_ms": "x"})", "missing number 'attn_ms'"},
            {R"({"ctx": [100, 3], "q": [1], "attn_ms": 0.5})", "'ctx' has 2 entries and 'q' 1"},
-           {R"({"ctx": [100], "q": [1], "attn_ms": 0.5)", "not a JSON object"}}) {
+           {R"({"ctx": [100], "q": [1], "attn_ms": 0.5)", "not a JSON object"},
+           // A fuzz finding (tests/fuzz/timing_rows_fuzz.cc, K3): this used to throw.
+           {R"({"ctx": [1], "q": [1], "attn_ms": 1, "variant": 5})", "'variant' is not a string"},
+           {R"({"ctx": [1], "q": [1], "attn_ms": 1, "mode": []})", "'mode' is not a string"}}) {
     const absl::Status s = TimingRow(row);
     EXPECT_FALSE(s.ok()) << row;
     EXPECT_THAT(s.message(), HasSubstr("rows.jsonl:2: ")) << s;
