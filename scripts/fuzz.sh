@@ -24,9 +24,10 @@ for dir in tests/fuzz/corpus/*/; do
   cp "$dir"* "$work/$target/corpus/"
   dict=()
   [ -f "tests/fuzz/dict/$target.dict" ] && dict=(-dict="$root/tests/fuzz/dict/$target.dict")
-  # The target's working directory is its own (empty) folder: nothing it writes or reads by a
-  # relative name touches the repository.
-  if (cd "$work/$target" &&
+  # The target's working and temporary directory is its own folder: nothing it writes or reads
+  # by a relative name touches the repository, and its scratch files (which libFuzzer's exit
+  # may leave behind) go with the folder.
+  if (cd "$work/$target" && TMPDIR="$work/$target" \
       "$root/build/fuzz/tests/fuzz/$target" -max_total_time="$seconds" -timeout=10 \
         -rss_limit_mb=2048 -print_final_stats=1 -artifact_prefix="$work/$target/artifacts/" \
         ${dict[@]+"${dict[@]}"} corpus >log 2>&1); then

@@ -12,7 +12,8 @@ namespace dpbalance::fuzz {
 
 // The trace and timing readers take a path, not bytes (integration/ is not ours to refactor),
 // so each input goes through one scratch file per process, rewritten for every input.
-// The file lives in $TMPDIR (or /tmp) and is removed at exit.
+// The file lives in $TMPDIR (or /tmp) and is removed at a normal exit; libFuzzer's _Exit paths
+// skip that, so scripts/fuzz.sh and the corpus ctests point TMPDIR at their own folder.
 class ScratchFile {
  public:
   explicit ScratchFile(const char* tag) {
