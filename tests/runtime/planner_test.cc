@@ -36,10 +36,10 @@ double Objective(const Batches& b, const std::vector<std::vector<int32_t>>& k, i
   return gain / (barrier + g.StepUs(tokens, depth == kPerRankDepth ? 0 : depth));
 }
 
-// Exhaustive search over every request's verify length; an agreed depth is the largest length
-// used (per_rank_depth: each rank's own).
-double BruteForce(const Batches& b, const CostModel& m, const GlobalCost& g,
-                  bool per_rank_depth = false) {
+// Calls fn(k, depth) for every assignment k[r][i] in [k_min, k_cap] of every request (depth: the
+// largest length used).
+template <typename Fn>
+void ForEachAssignment(const Batches& b, Fn fn) {
   std::vector<std::pair<int, int>> idx;
   for (size_t r = 0; r < b.size(); ++r)
     for (size_t i = 0; i < b[r].size(); ++i) idx.push_back({static_cast<int>(r), static_cast<int>(i)});
@@ -48,12 +48,11 @@ double BruteForce(const Batches& b, const CostModel& m, const GlobalCost& g,
     k[r].resize(b[r].size());
     for (size_t i = 0; i < b[r].size(); ++i) k[r][i] = b[r][i].k_min;
   }
-  double best = 0;
   while (true) {
     int depth = 0;
     for (const auto& row : k)
       for (int32_t v : row) depth = std::max(depth, v);
-    best = std::max(best, Objective(b, k, per_rank_depth ? kPerRankDepth : depth, m, g));
+    fn(k, depth);
     size_t p = 0;
     for (; p < idx.size(); ++p) {
       auto [r, i] = idx[p];
@@ -65,6 +64,16 @@ double BruteForce(const Batches& b, const CostModel& m, const GlobalCost& g,
     }
     if (p == idx.size()) break;
   }
+}
+
+// Exhaustive search over every request's verify length; an agreed depth is the largest length
+// used (per_rank_depth: each rank's own).
+double BruteForce(const Batches& b, const CostModel& m, const GlobalCost& g,
+                  bool per_rank_depth = false) {
+  double best = 0;
+  ForEachAssignment(b, [&](const std::vector<std::vector<int32_t>>& k, int depth) {
+    best = std::max(best, Objective(b, k, per_rank_depth ? kPerRankDepth : depth, m, g));
+  });
   return best;
 }
 
@@ -480,28 +489,10 @@ double StepTimeUs(const Batches& b, const std::vector<std::vector<int32_t>>& k, 
 // `max_step_us` (the TPOT guard); an agreed depth is the largest length used.
 double BruteForceGuarded(const Batches& b, const CostModel& m, const GlobalCost& g,
                          double max_step_us) {
-  std::vector<std::pair<int, int>> idx;
-  for (size_t r = 0; r < b.size(); ++r)
-    for (size_t i = 0; i < b[r].size(); ++i) idx.push_back({static_cast<int>(r), static_cast<int>(i)});
-  std::vector<std::vector<int32_t>> k(b.size());
-  for (size_t r = 0; r < b.size(); ++r) k[r].assign(b[r].size(), 0);
   double best = 0;
-  while (true) {
-    int depth = 0;
-    for (const auto& row : k)
-      for (int32_t v : row) depth = std::max(depth, v);
+  ForEachAssignment(b, [&](const std::vector<std::vector<int32_t>>& k, int depth) {
     if (StepTimeUs(b, k, depth, m, g) <= max_step_us) best = std::max(best, Objective(b, k, depth, m, g));
-    size_t p = 0;
-    for (; p < idx.size(); ++p) {
-      auto [r, i] = idx[p];
-      if (k[r][i] < b[r][i].k_cap) {
-        ++k[r][i];
-        break;
-      }
-      k[r][i] = 0;
-    }
-    if (p == idx.size()) break;
-  }
+  });
   return best;
 }
 
