@@ -76,7 +76,8 @@ def main():
     gather = TcpAllGather(port, rank, num_ranks)
     gather(b"\0", 60000)  # the engine's own start barrier (process group init), before the plugin
     # The engine's own default verify length (what it runs without the plugin).
-    default_k = int(dict(kv.split("=", 1) for kv in config.split(",") if "=" in kv).get("default_k", 3))
+    pairs = (kv.split("=", 1) for kv in config.replace(";", ",").split(",") if "=" in kv)
+    default_k = int(dict((k.strip(), v.strip()) for k, v in pairs).get("default_k", 3))
     t0 = time.monotonic()
     dpb, init_error = None, ""
     try:
