@@ -699,7 +699,7 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
   SetBase(st, batch, kv_free_tokens);
   StartSummary(st, rank_idx, s);
   SummarizeDefault(st, s);
-  const int64_t kv_cap = kv_free_tokens < 0 ? std::numeric_limits<int64_t>::max() : kv_free_tokens;
+  const int64_t kv_cap = KvCap(kv_free_tokens);
   if (config_.uniform_per_rank) {
     st.items.clear();
     SummarizeUniform(st, kv_cap, s);
