@@ -88,6 +88,7 @@ class Simulation {
   absl::Status Progress(double step_us);
 
   RankLoad LoadOf(int rank) const;
+  void AddToLoad(RankLoad& l, const InflightRequest& a) const;
 
   const SimConfig& cfg_;
   const TruthModel& truth_;
@@ -193,6 +194,16 @@ RankLoad Simulation::LoadOf(int rank) const {
   return l;
 }
 
+// `l` with one more request `a` (what LoadOf would give after admitting it, in O(1)).
+void Simulation::AddToLoad(RankLoad& l, const InflightRequest& a) const {
+  l.num_requests += 1;
+  l.ctx_tokens += a.ctx;
+  l.reserved_tokens += a.ctx + a.remaining;
+  const int64_t max_ctx_tokens = std::max(static_cast<int64_t>(l.agg.max_key_tokens), a.ctx);
+  l.agg = TypicalBatchAggregates(l.num_requests, l.ctx_tokens, max_ctx_tokens,
+                                 static_cast<int32_t>(cfg_.routing.query_tokens_per_request));
+}
+
 // Routes the trace's next requests while the instance takes them (closed loop: fewer than
 // `inflight` in flight; open loop: arrived); a request that fits on no rank waits, in order.
 absl::StatusOr<Simulation::Admission> Simulation::Admit() {
@@ -221,7 +232,7 @@ absl::StatusOr<Simulation::Admission> Simulation::Admit() {
     a.rates = ShiftedProfile(profile_, shift_(rng_));
     a.truth_curve = *AcceptanceCurve::FromConditional(a.rates);
     ranks_[*r].push_back(a);
-    loads_[*r] = LoadOf(*r);
+    AddToLoad(loads_[*r], a);
     ++active_;
     ++next_;
   }
