@@ -10,11 +10,9 @@
 // Prints and (--json) writes {"rows":N,"mape":x,"p90_ape":x,"max_ape":x} for the test rows
 // (errors as fractions), plus K-fold cross-validated figures on the training rows for our model
 // and for the published (1, B, C) form refitted to the same rows.
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
-#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <optional>
@@ -181,26 +179,6 @@ struct Options {
   }
 };
 
-// An output flag's path that cannot be written, checked before the fit (which can take minutes)
-// rather than after it. Does not create the file.
-absl::Status CheckWritable(const std::string& flag, const std::string& path) {
-  if (path.empty()) return absl::OkStatus();
-  std::error_code ec;
-  const std::filesystem::path p(path);
-  const std::filesystem::path dir = p.has_parent_path() ? p.parent_path() : std::filesystem::path(".");
-  if (std::filesystem::is_directory(p, ec)) {
-    return absl::InvalidArgumentError(absl::StrFormat("%s = '%s' is a directory", flag, path));
-  }
-  if (!std::filesystem::is_directory(dir, ec)) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("%s = '%s': directory '%s' does not exist", flag, path, dir.string()));
-  }
-  if (std::filesystem::exists(p, ec) ? access(path.c_str(), W_OK) != 0 : access(dir.c_str(), W_OK) != 0) {
-    return absl::InvalidArgumentError(absl::StrFormat("%s = '%s' is not writable", flag, path));
-  }
-  return absl::OkStatus();
-}
-
 // The flag checks that need no file: --cv's range (its upper bound, the row count, comes after
 // loading), --target, --kernel and the outputs' writability.
 absl::Status CheckFlags(const Options& options) {
@@ -214,7 +192,7 @@ absl::Status CheckFlags(const Options& options) {
   for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--json", options.json_out},
                                    {"--out", options.model_out},
                                    {"--dump", options.dump_out}}) {
-    if (absl::Status s = CheckWritable(flag, path); !s.ok()) return s;
+    if (absl::Status s = cli::CheckWritable(flag, path); !s.ok()) return s;
   }
   return absl::OkStatus();
 }

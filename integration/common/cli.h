@@ -14,6 +14,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -21,6 +22,9 @@
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+
+#include <unistd.h>  // access
 
 namespace dpbalance::cli {
 
@@ -74,6 +78,27 @@ inline std::vector<char*> ParseFlags(const char* tool, int argc, char** argv) {
     std::exit(kUsageError);
   }
   return rest;
+}
+
+// An output flag's path that cannot be written (a directory, a missing directory, no write
+// permission): checked before any work, so a long run never ends in "cannot write". Does not
+// create the file. OK for an empty path (no output asked for).
+inline absl::Status CheckWritable(const std::string& flag, const std::string& path) {
+  if (path.empty()) return absl::OkStatus();
+  std::error_code ec;
+  const std::filesystem::path p(path);
+  if (std::filesystem::is_directory(p, ec)) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, " = '", path, "' is a directory"));
+  }
+  const std::filesystem::path dir = p.has_parent_path() ? p.parent_path() : std::filesystem::path(".");
+  if (!std::filesystem::is_directory(dir, ec)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, " = '", path, "': directory '", dir.string(), "' does not exist"));
+  }
+  if (std::filesystem::exists(p, ec) ? access(path.c_str(), W_OK) != 0 : access(dir.c_str(), W_OK) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, " = '", path, "' is not writable"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace dpbalance::cli

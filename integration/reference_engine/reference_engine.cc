@@ -14,7 +14,6 @@
 // request centrally through the same library's router ABI (dpbalanceRouter_v1), as an engine's
 // DP router would: the instance keeps dp x reqs_per_rank in flight and ranks' batches differ.
 #include <dlfcn.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -25,7 +24,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <random>
 #include <string>
@@ -610,16 +608,7 @@ absl::Status CheckFlags() {
   if (!IsRouting(routing)) {
     return absl::InvalidArgumentError(absl::StrFormat("--routing=%s: expected rr, A, B, C, D or E", routing));
   }
-  if (const std::string json = absl::GetFlag(FLAGS_json); !json.empty()) {
-    std::error_code ec;
-    const std::filesystem::path p(json);
-    const std::filesystem::path dir = p.has_parent_path() ? p.parent_path() : std::filesystem::path(".");
-    if (std::filesystem::is_directory(p, ec) || !std::filesystem::is_directory(dir, ec) ||
-        access(dir.c_str(), W_OK) != 0 || (std::filesystem::exists(p, ec) && access(json.c_str(), W_OK) != 0)) {
-      return absl::InvalidArgumentError(absl::StrFormat("--json = '%s' cannot be written", json));
-    }
-  }
-  return absl::OkStatus();
+  return cli::CheckWritable("--json", absl::GetFlag(FLAGS_json));
 }
 
 // Exit status (integration/common/cli.h): 0; 1 when the plugin or the router fails in a run; 2 on

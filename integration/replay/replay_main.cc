@@ -4,7 +4,6 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
-#include <unistd.h>
 #include <functional>
 #include <mutex>
 #include <optional>
@@ -141,26 +140,6 @@ cli::ExitCode ModelSpecExitCode(const std::string& spec) {
   return names_file ? cli::kBadData : cli::kUsageError;
 }
 
-// An output path (--json) that cannot be written: checked before any run, so a long comparison
-// never ends in "cannot write". Does not create the file.
-absl::Status CheckWritable(const std::string& flag, const std::string& path) {
-  if (path.empty()) return absl::OkStatus();
-  std::error_code ec;
-  const std::filesystem::path p(path);
-  if (std::filesystem::is_directory(p, ec)) {
-    return absl::InvalidArgumentError(absl::StrCat(flag, " = '", path, "' is a directory"));
-  }
-  const std::filesystem::path dir = p.has_parent_path() ? p.parent_path() : std::filesystem::path(".");
-  if (!std::filesystem::is_directory(dir, ec)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(flag, " = '", path, "': directory '", dir.string(), "' does not exist"));
-  }
-  if (std::filesystem::exists(p, ec) ? access(path.c_str(), W_OK) != 0 : access(dir.c_str(), W_OK) != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(flag, " = '", path, "' is not writable"));
-  }
-  return absl::OkStatus();
-}
-
 // --tpot_slo_ms: nullopt for 'auto', else the SLO in ms (0: none).
 absl::StatusOr<std::optional<double>> ParseSlo(const std::string& v) {
   if (v == "auto") return std::optional<double>();
@@ -265,7 +244,7 @@ absl::Status CheckFlags() {
                                                    "' must be A, B, C, D or E"));
   }
   if (absl::StatusOr<VerifyMode> v = ParseVerifyMode(absl::GetFlag(FLAGS_verify)); !v.ok()) return v.status();
-  return CheckWritable("--json", absl::GetFlag(FLAGS_json));
+  return cli::CheckWritable("--json", absl::GetFlag(FLAGS_json));
 }
 
 // --trace, --trace_format, --seed, --max_requests.
