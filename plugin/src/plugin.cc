@@ -2,6 +2,7 @@
 // absl::Status crosses this boundary; every failure is a result code and the default lengths.
 #include <algorithm>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <vector>
 
@@ -27,7 +28,7 @@ struct Context {
   std::vector<BalancerAccepted> accepted;
   // ABI v2
   StepTotals totals;
-  bool awaiting_report = false;  // a plan has not been reported yet
+  std::deque<uint64_t> outstanding;  // plans not reported yet, oldest first (at most two)
   int64_t missing_reports = 0;
 };
 
@@ -359,11 +360,10 @@ void FillResultV2(const Context& ctx, const PlanOutcome& o, dpbPlanResult_v2_t* 
 dpbResult_t PlanV2(void* context, const dpbStep_v2_t* step, dpbPlanResult_v2_t* res) {
   auto* ctx = static_cast<Context*>(context);
   if (ctx == nullptr) return dpbInvalidArgument;
-  if (ctx->awaiting_report) {  // the engine planned again without reporting: that step is unknown
+  if (ctx->outstanding.size() == 2) {  // a third outstanding plan: the oldest is never reported
+    ctx->outstanding.pop_front();
     ++ctx->missing_reports;
-    ctx->balancer->ForgetMeasurements();
   }
-  ctx->awaiting_report = true;
   const bool shape_ok = step != nullptr && res != nullptr && step->num_requests >= 0 &&
                         (step->num_requests == 0 || (step->requests != nullptr && res->verify_len != nullptr));
   if (!shape_ok) {  // nothing to fill; still joins the exchange so no rank waits for this one
@@ -372,7 +372,11 @@ dpbResult_t PlanV2(void* context, const dpbStep_v2_t* step, dpbPlanResult_v2_t* 
           "plan (ABI v2): step %s, result %s, num_requests %d, requests %s, verify_len %s",
           step ? "set" : "NULL", res ? "set" : "NULL", step ? step->num_requests : -1,
           step && step->requests ? "set" : "NULL", res && res->verify_len ? "set" : "NULL")));
-      if (res) res->draft_depth = o.draft_depth;
+      ctx->outstanding.push_back(o.step);
+      if (res) {
+        res->draft_depth = o.draft_depth;
+        res->plan_id = static_cast<int64_t>(o.step);
+      }
     } catch (...) {
       if (res) res->draft_depth = ctx->default_k;
     }
@@ -398,6 +402,8 @@ dpbResult_t PlanV2(void* context, const dpbStep_v2_t* step, dpbPlanResult_v2_t* 
     if (absl::Status s = ToRequests(*ctx, *step); !s.ok() && in.input_error.ok()) in.input_error = s;
     in.batch = ctx->requests;
     const PlanOutcome o = ctx->balancer->Plan(in, absl::MakeSpan(res->verify_len, n), &ctx->totals);
+    ctx->outstanding.push_back(o.step);
+    res->plan_id = static_cast<int64_t>(o.step);
     FillResultV2(*ctx, o, res, n);
     if (!ctx->balancer->enabled()) return dpbDisabled;
     if (!in.input_error.ok()) return dpbInvalidArgument;
@@ -418,11 +424,15 @@ dpbResult_t ReportV2(void* context, const dpbReport_v2_t* rep) {
       (rep->num_accepted > 0 && rep->accepted == nullptr)) {
     return dpbInvalidArgument;
   }
-  if (!ctx->awaiting_report) {
-    Logger()->warn("report (ABI v2) without a plan since the last report: ignored");
+  const auto it = std::find(ctx->outstanding.begin(), ctx->outstanding.end(),
+                            static_cast<uint64_t>(rep->plan_id));
+  if (rep->plan_id < 0 || it == ctx->outstanding.end()) {
+    Logger()->warn("report (ABI v2): plan_id {} is not an outstanding plan: ignored", rep->plan_id);
     return dpbInvalidArgument;
   }
-  ctx->awaiting_report = false;
+  // Plans before it were skipped: they stay unreported.
+  ctx->missing_reports += it - ctx->outstanding.begin();
+  ctx->outstanding.erase(ctx->outstanding.begin(), it + 1);
   try {
     ctx->accepted.resize(rep->num_accepted);
     for (int32_t i = 0; i < rep->num_accepted; ++i) {
@@ -430,13 +440,15 @@ dpbResult_t ReportV2(void* context, const dpbReport_v2_t* rep) {
       if (a.id == nullptr || a.id_bytes < 1 || a.id_bytes > kMaxIdBytes) {
         Logger()->warn("report: accepted entry {} has id {} with id_bytes = {}: report ignored", i,
                        a.id ? "set" : "NULL", a.id_bytes);
-        ctx->balancer->ForgetMeasurements();
+        ++ctx->missing_reports;
         return dpbInvalidArgument;
       }
       ctx->accepted[i] = BalancerAccepted{RequestKey(a.id, a.id_bytes), a.verify_len, a.accepted, a.finished != 0};
     }
-    return ctx->balancer->Report(rep->attention_us, rep->step_us, ctx->accepted).ok() ? dpbSuccess
-                                                                                      : dpbInvalidArgument;
+    return ctx->balancer->Report(static_cast<uint64_t>(rep->plan_id), rep->attention_us, rep->step_us,
+                                 ctx->accepted).ok()
+               ? dpbSuccess
+               : dpbInvalidArgument;
   } catch (...) {
     return dpbInternalError;
   }

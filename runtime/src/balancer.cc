@@ -180,24 +180,17 @@ absl::Status Balancer::Exchange(const RankSummary& send, absl::Duration timeout)
 }
 
 void Balancer::KeepInStep(const StepInput& in, absl::Span<const int32_t> fallback_len,
-                          StepTotals* totals) {
+                          const Measured& measured, StepTotals* totals) {
   // always_exchange holds only among ranks that passed the handshake: ranks that disagree on the
   // ABI or the group (a v1 rank does not exchange once disabled) would wait for each other.
   if (!(comm_->ordered() || (config_.always_exchange && handshake_ok_)) || !comm_->healthy()) return;
   // Every receiver sees the disabled record and disables itself too, so all ranks end up here,
   // each still calling once per step; the record still tells them this rank's token total.
-  StampOwnSummary(absl::CancelledError("disabled"), step_ - 1, in, fallback_len);
+  StampOwnSummary(absl::CancelledError("disabled"), step_ - 1, in, fallback_len, measured);
   own_summary_.flags |= kSummaryDisabled;
   if (!Exchange(own_summary_, config_.timeout).ok()) return;
   if (config_.attn_tp_size > 1) GatherLeaders();
-  FillTotals(nullptr, false, totals);
-}
-
-void Balancer::ForgetMeasurements() {
-  prev_attention_us_ = prev_step_us_ = prev_tokens_ = -1;
-  predicted_attention_us_ = -1;
-  pending_slo_.clear();
-  pending_refit_ = false;
+  FillTotals(nullptr, false, in, fallback_len, totals);
 }
 
 absl::Span<const RankSummary> Balancer::DpRecords() const {
@@ -230,7 +223,7 @@ void Balancer::ApplyLeaderMeasurements() {
     for (const Pending& p : pending_slo_) slo_.Observe(p.request_id, lead.prev_step_us, p.tokens).IgnoreError();
   }
   if (pending_refit_ && online_ && lead.prev_attention_us > 0 &&
-      online_->Observe(planned_agg_, lead.prev_attention_us)) {
+      online_->Observe(pending_agg_, lead.prev_attention_us)) {
     planner_.set_model(online_->model());
   }
   pending_slo_.clear();
@@ -256,21 +249,30 @@ uint32_t Balancer::InputDigest(const StepInput& in) const {
   return static_cast<uint32_t>(d ^ (d >> 32));
 }
 
-void Balancer::FillTotals(const GlobalDecision* decision, bool balanced, StepTotals* totals) {
+void Balancer::FillTotals(const GlobalDecision* decision, bool balanced, const StepInput& in,
+                          absl::Span<const int32_t> own_len, StepTotals* totals) {
   if (totals == nullptr) return;
   const absl::Span<const RankSummary> recs = DpRecords();
   totals->known = true;
   totals->rank_tokens.resize(recs.size());
   totals->rank_flags.resize(recs.size());
   planner_.RankTokens(recs, decision ? *decision : GlobalDecision{}, balanced && decision != nullptr,
-                      absl::MakeSpan(totals->rank_tokens));
-  int64_t max_tokens = 0;
-  totals->any_flags = 0;
+                      absl::MakeSpan(totals->rank_tokens));  // -1: an empty record, unknown
   for (size_t r = 0; r < recs.size(); ++r) {
     uint16_t f = recs[r].flags & (kSummaryExtend | kSummaryNoVerify | kSummaryIdle | kSummaryDisabled);
     if (balanced && decision != nullptr && (recs[r].flags & kSummaryValid)) f |= kSummaryValid;
-    totals->rank_flags[r] = f;
-    totals->any_flags |= f;
+    totals->rank_flags[r] = totals->rank_tokens[r] < 0 ? 0 : f;
+  }
+  // This rank's own entry is what it runs (it may have fallen back alone, or be disabled).
+  int64_t own = in.extra_tokens;
+  for (int32_t v : own_len) own += 1 + v;
+  totals->rank_tokens[rank_] = own;
+  totals->rank_flags[rank_] =
+      in.kind | (balanced && decision != nullptr && (recs[rank_].flags & kSummaryValid) ? kSummaryValid : 0);
+  int64_t max_tokens = 0;
+  totals->any_flags = 0;
+  for (size_t r = 0; r < recs.size(); ++r) {
+    totals->any_flags |= totals->rank_flags[r];
     max_tokens = std::max(max_tokens, totals->rank_tokens[r]);
   }
   totals->padded_tokens = max_tokens;
@@ -293,7 +295,8 @@ PlanOutcome Balancer::Plan(const StepInput& step, absl::Span<int32_t> verify_len
   if (local.ok() && verify_len.size() != step.batch.size()) {
     local = absl::InvalidArgumentError(absl::StrFormat(
         "verify_len has %d slots for %d requests", verify_len.size(), step.batch.size()));
-  } else if (local.ok() && step.extra_tokens < 0 || step.extra_tokens > std::numeric_limits<uint32_t>::max() / 2) {
+  } else if (local.ok() &&
+             (step.extra_tokens < 0 || step.extra_tokens > std::numeric_limits<uint32_t>::max() / 2)) {
     local = absl::InvalidArgumentError(
         absl::StrFormat("extra_tokens = %d must be in 0..2^31", step.extra_tokens));
   }
@@ -324,17 +327,19 @@ PlanOutcome Balancer::PlanStep(const StepInput& in, absl::Span<int32_t> verify_l
     totals->any_flags = in.kind;
   }
   const uint64_t step = step_++;
-  // The previous step's agreed barrier (< 0: that step was not balanced), for its accounting.
-  const double prev_planned_barrier = planned_barrier_us_;
-  planned_barrier_us_ = -1;
+  out.step = step;
+  // The latest reported step goes out with this record, once; its accounting follows the
+  // exchange.
+  const Measured measured = measured_;
+  measured_.fresh = false;
   if (!enabled_) {
-    KeepInStep(in, verify_len, totals);
+    KeepInStep(in, verify_len, measured, totals);
     return out;
   }
   // Step 1: this rank's summary. Bad local input still joins the exchange, marked unusable.
   if (local.ok()) local = ToPlanBatch(batch);
   if (local.ok()) local = planner_.Summarize(rank_, plan_batch_, in.kv_free_tokens, &own_summary_);
-  StampOwnSummary(local, step, in, verify_len);
+  StampOwnSummary(local, step, in, verify_len, measured);
   // Step 2: the exchange.
   if (absl::Status s = Exchange(own_summary_, config_.timeout); !s.ok()) {
     Fail(s);
@@ -349,18 +354,30 @@ PlanOutcome Balancer::PlanStep(const StepInput& in, absl::Span<int32_t> verify_l
     }
     ApplyLeaderMeasurements();
   }
-  // A disabled peer is seen by every rank in the same bytes: all disable together.
+  // A disabled peer is seen by every rank in the same bytes: all disable together. An empty
+  // record (a rank without the plugin, or an engine's fallback row for an inactive rank) pauses
+  // balancing for the step on every rank alike: that rank drafts the engine's default depth.
   const absl::Span<const RankSummary> recs = DpRecords();
   for (size_t r = 0; r < recs.size(); ++r) {
     if (recs[r].flags & kSummaryDisabled) {
       Disable(absl::StrFormat("rank %d is disabled", r));
-      FillTotals(nullptr, false, totals);
+      FillTotals(nullptr, false, in, verify_len, totals);
+      return out;
+    }
+  }
+  for (size_t r = 0; r < recs.size(); ++r) {
+    if (recs[r].magic == 0 && recs[r].version == 0) {
+      ++fallbacks_;
+      out.status = absl::UnavailableError(absl::StrFormat(
+          "rank %d sent an empty record (no plugin there, or the engine's row for an inactive "
+          "rank): default lengths on every rank this step", r));
+      FillTotals(nullptr, false, in, verify_len, totals);
       return out;
     }
   }
   // Step 3: everyone agrees on the step and so on the A/B arm.
-  const bool arm_on = AgreeOnStep(step, prev_planned_barrier);
-  predicted_attention_us_ = -1;
+  const bool arm_on = AgreeOnStep(step, measured);
+  planned_[step % planned_.size()] = Planned{step, arm_on, -1, -1, {}};
   if (!local.ok()) {
     // This rank runs its defaults, but must draft as deep as every other rank agrees to.
     absl::StatusOr<GlobalDecision> d = absl::UnavailableError("off arm");
@@ -368,22 +385,17 @@ PlanOutcome Balancer::PlanStep(const StepInput& in, absl::Span<int32_t> verify_l
     if (d.ok()) out.draft_depth = d->draft_depth;
     Fail(local);
     out.status = local;
-    FillTotals(d.ok() ? &*d : nullptr, d.ok(), totals);
+    FillTotals(d.ok() ? &*d : nullptr, d.ok(), in, verify_len, totals);
     return out;
   }
   if (!arm_on) {
     consecutive_failures_ = 0;
-    FillTotals(nullptr, false, totals);
+    FillTotals(nullptr, false, in, verify_len, totals);
     return out;
   }
   // Step 4: the global decision (same bytes on every rank) and this rank's verify lengths.
   const GlobalDecision* applied = DecideAndAssign(batch, verify_len, out);
-  FillTotals(applied, applied != nullptr, totals);
-  if (totals != nullptr && !out.balanced) {  // this rank alone fell back: say what it runs
-    int64_t own = in.extra_tokens;
-    for (int32_t v : verify_len) own += 1 + v;
-    totals->rank_tokens[rank_] = own;
-  }
+  FillTotals(applied, applied != nullptr, in, verify_len, totals);
   return out;
 }
 
@@ -412,7 +424,7 @@ absl::Status Balancer::ToPlanBatch(absl::Span<const BalancerRequest> batch) {
 }
 
 void Balancer::StampOwnSummary(const absl::Status& local, uint64_t step, const StepInput& in,
-                               absl::Span<const int32_t> fallback_len) {
+                               absl::Span<const int32_t> fallback_len, const Measured& measured) {
   if (!local.ok()) {  // a record the others recognise and exclude (no kSummaryValid flag)
     std::memset(&own_summary_, 0, sizeof(own_summary_));
     own_summary_.magic = kSummaryMagic;
@@ -427,26 +439,25 @@ void Balancer::StampOwnSummary(const absl::Status& local, uint64_t step, const S
   own_summary_.extra_tokens = static_cast<uint32_t>(std::clamp<int64_t>(in.extra_tokens, 0, UINT32_MAX));
   own_summary_.input_digest = config_.attn_tp_size > 1 && local.ok() ? InputDigest(in) : 0;
   own_summary_.step_idx = static_cast<uint32_t>(step);
-  own_summary_.prev_attention_us = static_cast<float>(prev_attention_us_);
-  own_summary_.prev_step_us = static_cast<float>(prev_step_us_);
-  own_summary_.prev_accepted_tokens = static_cast<float>(prev_tokens_);
+  own_summary_.prev_attention_us = static_cast<float>(measured.fresh ? measured.attention_us : -1);
+  own_summary_.prev_step_us = static_cast<float>(measured.fresh ? measured.step_us : -1);
+  own_summary_.prev_accepted_tokens = static_cast<float>(measured.fresh ? measured.tokens : -1);
 }
 
-bool Balancer::AgreeOnStep(uint64_t step, double prev_planned_barrier) {
+bool Balancer::AgreeOnStep(uint64_t step, const Measured& measured) {
   // The agreed step is the smallest index sent: it picks the A/B arm and epoch on every rank.
   uint32_t agreed_step = own_summary_.step_idx;
   const absl::Span<const RankSummary> recs = DpRecords();
   for (const RankSummary& r : recs) agreed_step = std::min(agreed_step, r.step_idx);
   const bool arm_on = ArmOn(agreed_step);
-  if (have_prev_arm_) AccountPreviousStep(recs, prev_arm_on_, prev_planned_barrier);
+  // The instance's measured step (every rank's latest report) against its plan.
+  if (measured.fresh && measured.planned) AccountPreviousStep(recs, measured.arm_on, measured.barrier_us);
   const int64_t epoch = config_.ab_epoch_steps > 0 ? agreed_step / config_.ab_epoch_steps : 0;
   if (epoch != epoch_) {
     arm_on_.EndEpoch();
     arm_off_.EndEpoch();
     epoch_ = epoch;
   }
-  prev_arm_on_ = arm_on;
-  have_prev_arm_ = true;
   if (config_.log_every_steps > 0 && step > 0 && step % config_.log_every_steps == 0) MaybeLog();
   return arm_on;
 }
@@ -481,15 +492,16 @@ const GlobalDecision* Balancer::DecideAndAssign(absl::Span<const BalancerRequest
   }
   planned_loads_.clear();
   for (size_t i = 0; i < batch.size(); ++i) planned_loads_.push_back({batch[i].ctx_tokens, 1 + verify_len[i]});
-  planned_agg_ = planner_.model().Aggregate(planned_loads_);
-  predicted_attention_us_ = planner_.model().AttentionUs(planned_agg_);
+  Planned& p = planned_[(step_ - 1) % planned_.size()];
+  p.agg = planner_.model().Aggregate(planned_loads_);
+  p.predicted_us = planner_.model().AttentionUs(p.agg);
   consecutive_failures_ = 0;
   ++balanced_steps_;
   out.balanced = true;
   out.draft_depth = d->draft_depth;
   if (config_.planner.agreed_draft_depth) {
     // Measured attention excludes the draft, which per-rank depths put inside the barrier.
-    planned_barrier_us_ = d->barrier_us;
+    p.barrier_us = d->barrier_us;
   } else {  // a dense draft: this rank drafts its own depth
     out.draft_depth = 0;
     for (int32_t v : verify_len) out.draft_depth = std::max(out.draft_depth, static_cast<int>(v));
@@ -535,8 +547,23 @@ void Balancer::AccountPreviousStep(absl::Span<const RankSummary> all, bool prev_
 
 absl::Status Balancer::Report(double attention_us, double step_us,
                               absl::Span<const BalancerAccepted> accepted) {
+  return Report(step_ == 0 ? UINT64_MAX : step_ - 1, attention_us, step_us, accepted);
+}
+
+absl::Status Balancer::Report(uint64_t step, double attention_us, double step_us,
+                              absl::Span<const BalancerAccepted> accepted) {
+  Planned* plan = nullptr;
+  for (Planned& p : planned_) {
+    if (p.step == step && step != UINT64_MAX) plan = &p;
+  }
+  measured_ = Measured{};
+  measured_.fresh = true;  // the next record says "unknown" rather than repeating older times
+  if (plan != nullptr) {
+    measured_.planned = true;
+    measured_.arm_on = plan->arm_on;
+    measured_.barrier_us = plan->barrier_us;
+  }
   if (!(std::isfinite(attention_us) && attention_us >= 0 && std::isfinite(step_us) && step_us >= 0)) {
-    prev_attention_us_ = prev_step_us_ = prev_tokens_ = -1;
     return absl::InvalidArgumentError(absl::StrFormat(
         "report: attention_us %g and step_us %g must be finite and >= 0", attention_us, step_us));
   }
@@ -560,18 +587,20 @@ absl::Status Balancer::Report(double attention_us, double step_us,
       slo_.Forget(a.request_id);
     }
   }
-  prev_attention_us_ = attention_us;
-  prev_step_us_ = step_us;
-  prev_tokens_ = tokens;
-  if (predicted_attention_us_ > 0 && attention_us > 0) {
-    predicted_error_.Add(std::abs(predicted_attention_us_ - attention_us) / attention_us);
+  measured_.attention_us = attention_us;
+  measured_.step_us = step_us;
+  measured_.tokens = tokens;
+  if (plan != nullptr && plan->predicted_us > 0 && attention_us > 0) {
+    predicted_error_.Add(std::abs(plan->predicted_us - attention_us) / attention_us);
     // The online refit learns only from balanced steps, whose batch it knows exactly.
-    if (config_.attn_tp_size > 1) {
-      pending_refit_ = online_ != nullptr;  // with member 0's time, from the next exchange
-    } else if (online_ && online_->Observe(planned_agg_, attention_us)) {
+    if (config_.attn_tp_size > 1) {  // with member 0's time, from the next exchange
+      pending_refit_ = online_ != nullptr;
+      pending_agg_ = plan->agg;
+    } else if (online_ && online_->Observe(plan->agg, attention_us)) {
       planner_.set_model(online_->model());
     }
   }
+  if (plan != nullptr) plan->step = UINT64_MAX;  // reported: a second report finds no plan
   return first_error;
 }
 

@@ -1059,6 +1059,10 @@ void Planner::RankTokens(absl::Span<const RankSummary> summaries, const GlobalDe
                          bool balanced, absl::Span<int64_t> out) const {
   for (size_t r = 0; r < summaries.size() && r < out.size(); ++r) {
     const RankSummary& s = summaries[r];
+    if (s.magic != kSummaryMagic) {  // an empty record (no plugin there): nothing is known
+      out[r] = -1;
+      continue;
+    }
     int64_t tokens = s.default_tokens;
     if (balanced && config_.mode != PlanMode::kOff && SummaryUsable(s, r)) {
       tokens = config_.exact_rank_tokens ? s.base_tokens + ChooseKnot(s, decision, config_).extra_tokens

@@ -294,8 +294,9 @@ class AdapterTest(unittest.TestCase):
     def test_piggyback_a_rank_that_disables_itself_takes_every_rank_to_the_default_depth(self):
         # Rank 2 gives up after one failure (max_failures is local, not agreed) and sends a
         # bad request on step 5. From step 6 its record slot goes out as zeros: every other
-        # rank rejects it and disables too, so all ranks draft the same (default) depth on
-        # every step and the engine's payloads still arrive.
+        # rank sees the empty record and runs the default lengths that step (a pause, not a
+        # disable: an engine's inactive-rank row is the same zeros), so all ranks draft the same
+        # (default) depth on every step and the engine's payloads still arrive.
         def batch_of(rank, step, rng):
             reqs = skewed_batch(rank, step, rng)
             if rank == 2 and step == 5:
@@ -308,15 +309,18 @@ class AdapterTest(unittest.TestCase):
             self.assertEqual(len({recs[r]["depths"][step] for r in range(4)}), 1, step)
         for r in range(4):
             self.assertTrue(all(recs[r]["payloads_ok"]), r)
-            self.assertEqual(recs[r]["stats"]["enabled"], 0, r)
+            self.assertEqual(recs[r]["stats"]["enabled"], 0 if r == 2 else 1, r)
             self.assertEqual(recs[r]["depths"][11], 3)  # default_k
             self.assertTrue(all(x == dpb.SUCCESS for x in recs[r]["results"][:5]), r)
+            if r != 2:  # every paused step reaches the engine as a fallback, counted
+                self.assertTrue(all(x == dpb.FALLBACK for x in recs[r]["results"][6:]), r)
+                self.assertGreaterEqual(recs[r]["stats"]["fallbacks"], 6, r)
         self.assertEqual(recs[2]["results"][5], dpb.DISABLED)  # it joined that step, then stopped
 
     def test_piggyback_a_request_that_cannot_be_marshalled_raises_after_the_sync(self):
         # Rank 1 passes k_cap = 2.5 on step 3: its step raises (a programming error), but only
         # after the engine's sync ran with a zero record, so the others finish the step (their
-        # barrier would break otherwise) and every rank falls back to the default from step 4.
+        # barrier would break otherwise) at the default depth; from step 4 all plan again.
         g = ThreadGroup(3)
         got, errors = [[] for _ in range(3)], []
 
@@ -343,7 +347,7 @@ class AdapterTest(unittest.TestCase):
         for step in range(8):
             depths = {d for r in range(3) for s, d, _ in got[r] if s == step}
             self.assertEqual(len(depths), 1, (step, depths))
-        self.assertEqual({d for r in range(3) for s, d, _ in got[r] if s >= 4}, {3})
+        self.assertEqual({d for r in range(3) for s, d, _ in got[r] if s == 3}, {3})
 
     def test_piggyback_without_a_plugin_still_runs_the_engine_sync(self):
         g = ThreadGroup(2)

@@ -522,4 +522,42 @@ TEST(Balancer, WritesJsonLinesMetricsEveryLogPeriod) {
 }
 
 }  // namespace
+
+// An engine one step behind plans step t+1 before it reports step t (Report(step, ...)). Each
+// report must be priced against its own plan: measured times here are exactly the model's
+// prediction for the reported plan's lengths, so a correctly paired report has no model error,
+// and a report paired with the other outstanding plan (a different batch) would.
+TEST(BalancerReports, OneStepLateReportsArePairedWithTheirOwnPlans) {
+  auto group = *InProcessGroup::Create(1, sizeof(RankSummary));
+  BalancerConfig c = Config(1);
+  c.online_calibration = false;  // the model stays the one the test prices with
+  auto b = *Balancer::Create(c, 0, *group->Join(0));
+  const CostModel model = c.model;
+  std::mt19937_64 rng(5);
+  struct Pending {
+    uint64_t step;
+    double us;
+  };
+  std::vector<Pending> pending;
+  for (int step = 0; step < 30; ++step) {
+    const std::vector<BalancerRequest> batch = Batch(rng, 2 + step % 5 * 6, 1000 * step);
+    std::vector<int32_t> v(batch.size());
+    const PlanOutcome o = b->Plan(batch, -1, absl::MakeSpan(v));
+    ASSERT_TRUE(o.balanced);
+    std::vector<RequestLoad> loads;
+    for (size_t i = 0; i < batch.size(); ++i) loads.push_back({batch[i].ctx_tokens, 1 + v[i]});
+    pending.push_back({o.step, model.AttentionUs(model.Aggregate(loads))});
+    if (pending.size() == 2) {  // report the older one, after planning the newer
+      EXPECT_TRUE(b->Report(pending[0].step, pending[0].us, pending[0].us + 1000, {}).ok());
+      pending.erase(pending.begin());
+    }
+  }
+  const BalancerStats s = b->Stats();
+  EXPECT_LT(s.predicted_error, 1e-5);
+  // A report for a plan that is gone (reported, or older than the last two) is priced against
+  // nothing: the error stays as it was.
+  EXPECT_TRUE(b->Report(0, 1, 2, {}).ok());
+  EXPECT_LT(b->Stats().predicted_error, 1e-5);
+}
+
 }  // namespace dpbalance

@@ -301,16 +301,22 @@ TEST(PlannerExactRankTokens, EveryRankDerivesEveryTotalAndItsOwnLengthsAddUpToIt
         const int32_t k = run.k[r][i];
         EXPECT_GE(k, b[r][i].k_min);
         EXPECT_LE(k, b[r][i].k_cap);
-        if (c.agreed_draft_depth) EXPECT_LE(k, d0.draft_depth);
+        if (c.agreed_draft_depth) {
+          EXPECT_LE(k, d0.draft_depth);
+        }
         extra += k - std::max(b[r][i].k_min, c.mode == PlanMode::kFill ? DefaultVerifyLen(c.default_k, b[r][i].k_cap) : 0);
         a.Add({b[r][i].ctx_tokens, 1 + k});
       }
       EXPECT_EQ(static_cast<int64_t>(a.query_tokens), totals[r]) << "trial " << trial << " rank " << r;
-      if (kv[r] >= 0) EXPECT_LE(extra, kv[r]);
+      if (kv[r] >= 0) {
+        EXPECT_LE(extra, kv[r]);
+      }
       if (c.agreed_draft_depth) {
         EXPECT_LE(m.AttentionUs(a), d0.barrier_us * (1 + 1e-5) + 1e-3) << "trial " << trial;
       }
-      if (c.global.padded_tokens) EXPECT_LE(a.query_tokens, d0.padded_rank_tokens);
+      if (c.global.padded_tokens) {
+        EXPECT_LE(a.query_tokens, d0.padded_rank_tokens);
+      }
     }
     // Not balanced (an off arm): every rank runs its defaults, and says so.
     any.RankTokens(run.summaries, d0, /*balanced=*/false, absl::MakeSpan(totals));

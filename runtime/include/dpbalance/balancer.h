@@ -22,6 +22,7 @@
 // - Not thread-safe: one Balancer per rank, called from that rank's step thread.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -112,6 +113,7 @@ struct PlanOutcome {
                           // rank's own (its deepest verify length); the default k when no rank
                           // balanced. Never below any returned verify length.
   absl::Status status;    // why not balanced, when it was a failure
+  uint64_t step = 0;      // this plan's step index, for Report
 };
 
 struct ArmSummary {
@@ -152,18 +154,31 @@ class Balancer {
   // The same for one step of any kind, also giving every DP rank's token total (`totals` may be
   // null). A kNoVerify step must pass k_cap = 0; an idle one an empty batch.
   PlanOutcome Plan(const StepInput& step, absl::Span<int32_t> verify_len, StepTotals* totals);
-  // The previous step's measurements are lost (the engine planned again without reporting).
-  void ForgetMeasurements();
   // A step this rank cannot plan (the engine passed arguments that describe no batch, `why`):
   // it still joins the exchange, with a record marked unusable, so its peers plan without it
   // instead of waiting for it. The outcome carries `why` and the depth to draft.
   PlanOutcome Abstain(const absl::Status& why);
+  // Reports the latest plan.
   absl::Status Report(double attention_us, double step_us,
+                      absl::Span<const BalancerAccepted> accepted);
+  // Reports plan `step` (PlanOutcome::step): the latest or the one before it, for an engine that
+  // plans step t+1 before step t's results are in. Measurements of an older plan are dropped
+  // (the accept counts still train the acceptance estimator).
+  absl::Status Report(uint64_t step, double attention_us, double step_us,
                       absl::Span<const BalancerAccepted> accepted);
   BalancerStats Stats() const;
   bool enabled() const { return enabled_; }
 
  private:
+  // The latest reported step: its measurements go out with the next record (once), and the
+  // next exchange accounts the instance's measured step against its plan.
+  struct Measured {
+    bool fresh = false;              // not yet sent
+    bool planned = false;            // its plan was found (arm and barrier below are known)
+    bool arm_on = true;
+    double barrier_us = -1;
+    double attention_us = -1, step_us = -1, tokens = -1;
+  };
   Balancer(BalancerConfig config, int rank, std::unique_ptr<AllGather> comm, Planner planner);
   absl::Status Handshake();
   // The one all-gather: `send` out, every rank's record into gathered_.
@@ -179,21 +194,24 @@ class Balancer {
   // measured times from this exchange.
   void ApplyLeaderMeasurements();
   uint32_t InputDigest(const StepInput& step) const;
-  void FillTotals(const GlobalDecision* decision, bool balanced, StepTotals* totals);
+  // Every DP rank's total from the records; this rank's own from what it runs (`own_len`).
+  void FillTotals(const GlobalDecision* decision, bool balanced, const StepInput& in,
+                  absl::Span<const int32_t> own_len, StepTotals* totals);
   // PlanStep's steps: the engine's batch as the planner's (acceptance curves, SLO floors) into
   // plan_batch_; this step's index and previous measurements on own_summary_ (a bare record
   // when `local` failed); the agreed step, A/B arm and epoch, with the previous step accounted
   // (returns whether the arm is on); the decision and this rank's lengths into `out`.
   absl::Status ToPlanBatch(absl::Span<const BalancerRequest> batch);
   void StampOwnSummary(const absl::Status& local, uint64_t step, const StepInput& in,
-                       absl::Span<const int32_t> fallback_len);
-  bool AgreeOnStep(uint64_t step, double prev_planned_barrier);
+                       absl::Span<const int32_t> fallback_len, const Measured& measured);
+  bool AgreeOnStep(uint64_t step, const Measured& measured);
   // Returns the decision it applied (null when it fell back).
   const GlobalDecision* DecideAndAssign(absl::Span<const BalancerRequest> batch,
                                         absl::Span<int32_t> verify_len, PlanOutcome& out);
   // Disabled, on an ordered backend or with always_exchange: join this step's exchange with a
   // record marked kSummaryDisabled that still carries this rank's token total.
-  void KeepInStep(const StepInput& in, absl::Span<const int32_t> fallback_len, StepTotals* totals);
+  void KeepInStep(const StepInput& in, absl::Span<const int32_t> fallback_len,
+                  const Measured& measured, StepTotals* totals);
   // The engine's default lengths, never deeper than `depth_cap` (the drafted depth).
   void Fallback(absl::Span<const BalancerRequest> batch, absl::Span<int32_t> verify_len,
                 int depth_cap = kMaxDraftLen) const;
@@ -221,14 +239,18 @@ class Balancer {
   std::vector<RankSummary> leaders_;   // attention TP: member 0 of each DP rank
   GlobalDecision decision_;            // the last decision applied
   RankSummary own_summary_{};  // this rank's record of the step
-  // Previous step, for the next summary and for accounting.
-  double prev_attention_us_ = -1, prev_step_us_ = -1, prev_tokens_ = -1;
-  double predicted_attention_us_ = -1;
-  double planned_barrier_us_ = -1;  // this step's agreed barrier (< 0: not balanced)
+  // The last two plans, by step index (an engine may report step t after planning t+1).
+  struct Planned {
+    uint64_t step = UINT64_MAX;      // UINT64_MAX: empty (or reported)
+    bool arm_on = true;              // the agreed A/B arm
+    double barrier_us = -1;          // the agreed barrier (< 0: not balanced)
+    double predicted_us = -1;        // this rank's predicted attention (< 0: not balanced)
+    BatchAggregates agg;             // the batch as planned, for the online refit
+  };
+  std::array<Planned, 2> planned_;
+  Measured measured_;
   std::vector<RequestLoad> planned_loads_;
-  BatchAggregates planned_agg_;                 // the batch as planned, for the online refit
   std::unique_ptr<OnlineCostModel> online_;
-  bool prev_arm_on_ = true, have_prev_arm_ = false;
   int64_t epoch_ = -1;
   // Metrics.
   int64_t balanced_steps_ = 0, fallbacks_ = 0;
@@ -247,6 +269,7 @@ class Balancer {
   };
   std::vector<Pending> pending_slo_;
   bool pending_refit_ = false;
+  BatchAggregates pending_agg_;  // the reported plan's batch, for the pending refit
 };
 
 }  // namespace dpbalance

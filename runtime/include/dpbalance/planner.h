@@ -144,7 +144,8 @@ class Planner {
   // Every rank's query tokens this step from the summaries alone, identical on every rank:
   // `balanced` (the decision was applied): the planned knot's tokens (exact_rank_tokens) or the
   // base's, for a usable summary; otherwise (and for records without kSummaryValid) the tokens
-  // of its default lengths. Each plus the rank's extra_tokens. `out` has one slot per summary.
+  // of its default lengths. Each plus the rank's extra_tokens; -1 for a record without the
+  // summary magic (an empty one: nothing is known of that rank). One slot per summary.
   void RankTokens(absl::Span<const RankSummary> summaries, const GlobalDecision& decision,
                   bool balanced, absl::Span<int64_t> out) const;
 

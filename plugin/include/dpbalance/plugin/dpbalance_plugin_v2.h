@@ -17,10 +17,14 @@
  *     plan(ctx, &step, &result)     before the verify forward (see "Lookahead" below)
  *     ... verify forward, MoE layers, accept/reject ...
  *     report(ctx, &report)          after the accept counts are known
- * `plan` runs the exchange on every call whatever the step kind, so ranks never fall out of step;
- * a `report` missing before the next `plan` is counted (stats) and the step's measurements are
- * treated as unknown; a second `report` for one `plan` is refused (dpbInvalidArgument) and
- * changes nothing.
+ * `plan` runs the exchange on every call whatever the step kind, so ranks never fall out of step.
+ * Each `plan` returns a plan_id; `report` names the plan it reports. Up to two plans may be
+ * outstanding, for engines that schedule step t+1 before step t's results are in (SGLang's
+ * overlap scheduler, vLLM's async scheduling): their report of step t comes after the plan of
+ * step t+1. Reports come in plan order; a report that skips an outstanding plan, or a plan that
+ * would leave three outstanding, drops the oldest (counted as missing_reports; its measurements
+ * are unknown to every rank); a report for a plan that is not outstanding is refused
+ * (dpbInvalidArgument) and changes nothing.
  *
  * Failure contract (as v1): anything but dpbSuccess means "use the engine's default verify
  * lengths"; `plan` always fills result->verify_len (the defaults min(default_k, k_cap) when not
@@ -139,6 +143,7 @@ typedef struct {
   int64_t padded_tokens;            /* agreed per-rank padded size (see "Token totals") */
   uint32_t any_rank_flags;          /* OR of every rank's flags (e.g. some rank extends) */
   int32_t balanced;                 /* nonzero: balanced lengths; zero: defaults */
+  int64_t plan_id;                  /* this plan, for its report */
 } dpbPlanResult_v2_t;
 
 typedef struct {
@@ -150,6 +155,7 @@ typedef struct {
 } dpbAccepted_v2_t;
 
 typedef struct {
+  int64_t plan_id;                  /* the plan this reports (dpbPlanResult_v2_t.plan_id) */
   double attention_us;              /* measured attention time of the step on this process */
   double step_us;                   /* measured step time */
   const dpbAccepted_v2_t* accepted;
@@ -158,7 +164,7 @@ typedef struct {
 
 typedef struct {
   dpbStats_v1_t v1;                 /* as v1 */
-  int64_t missing_reports;          /* plans not followed by a report */
+  int64_t missing_reports;          /* plans never reported (dropped from the outstanding two) */
   int64_t tp_mismatches;            /* steps where this DP rank's attn-TP members disagreed */
   int64_t exchange_failures;        /* exchanges that failed or timed out */
   double max_exchange_ms;           /* longest exchange (handshake included) */
