@@ -403,9 +403,12 @@ class _Balancer(_Closing):
 
     def _init_failed(self, rc: int, what: str, config: str) -> DpBalanceError:
         self._ctx = ctypes.c_void_p()
+        why = (f"; its all-gather callback failed: {self._callback_error}"
+               if self._callback_error is not None else "")
         return DpBalanceError(
             f"dpbalance: init of {what} with config '{config}' returned "
-            f"{RESULT_NAMES.get(rc, rc)} (the plugin's log on stderr names the flag or cause)")
+            f"{RESULT_NAMES.get(rc, rc)} (the plugin's log on stderr names the flag or cause)"
+            f"{why}")
 
     def _gather(self, send: int, send_bytes: int, recv: int, recv_bytes: int,
                 timeout_ms: int) -> int:
