@@ -11,6 +11,8 @@
 #include "dpbalance/log.h"
 #include "dpbalance/nccl_allgather.h"
 #include "dpbalance/plugin/dpbalance_plugin_v1.h"
+#include "dpbalance/plugin/dpbalance_plugin_v2.h"
+#include "dpbalance/summary.h"
 #include "flags.h"
 
 namespace dpbalance::plugin {
@@ -20,32 +22,72 @@ struct Context {
   std::unique_ptr<Balancer> balancer;
   int32_t default_k = 0;
   int32_t k_min = 0;
+  int32_t dp_size = 1;
   std::vector<BalancerRequest> requests;
   std::vector<BalancerAccepted> accepted;
+  // ABI v2
+  StepTotals totals;
+  bool awaiting_report = false;  // a plan has not been reported yet
+  int64_t missing_reports = 0;
 };
+
+// What init needs of either ABI's arguments.
+struct InitCommon {
+  int32_t dp_size = 0, dp_rank = 0, attn_tp_size = 1, attn_tp_rank = 0;
+  const char* config = nullptr;
+  dpbBackend_t backend = dpbBackendFromFlags;
+  dpbAllGatherFn_v1_t allgather_v1 = nullptr;
+  dpbAllGatherFn_v2_t allgather_v2 = nullptr;
+  void* allgather_user = nullptr;
+  void* nccl_comm = nullptr;
+  void* cuda_stream = nullptr;
+  const void* nccl_unique_id = nullptr;
+  int32_t cuda_device = -1;
+  int abi_version = 1;
+};
+
+// A request id of any length as the balancer's key: 64-bit FNV-1a of its bytes. Keys only index
+// this rank's per-request statistics (acceptance, TPOT), never cross ranks. Two live requests
+// whose ids collide (about 1 in 10^11 for 10^4 live requests) share those statistics: both are
+// planned from their pooled acceptance, nothing else changes (tests: DuplicateIdsShareStatistics).
+int64_t RequestKey(const void* id, int32_t id_bytes) {
+  uint64_t h = 1469598103934665603ull;
+  const auto* p = static_cast<const unsigned char*>(id);
+  for (int32_t i = 0; i < id_bytes; ++i) {
+    h ^= p[i];
+    h *= 1099511628211ull;
+  }
+  return static_cast<int64_t>(h);
+}
+
+constexpr int32_t kMaxIdBytes = 4096;
 
 void DefaultLengths(const dpbRequest_v1_t* req, int32_t n, int32_t default_k, int32_t* out) {
   for (int32_t i = 0; i < n; ++i) out[i] = DefaultVerifyLen(default_k, req[i].k_cap);
 }
 
-absl::StatusOr<std::unique_ptr<AllGather>> MakeBackend(const dpbInitArgs_v1_t& a, const PluginFlags& f) {
+absl::StatusOr<std::unique_ptr<AllGather>> MakeBackend(const InitCommon& a, const PluginFlags& f) {
   dpbBackend_t b = a.backend;
+  const int group = a.dp_size * a.attn_tp_size, rank = a.dp_rank * a.attn_tp_size + a.attn_tp_rank;
   if (b == dpbBackendFromFlags) {
     b = f.backend == "inproc" ? dpbBackendInProcess : f.backend == "callback" ? dpbBackendCallback : dpbBackendNccl;
   }
   switch (b) {
     case dpbBackendInProcess: {
       absl::StatusOr<std::shared_ptr<InProcessGroup>> g =
-          InProcessGroup::Named(f.group, a.num_ranks, sizeof(RankSummary));
+          InProcessGroup::Named(f.group, group, sizeof(RankSummary));
       if (!g.ok()) return g.status();
-      return (*g)->Join(a.rank);
+      return (*g)->Join(rank);
     }
     case dpbBackendCallback:
-      return MakeCallbackAllGather(a.num_ranks, a.rank, sizeof(RankSummary), a.allgather_fn, a.allgather_user);
+      if (a.abi_version >= 2) {
+        return MakeSizedCallbackAllGather(group, rank, sizeof(RankSummary), a.allgather_v2, a.allgather_user);
+      }
+      return MakeCallbackAllGather(group, rank, sizeof(RankSummary), a.allgather_v1, a.allgather_user);
     case dpbBackendNccl: {
       NcclAllGatherOptions o;
-      o.num_ranks = a.num_ranks;
-      o.rank = a.rank;
+      o.num_ranks = group;
+      o.rank = rank;
       o.record_bytes = sizeof(RankSummary);
       o.comm = a.nccl_comm;
       o.stream = a.cuda_stream;
@@ -58,34 +100,48 @@ absl::StatusOr<std::unique_ptr<AllGather>> MakeBackend(const dpbInitArgs_v1_t& a
   }
 }
 
-dpbResult_t Init(const dpbInitArgs_v1_t* args, void** context) {
+// Both ABIs' init: flags, then `adjust` (the v2 arguments that set flags), the backend, the
+// balancer.
+template <typename Adjust>
+dpbResult_t InitWith(const InitCommon& a, void** context, Adjust adjust) {
   try {
-    if (context == nullptr || args == nullptr) return dpbInvalidArgument;
+    if (context == nullptr) return dpbInvalidArgument;
     *context = nullptr;
-    absl::StatusOr<PluginFlags> f = ParseFlags(DpbEnvironment(), args->config ? args->config : "");
+    absl::StatusOr<PluginFlags> f = ParseFlags(DpbEnvironment(), a.config ? a.config : "");
     if (!f.ok()) {
       Logger()->error("init: {}", std::string(f.status().message()));
       return dpbInvalidArgument;
     }
     SetLogLevel(f->log_level);
-    f->balancer.planner.num_ranks = args->num_ranks;
-    if (args->num_ranks < 1 || args->rank < 0 || args->rank >= args->num_ranks) {
-      Logger()->error("init: rank {} of num_ranks {} is out of range", args->rank, args->num_ranks);
+    if (a.dp_size < 1 || a.dp_rank < 0 || a.dp_rank >= a.dp_size || a.attn_tp_size < 1 ||
+        a.attn_tp_size > 1024 || a.attn_tp_rank < 0 || a.attn_tp_rank >= a.attn_tp_size ||
+        a.dp_size > 65536) {
+      Logger()->error("init: rank {} of num_ranks {} (attention-TP rank {} of {}) is out of range",
+                      a.dp_rank, a.dp_size, a.attn_tp_rank, a.attn_tp_size);
       return dpbInvalidArgument;
     }
-    absl::StatusOr<std::unique_ptr<AllGather>> comm = MakeBackend(*args, *f);
+    f->balancer.planner.num_ranks = a.dp_size;
+    f->balancer.attn_tp_size = a.attn_tp_size;
+    f->balancer.attn_tp_rank = a.attn_tp_rank;
+    f->balancer.abi_version = a.abi_version;
+    if (absl::Status s = adjust(*f); !s.ok()) {
+      Logger()->error("init rank {}: {}", a.dp_rank, std::string(s.message()));
+      return dpbInvalidArgument;
+    }
+    absl::StatusOr<std::unique_ptr<AllGather>> comm = MakeBackend(a, *f);
     if (!comm.ok()) {
-      Logger()->error("init rank {}: all-gather backend: {}", args->rank, std::string(comm.status().message()));
+      Logger()->error("init rank {}: all-gather backend: {}", a.dp_rank, std::string(comm.status().message()));
       return dpbInvalidArgument;
     }
-    absl::StatusOr<std::unique_ptr<Balancer>> b = Balancer::Create(f->balancer, args->rank, *std::move(comm));
+    absl::StatusOr<std::unique_ptr<Balancer>> b = Balancer::Create(f->balancer, a.dp_rank, *std::move(comm));
     if (!b.ok()) {
-      Logger()->error("init rank {}: {}", args->rank, std::string(b.status().message()));
+      Logger()->error("init rank {}: {}", a.dp_rank, std::string(b.status().message()));
       return dpbInvalidArgument;
     }
     auto ctx = std::make_unique<Context>();
     ctx->default_k = f->balancer.planner.default_k;
     ctx->k_min = f->k_min;
+    ctx->dp_size = a.dp_size;
     ctx->balancer = *std::move(b);
     const bool enabled = ctx->balancer->enabled();
     *context = ctx.release();
@@ -94,6 +150,67 @@ dpbResult_t Init(const dpbInitArgs_v1_t* args, void** context) {
     Logger()->error("init: internal error");
     return dpbInternalError;
   }
+}
+
+dpbResult_t Init(const dpbInitArgs_v1_t* args, void** context) {
+  if (args == nullptr) return dpbInvalidArgument;
+  InitCommon a;
+  a.dp_size = args->num_ranks;
+  a.dp_rank = args->rank;
+  a.config = args->config;
+  a.backend = args->backend;
+  a.allgather_v1 = args->allgather_fn;
+  a.allgather_user = args->allgather_user;
+  a.nccl_comm = args->nccl_comm;
+  a.cuda_stream = args->cuda_stream;
+  a.nccl_unique_id = args->nccl_unique_id;
+  a.cuda_device = args->cuda_device;
+  return InitWith(a, context, [](PluginFlags&) { return absl::OkStatus(); });
+}
+
+dpbResult_t InitV2(const dpbInitArgs_v2_t* args, void** context) {
+  if (args == nullptr) return dpbInvalidArgument;
+  if (args->struct_size < sizeof(dpbInitArgs_v2_t)) {
+    Logger()->error("init (ABI v2): struct_size = {} is smaller than dpbInitArgs_v2_t ({} bytes): "
+                    "the engine was built against another header", args->struct_size,
+                    sizeof(dpbInitArgs_v2_t));
+    return dpbInvalidArgument;
+  }
+  InitCommon a;
+  a.dp_size = args->dp_size;
+  a.dp_rank = args->dp_rank;
+  a.attn_tp_size = args->attn_tp_size;
+  a.attn_tp_rank = args->attn_tp_rank;
+  a.config = args->config;
+  a.backend = args->backend;
+  a.allgather_v2 = args->allgather_fn;
+  a.allgather_user = args->allgather_user;
+  a.nccl_comm = args->nccl_comm;
+  a.cuda_stream = args->cuda_stream;
+  a.nccl_unique_id = args->nccl_unique_id;
+  a.cuda_device = args->cuda_device;
+  a.abi_version = DPB_PLUGIN_ABI_VERSION_2;
+  return InitWith(a, context, [args](PluginFlags& f) -> absl::Status {
+    f.balancer.planner.exact_rank_tokens = true;  // every rank's total from the one exchange
+    f.balancer.always_exchange = true;            // the exchange may carry the engine's own sync
+    if (args->num_token_tiers < 0 || args->num_token_tiers > 4096 ||
+        (args->num_token_tiers > 0 && args->token_tiers == nullptr)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "token_tiers: %d tiers at %s", args->num_token_tiers, args->token_tiers ? "set" : "NULL"));
+    }
+    if (args->num_token_tiers > 0) {  // the engine's captured sizes override DPB_TIERS
+      f.balancer.planner.token_tiers.assign(args->token_tiers, args->token_tiers + args->num_token_tiers);
+      f.balancer.planner.global.padded_tokens = true;
+    }
+    switch (args->granularity) {
+      case dpbGranularityRequest: break;
+      case dpbGranularityBudget: f.balancer.planner.order_by_gain = true; break;
+      default:
+        return absl::InvalidArgumentError(
+            absl::StrFormat("granularity = %d is not 0 (request) or 1 (budget)", static_cast<int>(args->granularity)));
+    }
+    return f.balancer.planner.Validate();  // e.g. tiers not ascending, named
+  });
 }
 
 dpbResult_t Plan(void* context, const dpbRequest_v1_t* req, int32_t n, int64_t kv_free_tokens,
@@ -185,9 +302,166 @@ dpbResult_t Finalize(void* context) {
   return dpbSuccess;
 }
 
+uint32_t RankFlagsV2(uint16_t summary_flags) {
+  uint32_t f = 0;
+  if (summary_flags & kSummaryValid) f |= DPB_RANK_PLANNED;
+  if (summary_flags & kSummaryExtend) f |= DPB_RANK_EXTEND;
+  if (summary_flags & kSummaryNoVerify) f |= DPB_RANK_NO_VERIFY;
+  if (summary_flags & kSummaryIdle) f |= DPB_RANK_IDLE;
+  return f;
+}
+
+// The step's requests as the balancer's; the first bad one, if any, named in the returned status
+// (the rank then runs its defaults and still joins the exchange).
+absl::Status ToRequests(Context& ctx, const dpbStep_v2_t& step) {
+  const int32_t n = step.num_requests;
+  ctx.requests.resize(n);
+  absl::Status bad;
+  for (int32_t i = 0; i < n; ++i) {
+    const dpbRequest_v2_t& q = step.requests[i];
+    BalancerRequest& r = ctx.requests[i];
+    const bool id_ok = q.id != nullptr && q.id_bytes >= 1 && q.id_bytes <= kMaxIdBytes;
+    if (!id_ok && bad.ok()) {
+      bad = absl::InvalidArgumentError(absl::StrFormat(
+          "plan: request %d has id %s with id_bytes = %d (expected 1..%d bytes)", i,
+          q.id ? "set" : "NULL", q.id_bytes, kMaxIdBytes));
+    }
+    r.request_id = id_ok ? RequestKey(q.id, q.id_bytes) : 0;
+    r.ctx_tokens = q.ctx_tokens;
+    // A step without verify plans (and falls back to) zero drafts for every request.
+    r.k_cap = step.kind == dpbStepNoVerify ? 0 : q.k_cap;
+    r.k_min = step.kind == dpbStepNoVerify ? 0 : std::min(std::max(q.k_min, ctx.k_min), std::max(q.k_cap, 0));
+    r.draft_confidence = step.kind != dpbStepNoVerify && q.draft_confidence && q.num_confidence > 0
+                             ? absl::MakeConstSpan(q.draft_confidence, q.num_confidence)
+                             : absl::Span<const float>();
+  }
+  return bad;
+}
+
+void FillResultV2(const Context& ctx, const PlanOutcome& o, dpbPlanResult_v2_t* res, int32_t n) {
+  res->draft_depth = o.draft_depth;
+  res->balanced = o.balanced ? 1 : 0;
+  int64_t budget = 0;
+  for (int32_t i = 0; i < n; ++i) budget += res->verify_len[i];
+  res->verify_budget = static_cast<int32_t>(budget);
+  const StepTotals& t = ctx.totals;
+  res->padded_tokens = t.known ? t.padded_tokens : 0;
+  res->any_rank_flags = 0;
+  for (int32_t r = 0; r < ctx.dp_size; ++r) {
+    const bool known = r < static_cast<int32_t>(t.rank_tokens.size()) && t.rank_tokens[r] >= 0;
+    const uint32_t f = known ? RankFlagsV2(t.rank_flags[r]) : DPB_RANK_UNKNOWN;
+    if (res->rank_tokens) res->rank_tokens[r] = known ? t.rank_tokens[r] : -1;
+    if (res->rank_flags) res->rank_flags[r] = f;
+    res->any_rank_flags |= f;
+  }
+}
+
+dpbResult_t PlanV2(void* context, const dpbStep_v2_t* step, dpbPlanResult_v2_t* res) {
+  auto* ctx = static_cast<Context*>(context);
+  if (ctx == nullptr) return dpbInvalidArgument;
+  if (ctx->awaiting_report) {  // the engine planned again without reporting: that step is unknown
+    ++ctx->missing_reports;
+    ctx->balancer->ForgetMeasurements();
+  }
+  ctx->awaiting_report = true;
+  const bool shape_ok = step != nullptr && res != nullptr && step->num_requests >= 0 &&
+                        (step->num_requests == 0 || (step->requests != nullptr && res->verify_len != nullptr));
+  if (!shape_ok) {  // nothing to fill; still joins the exchange so no rank waits for this one
+    try {
+      const PlanOutcome o = ctx->balancer->Abstain(absl::InvalidArgumentError(absl::StrFormat(
+          "plan (ABI v2): step %s, result %s, num_requests %d, requests %s, verify_len %s",
+          step ? "set" : "NULL", res ? "set" : "NULL", step ? step->num_requests : -1,
+          step && step->requests ? "set" : "NULL", res && res->verify_len ? "set" : "NULL")));
+      if (res) res->draft_depth = o.draft_depth;
+    } catch (...) {
+      if (res) res->draft_depth = ctx->default_k;
+    }
+    return dpbInvalidArgument;
+  }
+  const int32_t n = step->num_requests;
+  try {
+    StepInput in;
+    in.kv_free_tokens = step->kv_free_tokens;
+    in.extra_tokens = step->extra_tokens;
+    switch (step->kind) {
+      case dpbStepDecode: break;
+      case dpbStepIdle: in.kind = kSummaryIdle; break;
+      case dpbStepExtend: in.kind = kSummaryExtend; break;
+      case dpbStepNoVerify: in.kind = kSummaryNoVerify; break;
+      default:
+        in.input_error = absl::InvalidArgumentError(
+            absl::StrFormat("plan: step kind %d is not 0..3", static_cast<int>(step->kind)));
+    }
+    if (in.input_error.ok() && step->kind == dpbStepIdle && n > 0) {
+      in.input_error = absl::InvalidArgumentError(absl::StrFormat("plan: an idle step with %d requests", n));
+    }
+    if (absl::Status s = ToRequests(*ctx, *step); !s.ok() && in.input_error.ok()) in.input_error = s;
+    in.batch = ctx->requests;
+    const PlanOutcome o = ctx->balancer->Plan(in, absl::MakeSpan(res->verify_len, n), &ctx->totals);
+    FillResultV2(*ctx, o, res, n);
+    if (!ctx->balancer->enabled()) return dpbDisabled;
+    if (!in.input_error.ok()) return dpbInvalidArgument;
+    return o.balanced || o.status.ok() ? dpbSuccess : dpbFallback;
+  } catch (...) {
+    for (int32_t i = 0; i < n; ++i) {
+      res->verify_len[i] = step->kind == dpbStepNoVerify ? 0 : DefaultVerifyLen(ctx->default_k, step->requests[i].k_cap);
+    }
+    res->draft_depth = ctx->default_k;
+    res->balanced = 0;
+    return dpbInternalError;
+  }
+}
+
+dpbResult_t ReportV2(void* context, const dpbReport_v2_t* rep) {
+  auto* ctx = static_cast<Context*>(context);
+  if (ctx == nullptr || rep == nullptr || rep->num_accepted < 0 ||
+      (rep->num_accepted > 0 && rep->accepted == nullptr)) {
+    return dpbInvalidArgument;
+  }
+  if (!ctx->awaiting_report) {
+    Logger()->warn("report (ABI v2) without a plan since the last report: ignored");
+    return dpbInvalidArgument;
+  }
+  ctx->awaiting_report = false;
+  try {
+    ctx->accepted.resize(rep->num_accepted);
+    for (int32_t i = 0; i < rep->num_accepted; ++i) {
+      const dpbAccepted_v2_t& a = rep->accepted[i];
+      if (a.id == nullptr || a.id_bytes < 1 || a.id_bytes > kMaxIdBytes) {
+        Logger()->warn("report: accepted entry {} has id {} with id_bytes = {}: report ignored", i,
+                       a.id ? "set" : "NULL", a.id_bytes);
+        ctx->balancer->ForgetMeasurements();
+        return dpbInvalidArgument;
+      }
+      ctx->accepted[i] = BalancerAccepted{RequestKey(a.id, a.id_bytes), a.verify_len, a.accepted, a.finished != 0};
+    }
+    return ctx->balancer->Report(rep->attention_us, rep->step_us, ctx->accepted).ok() ? dpbSuccess
+                                                                                      : dpbInvalidArgument;
+  } catch (...) {
+    return dpbInternalError;
+  }
+}
+
+dpbResult_t StatsV2(void* context, dpbStats_v2_t* out) {
+  auto* ctx = static_cast<Context*>(context);
+  if (ctx == nullptr || out == nullptr) return dpbInvalidArgument;
+  std::memset(out, 0, sizeof(*out));
+  if (dpbResult_t r = Stats(context, &out->v1); r != dpbSuccess) return r;
+  const BalancerStats s = ctx->balancer->Stats();
+  out->missing_reports = ctx->missing_reports;
+  out->tp_mismatches = s.tp_mismatches;
+  out->exchange_failures = s.exchange_failures;
+  out->max_exchange_ms = s.max_exchange_ms;
+  return dpbSuccess;
+}
+
 }  // namespace
 }  // namespace dpbalance::plugin
 
 extern "C" __attribute__((visibility("default"))) const dpbalancePlugin_v1_t dpbalancePlugin_v1 = {
     "dpbalance", dpbalance::plugin::Init, dpbalance::plugin::Plan, dpbalance::plugin::Report,
     dpbalance::plugin::Stats, dpbalance::plugin::Finalize};
+
+extern "C" __attribute__((visibility("default"))) const dpbalancePlugin_v2_t dpbalancePlugin_v2 = {
+    DPB_PLUGIN_ABI_VERSION_2, "dpbalance", dpbalance::plugin::InitV2, dpbalance::plugin::PlanV2,
+    dpbalance::plugin::ReportV2, dpbalance::plugin::StatsV2, dpbalance::plugin::Finalize};

@@ -4,7 +4,9 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <cstddef>
 #include <fstream>
+#include <limits>
 
 #include "absl/strings/str_format.h"
 #include "dpbalance/calibration.h"
@@ -23,9 +25,12 @@ constexpr double kBarrierWarnRatio = 1.10;    // warn above this mean measured/p
 struct Hello {
   uint32_t magic;
   uint16_t summary_version;
-  uint16_t reserved;
+  uint16_t abi_version;  // the plugin ABI the engine calls (BalancerConfig::abi_version)
   uint64_t config_hash;
+  int32_t num_ranks;     // DP ranks
+  int32_t attn_tp_size;  // processes per DP rank
 };
+static_assert(sizeof(Hello) <= sizeof(RankSummary));
 
 }  // namespace
 
@@ -40,13 +45,20 @@ uint64_t BalancerConfig::Hash() const {
 absl::StatusOr<std::unique_ptr<Balancer>> Balancer::Create(BalancerConfig config, int rank,
                                                            std::unique_ptr<AllGather> comm) {
   if (comm == nullptr) return absl::InvalidArgumentError("balancer: no all-gather backend");
-  if (comm->num_ranks() != config.planner.num_ranks || comm->rank() != rank ||
+  const int tp = config.attn_tp_size;
+  if (tp < 1 || config.attn_tp_rank < 0 || config.attn_tp_rank >= tp ||
+      config.planner.num_ranks > std::numeric_limits<int>::max() / std::max(tp, 1)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "balancer: attn_tp_rank %d of attn_tp_size %d is out of range", config.attn_tp_rank, tp));
+  }
+  const int group = config.planner.num_ranks * tp, group_rank = rank * tp + config.attn_tp_rank;
+  if (comm->num_ranks() != group || comm->rank() != group_rank ||
       comm->record_bytes() != sizeof(RankSummary)) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "balancer: backend '%s' is rank %d of %d with %d-byte records; config says rank %d of %d "
-        "with %d-byte records",
-        comm->name(), comm->rank(), comm->num_ranks(), comm->record_bytes(), rank,
-        config.planner.num_ranks, sizeof(RankSummary)));
+        "balancer: backend '%s' is process %d of %d with %d-byte records; config says process %d "
+        "of %d (DP rank %d of %d, attention-TP rank %d of %d) with %d-byte records",
+        comm->name(), comm->rank(), comm->num_ranks(), comm->record_bytes(), group_rank, group,
+        rank, config.planner.num_ranks, config.attn_tp_rank, tp, sizeof(RankSummary)));
   }
   if (config.max_consecutive_failures < 1 || config.ab_epoch_steps < 0 ||
       config.timeout <= absl::ZeroDuration()) {
@@ -61,7 +73,11 @@ absl::StatusOr<std::unique_ptr<Balancer>> Balancer::Create(BalancerConfig config
   absl::StatusOr<Planner> planner = Planner::Create(config.planner, config.model);
   if (!planner.ok()) return planner.status();
   std::unique_ptr<Balancer> b(new Balancer(std::move(config), rank, std::move(comm), *std::move(planner)));
-  if (absl::Status s = b->Handshake(); !s.ok()) b->Disable(std::string(s.message()));
+  if (absl::Status s = b->Handshake(); !s.ok()) {
+    b->Disable(std::string(s.message()));
+  } else {
+    b->handshake_ok_ = true;
+  }
   return b;
 }
 
@@ -70,7 +86,8 @@ Balancer::Balancer(BalancerConfig config, int rank, std::unique_ptr<AllGather> c
     : config_(std::move(config)), rank_(rank), comm_(std::move(comm)), planner_(std::move(planner)),
       estimator_(config_.acceptance_prior_strength, MtpK8ConditionalProfile()),
       slo_(config_.tpot_slo_us) {
-  gathered_.resize(config_.planner.num_ranks);
+  gathered_.resize(static_cast<size_t>(config_.planner.num_ranks) * config_.attn_tp_size);
+  if (config_.attn_tp_size > 1) leaders_.resize(config_.planner.num_ranks);
   if (config_.online_calibration) online_ = std::make_unique<OnlineCostModel>(config_.model);
 }
 
@@ -80,18 +97,33 @@ Balancer::~Balancer() {
 
 absl::Status Balancer::Handshake() {
   RankSummary slot{};
-  Hello hello{kHelloMagic, kSummaryVersion, 0, config_.Hash()};
+  const Hello hello{kHelloMagic, kSummaryVersion, static_cast<uint16_t>(config_.abi_version),
+                    config_.Hash(), config_.planner.num_ranks, config_.attn_tp_size};
   std::memcpy(&slot, &hello, sizeof(hello));
   absl::Status s = Exchange(slot, config_.timeout);  // DPB_TIMEOUT_MS, as every exchange
   if (!s.ok()) return absl::UnavailableError(absl::StrCat("handshake all-gather failed: ", s.message()));
   for (size_t r = 0; r < gathered_.size(); ++r) {
     Hello h;
     std::memcpy(&h, &gathered_[r], sizeof(h));
+    const std::string who = config_.attn_tp_size > 1
+                                ? absl::StrFormat("process %d (DP rank %d)", r, r / config_.attn_tp_size)
+                                : absl::StrFormat("rank %d", r);
+    if (h.magic == kHelloMagic && h.abi_version != hello.abi_version) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "handshake: %s calls plugin ABI v%d, rank %d calls v%d (every rank disables itself)",
+          who, h.abi_version, rank_, hello.abi_version));
+    }
+    if (h.magic == kHelloMagic && (h.num_ranks != hello.num_ranks || h.attn_tp_size != hello.attn_tp_size)) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "handshake: %s has num_ranks %d x attn_tp_size %d, rank %d has %d x %d (every rank "
+          "disables itself)",
+          who, h.num_ranks, h.attn_tp_size, rank_, hello.num_ranks, hello.attn_tp_size));
+    }
     if (h.magic != kHelloMagic || h.summary_version != kSummaryVersion || h.config_hash != hello.config_hash) {
       return absl::FailedPreconditionError(absl::StrFormat(
-          "handshake: rank %d runs summary version %d with config hash %016x; rank %d runs "
+          "handshake: %s runs summary version %d with config hash %016x; rank %d runs "
           "version %d with %016x (every rank disables itself)",
-          r, h.summary_version, h.config_hash, rank_, kSummaryVersion, hello.config_hash));
+          who, h.summary_version, h.config_hash, rank_, kSummaryVersion, hello.config_hash));
     }
   }
   Logger()->info("rank {}: enabled, {} ranks, mode {}, k_max {}, default k {}, backend {}", rank_,
@@ -137,74 +169,221 @@ bool Balancer::ArmOn(uint64_t step) const {
 }
 
 absl::Status Balancer::Exchange(const RankSummary& send, absl::Duration timeout) {
-  return comm_->Gather(
+  const absl::Time start = absl::Now();
+  absl::Status s = comm_->Gather(
       absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(&send), sizeof(send)),
       absl::MakeSpan(reinterpret_cast<uint8_t*>(gathered_.data()), gathered_.size() * sizeof(RankSummary)),
       timeout);
+  max_exchange_ms_ = std::max(max_exchange_ms_, absl::ToDoubleMilliseconds(absl::Now() - start));
+  if (!s.ok()) ++exchange_failures_;
+  return s;
 }
 
-void Balancer::KeepInStep() {
-  if (!comm_->ordered() || !comm_->healthy()) return;
-  // Every receiver rejects a zero record (bad magic) and disables itself too, so all ranks end
-  // up here, each still calling once per step.
-  std::memset(&own_summary_, 0, sizeof(own_summary_));
-  Exchange(own_summary_, config_.timeout).IgnoreError();
+void Balancer::KeepInStep(const StepInput& in, absl::Span<const int32_t> fallback_len,
+                          StepTotals* totals) {
+  // always_exchange holds only among ranks that passed the handshake: ranks that disagree on the
+  // ABI or the group (a v1 rank does not exchange once disabled) would wait for each other.
+  if (!(comm_->ordered() || (config_.always_exchange && handshake_ok_)) || !comm_->healthy()) return;
+  // Every receiver sees the disabled record and disables itself too, so all ranks end up here,
+  // each still calling once per step; the record still tells them this rank's token total.
+  StampOwnSummary(absl::CancelledError("disabled"), step_ - 1, in, fallback_len);
+  own_summary_.flags |= kSummaryDisabled;
+  if (!Exchange(own_summary_, config_.timeout).ok()) return;
+  if (config_.attn_tp_size > 1) GatherLeaders();
+  FillTotals(nullptr, false, totals);
+}
+
+void Balancer::ForgetMeasurements() {
+  prev_attention_us_ = prev_step_us_ = prev_tokens_ = -1;
+  predicted_attention_us_ = -1;
+  pending_slo_.clear();
+  pending_refit_ = false;
+}
+
+absl::Span<const RankSummary> Balancer::DpRecords() const {
+  return config_.attn_tp_size > 1 ? absl::MakeConstSpan(leaders_) : absl::MakeConstSpan(gathered_);
+}
+
+bool Balancer::GatherLeaders() {
+  const int tp = config_.attn_tp_size;
+  bool mine_agree = true;
+  for (size_t r = 0; r < leaders_.size(); ++r) {
+    leaders_[r] = gathered_[r * tp];
+    bool agree = true;
+    for (int j = 1; j < tp; ++j) {
+      const RankSummary& m = gathered_[r * tp + j];
+      agree &= m.input_digest == leaders_[r].input_digest &&
+               (m.flags & kSummaryValid) == (leaders_[r].flags & kSummaryValid);
+    }
+    if (!agree) {
+      leaders_[r].flags &= static_cast<uint16_t>(~kSummaryValid);  // planned as a fallback rank
+      if (static_cast<int>(r) == rank_) mine_agree = false;
+    }
+  }
+  return mine_agree;
+}
+
+void Balancer::ApplyLeaderMeasurements() {
+  if (config_.attn_tp_size == 1) return;
+  const RankSummary& lead = gathered_[static_cast<size_t>(rank_) * config_.attn_tp_size];
+  if (lead.prev_step_us > 0) {
+    for (const Pending& p : pending_slo_) slo_.Observe(p.request_id, lead.prev_step_us, p.tokens).IgnoreError();
+  }
+  if (pending_refit_ && online_ && lead.prev_attention_us > 0 &&
+      online_->Observe(planned_agg_, lead.prev_attention_us)) {
+    planner_.set_model(online_->model());
+  }
+  pending_slo_.clear();
+  pending_refit_ = false;
+}
+
+uint32_t Balancer::InputDigest(const StepInput& in) const {
+  internal::Fnv1a h;
+  h.Value(in.kind);
+  h.Value(in.extra_tokens);
+  h.Value(in.kv_free_tokens);
+  for (const PlanRequest& p : plan_batch_) {
+    h.Value(p.ctx_tokens);
+    h.Value(p.k_min);
+    h.Value(p.k_cap);
+    for (int j = 1; j <= kMaxDraftLen; ++j) h.Value(p.acceptance.Accept(j));
+  }
+  // The summary's planning content: what this rank's model made of the batch.
+  const auto* bytes = reinterpret_cast<const uint8_t*>(&own_summary_);
+  h.Bytes(bytes + offsetof(RankSummary, base_attention_us),
+          offsetof(RankSummary, extra_tokens) - offsetof(RankSummary, base_attention_us));
+  const uint64_t d = h.digest();
+  return static_cast<uint32_t>(d ^ (d >> 32));
+}
+
+void Balancer::FillTotals(const GlobalDecision* decision, bool balanced, StepTotals* totals) {
+  if (totals == nullptr) return;
+  const absl::Span<const RankSummary> recs = DpRecords();
+  totals->known = true;
+  totals->rank_tokens.resize(recs.size());
+  totals->rank_flags.resize(recs.size());
+  planner_.RankTokens(recs, decision ? *decision : GlobalDecision{}, balanced && decision != nullptr,
+                      absl::MakeSpan(totals->rank_tokens));
+  int64_t max_tokens = 0;
+  totals->any_flags = 0;
+  for (size_t r = 0; r < recs.size(); ++r) {
+    uint16_t f = recs[r].flags & (kSummaryExtend | kSummaryNoVerify | kSummaryIdle | kSummaryDisabled);
+    if (balanced && decision != nullptr && (recs[r].flags & kSummaryValid)) f |= kSummaryValid;
+    totals->rank_flags[r] = f;
+    totals->any_flags |= f;
+    max_tokens = std::max(max_tokens, totals->rank_tokens[r]);
+  }
+  totals->padded_tokens = max_tokens;
+  for (int32_t t : config_.planner.token_tiers) {
+    if (t >= max_tokens) {
+      totals->padded_tokens = t;
+      break;
+    }
+  }
 }
 
 PlanOutcome Balancer::Plan(absl::Span<const BalancerRequest> batch, int64_t kv_free_tokens,
                            absl::Span<int32_t> verify_len) {
-  return PlanStep(batch, kv_free_tokens, verify_len,
-                  verify_len.size() == batch.size()
-                      ? absl::OkStatus()
-                      : absl::InvalidArgumentError(absl::StrFormat(
-                            "verify_len has %d slots for %d requests", verify_len.size(), batch.size())));
+  return Plan(StepInput{batch, kv_free_tokens, 0, 0}, verify_len, nullptr);
+}
+
+PlanOutcome Balancer::Plan(const StepInput& step, absl::Span<int32_t> verify_len,
+                           StepTotals* totals) {
+  absl::Status local = step.input_error;
+  if (local.ok() && verify_len.size() != step.batch.size()) {
+    local = absl::InvalidArgumentError(absl::StrFormat(
+        "verify_len has %d slots for %d requests", verify_len.size(), step.batch.size()));
+  } else if (local.ok() && step.extra_tokens < 0 || step.extra_tokens > std::numeric_limits<uint32_t>::max() / 2) {
+    local = absl::InvalidArgumentError(
+        absl::StrFormat("extra_tokens = %d must be in 0..2^31", step.extra_tokens));
+  }
+  return PlanStep(step, verify_len, local, totals);
 }
 
 PlanOutcome Balancer::Abstain(const absl::Status& why) {
-  return PlanStep({}, -1, {}, why.ok() ? absl::InvalidArgumentError("abstained without a reason") : why);
+  return PlanStep(StepInput{}, {}, why.ok() ? absl::InvalidArgumentError("abstained without a reason") : why,
+                  nullptr);
 }
 
-PlanOutcome Balancer::PlanStep(absl::Span<const BalancerRequest> batch, int64_t kv_free_tokens,
-                               absl::Span<int32_t> verify_len, absl::Status local) {
+PlanOutcome Balancer::PlanStep(const StepInput& in, absl::Span<int32_t> verify_len,
+                               absl::Status local, StepTotals* totals) {
   PlanOutcome out;
   out.draft_depth = config_.planner.default_k;
+  const absl::Span<const BalancerRequest> batch = in.batch;
   Fallback(batch, verify_len);
+  if (totals != nullptr) {  // until the exchange says more: only this rank's own total is known
+    const size_t dp = static_cast<size_t>(config_.planner.num_ranks);
+    totals->known = false;
+    totals->rank_tokens.assign(dp, -1);
+    totals->rank_flags.assign(dp, 0);
+    int64_t own = std::max<int64_t>(in.extra_tokens, 0);
+    for (int32_t v : verify_len) own += 1 + v;
+    totals->rank_tokens[rank_] = own;
+    totals->rank_flags[rank_] = in.kind;
+    totals->padded_tokens = 0;
+    totals->any_flags = in.kind;
+  }
   const uint64_t step = step_++;
   // The previous step's agreed barrier (< 0: that step was not balanced), for its accounting.
   const double prev_planned_barrier = planned_barrier_us_;
   planned_barrier_us_ = -1;
   if (!enabled_) {
-    KeepInStep();
+    KeepInStep(in, verify_len, totals);
     return out;
   }
   // Step 1: this rank's summary. Bad local input still joins the exchange, marked unusable.
   if (local.ok()) local = ToPlanBatch(batch);
-  if (local.ok()) local = planner_.Summarize(rank_, plan_batch_, kv_free_tokens, &own_summary_);
-  StampOwnSummary(local, step);
+  if (local.ok()) local = planner_.Summarize(rank_, plan_batch_, in.kv_free_tokens, &own_summary_);
+  StampOwnSummary(local, step, in, verify_len);
   // Step 2: the exchange.
   if (absl::Status s = Exchange(own_summary_, config_.timeout); !s.ok()) {
     Fail(s);
     out.status = s;
     return out;
   }
+  if (config_.attn_tp_size > 1) {
+    if (!GatherLeaders() && local.ok()) {
+      ++tp_mismatches_;
+      local = absl::AbortedError(absl::StrFormat(
+          "the attention-TP members of DP rank %d planned from different inputs (digests differ)", rank_));
+    }
+    ApplyLeaderMeasurements();
+  }
+  // A disabled peer is seen by every rank in the same bytes: all disable together.
+  const absl::Span<const RankSummary> recs = DpRecords();
+  for (size_t r = 0; r < recs.size(); ++r) {
+    if (recs[r].flags & kSummaryDisabled) {
+      Disable(absl::StrFormat("rank %d is disabled", r));
+      FillTotals(nullptr, false, totals);
+      return out;
+    }
+  }
   // Step 3: everyone agrees on the step and so on the A/B arm.
   const bool arm_on = AgreeOnStep(step, prev_planned_barrier);
   predicted_attention_us_ = -1;
   if (!local.ok()) {
     // This rank runs its defaults, but must draft as deep as every other rank agrees to.
-    if (arm_on) {
-      if (absl::StatusOr<GlobalDecision> d = planner_.Decide(gathered_); d.ok()) out.draft_depth = d->draft_depth;
-    }
+    absl::StatusOr<GlobalDecision> d = absl::UnavailableError("off arm");
+    if (arm_on) d = planner_.Decide(recs);
+    if (d.ok()) out.draft_depth = d->draft_depth;
     Fail(local);
     out.status = local;
+    FillTotals(d.ok() ? &*d : nullptr, d.ok(), totals);
     return out;
   }
   if (!arm_on) {
     consecutive_failures_ = 0;
+    FillTotals(nullptr, false, totals);
     return out;
   }
   // Step 4: the global decision (same bytes on every rank) and this rank's verify lengths.
-  DecideAndAssign(batch, verify_len, out);
+  const GlobalDecision* applied = DecideAndAssign(batch, verify_len, out);
+  FillTotals(applied, applied != nullptr, totals);
+  if (totals != nullptr && !out.balanced) {  // this rank alone fell back: say what it runs
+    int64_t own = in.extra_tokens;
+    for (int32_t v : verify_len) own += 1 + v;
+    totals->rank_tokens[rank_] = own;
+  }
   return out;
 }
 
@@ -232,14 +411,21 @@ absl::Status Balancer::ToPlanBatch(absl::Span<const BalancerRequest> batch) {
   return absl::OkStatus();
 }
 
-void Balancer::StampOwnSummary(const absl::Status& local, uint64_t step) {
+void Balancer::StampOwnSummary(const absl::Status& local, uint64_t step, const StepInput& in,
+                               absl::Span<const int32_t> fallback_len) {
   if (!local.ok()) {  // a record the others recognise and exclude (no kSummaryValid flag)
     std::memset(&own_summary_, 0, sizeof(own_summary_));
     own_summary_.magic = kSummaryMagic;
     own_summary_.version = kSummaryVersion;
     own_summary_.config_hash = planner_.config_hash();
     own_summary_.rank_idx = static_cast<uint32_t>(rank_);
+    int64_t tokens = 0;  // what its default lengths run, so every rank knows its total
+    for (int32_t v : fallback_len) tokens += 1 + v;
+    own_summary_.default_tokens = static_cast<uint32_t>(std::min<int64_t>(tokens, UINT32_MAX));
   }
+  own_summary_.flags |= in.kind;
+  own_summary_.extra_tokens = static_cast<uint32_t>(std::clamp<int64_t>(in.extra_tokens, 0, UINT32_MAX));
+  own_summary_.input_digest = config_.attn_tp_size > 1 && local.ok() ? InputDigest(in) : 0;
   own_summary_.step_idx = static_cast<uint32_t>(step);
   own_summary_.prev_attention_us = static_cast<float>(prev_attention_us_);
   own_summary_.prev_step_us = static_cast<float>(prev_step_us_);
@@ -249,9 +435,10 @@ void Balancer::StampOwnSummary(const absl::Status& local, uint64_t step) {
 bool Balancer::AgreeOnStep(uint64_t step, double prev_planned_barrier) {
   // The agreed step is the smallest index sent: it picks the A/B arm and epoch on every rank.
   uint32_t agreed_step = own_summary_.step_idx;
-  for (const RankSummary& r : gathered_) agreed_step = std::min(agreed_step, r.step_idx);
+  const absl::Span<const RankSummary> recs = DpRecords();
+  for (const RankSummary& r : recs) agreed_step = std::min(agreed_step, r.step_idx);
   const bool arm_on = ArmOn(agreed_step);
-  if (have_prev_arm_) AccountPreviousStep(gathered_, prev_arm_on_, prev_planned_barrier);
+  if (have_prev_arm_) AccountPreviousStep(recs, prev_arm_on_, prev_planned_barrier);
   const int64_t epoch = config_.ab_epoch_steps > 0 ? agreed_step / config_.ab_epoch_steps : 0;
   if (epoch != epoch_) {
     arm_on_.EndEpoch();
@@ -264,9 +451,9 @@ bool Balancer::AgreeOnStep(uint64_t step, double prev_planned_barrier) {
   return arm_on;
 }
 
-void Balancer::DecideAndAssign(absl::Span<const BalancerRequest> batch,
-                               absl::Span<int32_t> verify_len, PlanOutcome& out) {
-  absl::StatusOr<GlobalDecision> d = planner_.Decide(gathered_);
+const GlobalDecision* Balancer::DecideAndAssign(absl::Span<const BalancerRequest> batch,
+                                                absl::Span<int32_t> verify_len, PlanOutcome& out) {
+  absl::StatusOr<GlobalDecision> d = planner_.Decide(DpRecords());
   if (!d.ok()) {
     if (d.status().code() == absl::StatusCode::kFailedPrecondition) {
       Disable(std::string(d.status().message()));  // version/config mismatch: all ranks see it
@@ -275,7 +462,7 @@ void Balancer::DecideAndAssign(absl::Span<const BalancerRequest> batch,
     }
     out.status = d.status();
     Fallback(batch, verify_len);
-    return;
+    return nullptr;
   }
   if (absl::Status a = planner_.Assign(*d, verify_len); !a.ok()) {
     // Only this rank failed: every other rank drafts the agreed depth, so this one must too (an
@@ -289,7 +476,8 @@ void Balancer::DecideAndAssign(absl::Span<const BalancerRequest> batch,
     } else {
       Fallback(batch, verify_len);
     }
-    return;
+    decision_ = *d;
+    return &decision_;  // the other ranks apply it
   }
   planned_loads_.clear();
   for (size_t i = 0; i < batch.size(); ++i) planned_loads_.push_back({batch[i].ctx_tokens, 1 + verify_len[i]});
@@ -306,6 +494,8 @@ void Balancer::DecideAndAssign(absl::Span<const BalancerRequest> batch,
     out.draft_depth = 0;
     for (int32_t v : verify_len) out.draft_depth = std::max(out.draft_depth, static_cast<int>(v));
   }
+  decision_ = *d;
+  return &decision_;
 }
 
 void Balancer::AccountPreviousStep(absl::Span<const RankSummary> all, bool prev_arm_on,
@@ -358,7 +548,9 @@ absl::Status Balancer::Report(double attention_us, double step_us,
       continue;
     }
     tokens += a.accepted + 1;
-    if (step_us > 0) {
+    if (config_.attn_tp_size > 1) {  // priced with member 0's step time, from the next exchange
+      if (!a.finished) pending_slo_.push_back(Pending{a.request_id, a.accepted + 1});
+    } else if (step_us > 0) {
       if (absl::Status s = slo_.Observe(a.request_id, step_us, a.accepted + 1); !s.ok() && first_error.ok()) {
         first_error = s;
       }
@@ -374,7 +566,11 @@ absl::Status Balancer::Report(double attention_us, double step_us,
   if (predicted_attention_us_ > 0 && attention_us > 0) {
     predicted_error_.Add(std::abs(predicted_attention_us_ - attention_us) / attention_us);
     // The online refit learns only from balanced steps, whose batch it knows exactly.
-    if (online_ && online_->Observe(planned_agg_, attention_us)) planner_.set_model(online_->model());
+    if (config_.attn_tp_size > 1) {
+      pending_refit_ = online_ != nullptr;  // with member 0's time, from the next exchange
+    } else if (online_ && online_->Observe(planned_agg_, attention_us)) {
+      planner_.set_model(online_->model());
+    }
   }
   return first_error;
 }
@@ -403,6 +599,9 @@ BalancerStats Balancer::Stats() const {
   };
   s.arm_on = arm(arm_on_);
   s.arm_off = arm(arm_off_);
+  s.tp_mismatches = tp_mismatches_;
+  s.exchange_failures = exchange_failures_;
+  s.max_exchange_ms = max_exchange_ms_;
   return s;
 }
 

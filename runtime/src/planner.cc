@@ -233,6 +233,45 @@ int64_t KvCap(int64_t kv_free_tokens) {
   return kv_free_tokens < 0 ? std::numeric_limits<int64_t>::max() : kv_free_tokens;
 }
 
+// exact_rank_tokens: where a rank's plan lands on its frontier under a decision, from its
+// summary alone (so every rank computes it for every rank): at the agreed depth (or, with
+// per-rank depths, the depth whose knot gains most, the shallower on a tie), the last knot that
+// costs no more than the fill barrier and, padded, stays within the tier; the base if none does.
+struct KnotChoice {
+  int depth = 0;
+  int64_t extra_tokens = 0;  // over the base
+  double gain = 0;
+};
+
+KnotChoice KnotAtDepth(const RankSummary& s, const GlobalDecision& d, const PlannerConfig& c,
+                       int depth) {
+  KnotChoice k{depth, 0, s.base_gain};
+  const int dd = std::min(depth, static_cast<int>(s.max_depth));
+  if (dd < std::max(1, static_cast<int>(s.min_depth))) return k;
+  const double barrier = FillBarrierUs(d);
+  const int begin = s.knot_begin[dd - 1], end = begin + s.num_knots[dd - 1];
+  for (int i = begin; i < end && i < kKnotPool; ++i) {
+    if (s.knot_attention_us[i] > barrier) break;  // knot costs never fall
+    if (c.global.padded_tokens && d.padded_rank_tokens > 0 &&
+        int64_t{s.base_tokens} + s.knot_tokens[i] > d.padded_rank_tokens) {
+      break;
+    }
+    k.extra_tokens = s.knot_tokens[i];
+    k.gain = s.knot_gain[i];
+  }
+  return k;
+}
+
+KnotChoice ChooseKnot(const RankSummary& s, const GlobalDecision& d, const PlannerConfig& c) {
+  if (c.agreed_draft_depth) return KnotAtDepth(s, d, c, d.draft_depth);
+  KnotChoice best = KnotAtDepth(s, d, c, s.min_depth);
+  for (int depth = s.min_depth + 1; depth <= std::min<int>(d.draft_depth, s.max_depth); ++depth) {
+    const KnotChoice k = KnotAtDepth(s, d, c, depth);
+    if (k.gain > best.gain) best = k;
+  }
+  return best;
+}
+
 // Shares one rank's knot pool among the draft depths d_lo..d_hi: every depth with items gets one
 // knot, then rounds hand out the rest, most to the depths around the previous decision's (where
 // the next one most likely lands: the chord between sparse knots undervalues a depth): 6 knots
@@ -618,6 +657,10 @@ absl::Status PlannerConfig::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrFormat("planner: default_k = %d must be in 0..k_max (%d)", default_k, k_max));
   }
+  if (exact_rank_tokens && uniform_per_rank) {
+    return absl::InvalidArgumentError(
+        "planner: exact_rank_tokens needs per-request lengths (uniform_per_rank is set)");
+  }
   for (size_t i = 0; i < token_tiers.size(); ++i) {
     if (token_tiers[i] <= 0 || (i > 0 && token_tiers[i] <= token_tiers[i - 1])) {
       return absl::InvalidArgumentError(absl::StrFormat(
@@ -638,6 +681,8 @@ uint64_t PlannerConfig::Hash() const {
   h.Value(max_step_slack);
   h.Value(agreed_draft_depth);
   h.Value(uniform_per_rank);
+  h.Value(exact_rank_tokens);
+  h.Value(order_by_gain);
   h.Value(kSummaryVersion);
   return h.digest();
 }
@@ -712,6 +757,7 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
     WalkKnots(st, avail, ShareKnotPool(avail, d_lo, s.max_depth, focus_depth_, KnotBudget(config_.num_ranks)), s);
   }
   FillMaxSlopes(s);
+  if (config_.exact_rank_tokens) st.summary = s;
   return absl::OkStatus();
 }
 
@@ -797,9 +843,12 @@ void Planner::OrderItems(LocalState& st) const {
   const BatchAggregates::TokenMark multi_mark = multi.Mark();
   for (size_t i = 0; i < st.batch.size(); ++i) {
     const PlanRequest& r = st.batch[i];
-    multi.AddQueryToken(RequestLoad{r.ctx_tokens, 1 + st.base_len[i]});
-    const double marginal = std::max(model_.AttentionUs(multi) - multi_us, kTinyUs);
-    multi.Restore(multi_mark);
+    double marginal = 1.0;  // order_by_gain: the engine's confidence order
+    if (!config_.order_by_gain) {
+      multi.AddQueryToken(RequestLoad{r.ctx_tokens, 1 + st.base_len[i]});
+      marginal = std::max(model_.AttentionUs(multi) - multi_us, kTinyUs);
+      multi.Restore(multi_mark);
+    }
     for (int j = st.base_len[i] + 1; j <= r.k_cap; ++j) {
       const double gain = r.acceptance.Accept(j);
       if (gain <= min_gain) break;  // gains fall with j
@@ -970,6 +1019,10 @@ absl::Status Planner::AssignFrom(const LocalState& st, const GlobalDecision& d,
           st.base_len[i], d.draft_depth));
     }
   }
+  if (config_.exact_rank_tokens) {
+    AssignKnot(st, d, verify_len);
+    return absl::OkStatus();
+  }
   if (config_.agreed_draft_depth) {
     FillUnder(st, d, d.draft_depth, verify_len);
     return absl::OkStatus();
@@ -985,6 +1038,34 @@ absl::Status Planner::AssignFrom(const LocalState& st, const GlobalDecision& d,
     }
   }
   return absl::OkStatus();
+}
+
+void Planner::AssignKnot(const LocalState& st, const GlobalDecision& d,
+                         absl::Span<int32_t> verify_len) const {
+  const KnotChoice k = ChooseKnot(st.summary, d, config_);
+  std::copy(st.base_len.begin(), st.base_len.end(), verify_len.begin());
+  // The knot sits after its first `extra_tokens` items of depth <= k.depth in frontier order
+  // (WalkKnots counts them the same way), and a request's items come in position order there.
+  int64_t taken = 0;
+  for (const Item& it : st.items) {
+    if (taken == k.extra_tokens) break;
+    if (it.pos() > k.depth) continue;
+    verify_len[it.req_idx()] = it.pos();
+    ++taken;
+  }
+}
+
+void Planner::RankTokens(absl::Span<const RankSummary> summaries, const GlobalDecision& decision,
+                         bool balanced, absl::Span<int64_t> out) const {
+  for (size_t r = 0; r < summaries.size() && r < out.size(); ++r) {
+    const RankSummary& s = summaries[r];
+    int64_t tokens = s.default_tokens;
+    if (balanced && config_.mode != PlanMode::kOff && SummaryUsable(s, r)) {
+      tokens = config_.exact_rank_tokens ? s.base_tokens + ChooseKnot(s, decision, config_).extra_tokens
+                                         : s.base_tokens;
+    }
+    out[r] = tokens + s.extra_tokens;
+  }
 }
 
 int Planner::UniformLens(const LocalState& st, int level, absl::Span<int32_t> lens) const {

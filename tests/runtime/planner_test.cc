@@ -267,6 +267,89 @@ TEST(PlannerProperties, DeterministicAndRespectsConstraintsOnRandomInstances) {
   }
 }
 
+// ABI v2's contract: every rank derives every rank's token total from the exchanged summaries
+// alone (RankTokens), identically, and each rank's own lengths add up to exactly its total; the
+// plan still respects floors, caps, the depth, the KV budget, the barrier and (padded) the tier.
+// Exact totals trade the fill between knots for that; the plan must stay a good one: at least
+// the static default's goodput, as the greedy fill's is (GoodputBeatsOrMatchesStaticDefault).
+TEST(PlannerExactRankTokens, EveryRankDerivesEveryTotalAndItsOwnLengthsAddUpToIt) {
+  std::mt19937_64 rng(2026);
+  for (int trial = 0; trial < 60; ++trial) {
+    const int ranks = 1 + static_cast<int>(rng() % 48);
+    PlannerConfig c = RandomConfig(rng, ranks);
+    c.exact_rank_tokens = true;
+    c.global.padded_tokens = trial % 2 == 1;
+    if (trial % 4 == 1) c.token_tiers = {8, 16, 32, 64, 128, 256, 512};
+    c.agreed_draft_depth = trial % 5 != 2;
+    c.order_by_gain = trial % 3 == 1;
+    c.mode = trial % 7 == 3 ? PlanMode::kFill : PlanMode::kGoodput;
+    const CostModel m = trial % 3 == 0 ? RegimeModel() : CostModel::PublishedV2();
+    const Batches b = RandomInstance(rng, ranks, 40, c.k_max, trial % 2 == 0);
+    std::vector<int64_t> kv(ranks);
+    for (auto& v : kv) v = (rng() % 3 == 0) ? static_cast<int64_t>(rng() % 30) : -1;
+    const RankRun run = RunAsRanks(c, m, b, kv);
+    const GlobalDecision& d0 = run.decisions[0];
+    Planner any = *Planner::Create(c, m);
+    std::vector<int64_t> totals(ranks), again(ranks);
+    any.RankTokens(run.summaries, d0, /*balanced=*/true, absl::MakeSpan(totals));
+    any.RankTokens(run.summaries, run.decisions[ranks - 1], true, absl::MakeSpan(again));
+    EXPECT_EQ(totals, again) << "trial " << trial;
+    for (int r = 0; r < ranks; ++r) {
+      BatchAggregates a;
+      int64_t extra = 0;
+      for (size_t i = 0; i < b[r].size(); ++i) {
+        const int32_t k = run.k[r][i];
+        EXPECT_GE(k, b[r][i].k_min);
+        EXPECT_LE(k, b[r][i].k_cap);
+        if (c.agreed_draft_depth) EXPECT_LE(k, d0.draft_depth);
+        extra += k - std::max(b[r][i].k_min, c.mode == PlanMode::kFill ? DefaultVerifyLen(c.default_k, b[r][i].k_cap) : 0);
+        a.Add({b[r][i].ctx_tokens, 1 + k});
+      }
+      EXPECT_EQ(static_cast<int64_t>(a.query_tokens), totals[r]) << "trial " << trial << " rank " << r;
+      if (kv[r] >= 0) EXPECT_LE(extra, kv[r]);
+      if (c.agreed_draft_depth) {
+        EXPECT_LE(m.AttentionUs(a), d0.barrier_us * (1 + 1e-5) + 1e-3) << "trial " << trial;
+      }
+      if (c.global.padded_tokens) EXPECT_LE(a.query_tokens, d0.padded_rank_tokens);
+    }
+    // Not balanced (an off arm): every rank runs its defaults, and says so.
+    any.RankTokens(run.summaries, d0, /*balanced=*/false, absl::MakeSpan(totals));
+    for (int r = 0; r < ranks; ++r) {
+      int64_t def = 0;
+      for (const PlanRequest& q : b[r]) def += 1 + DefaultVerifyLen(c.default_k, q.k_cap);
+      EXPECT_EQ(totals[r], def);
+    }
+  }
+}
+
+// Budget granularity: the engine spreads a rank's verify budget over its requests by draft
+// confidence, best first; with order_by_gain the planner's lengths are exactly that spread.
+TEST(PlannerExactRankTokens, OrderByGainAssignsTheBudgetByAcceptance) {
+  std::mt19937_64 rng(7);
+  for (int trial = 0; trial < 20; ++trial) {
+    PlannerConfig c = RandomConfig(rng, 4);
+    c.exact_rank_tokens = true;
+    c.order_by_gain = true;
+    const Batches b = RandomInstance(rng, 4, 24, c.k_max, /*floors=*/false);
+    const RankRun run = RunAsRanks(c, CostModel::PublishedV2(), b, {-1, -1, -1, -1});
+    for (int r = 0; r < 4; ++r) {
+      // Every verified draft position accepts at least as likely as every one left out.
+      double lowest_in = 2, highest_out = -1;
+      for (size_t i = 0; i < b[r].size(); ++i) {
+        const int32_t k = run.k[r][i];
+        if (k > 0) lowest_in = std::min(lowest_in, b[r][i].acceptance.Accept(k));
+        if (k < b[r][i].k_cap && k < run.decisions[0].draft_depth) {
+          highest_out = std::max(highest_out, b[r][i].acceptance.Accept(k + 1));
+        }
+      }
+      if (highest_out >= 0 && lowest_in <= 1) {
+        // Items left out at a knot boundary may tie with the last taken.
+        EXPECT_LE(highest_out, lowest_in + 1e-6) << "trial " << trial << " rank " << r;
+      }
+    }
+  }
+}
+
 // A model shaped like the H200 packed-rows fit (docs/generated/model_packed.json): fixed costs
 // and simulated makespans of the kernel grid, whose waves and tails make a rank's time jump
 // as verify tokens are added.

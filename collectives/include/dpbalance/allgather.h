@@ -54,4 +54,15 @@ absl::StatusOr<std::unique_ptr<AllGather>> MakeCallbackAllGather(int num_ranks, 
                                                                   AllGatherCallback fn,
                                                                   void* user);
 
+// Engine callback with sizes (plugin ABI v2): `recv_bytes` = num_ranks * send_bytes is the
+// capacity of `recv`, which the callback must not write past. Returns the bytes it wrote into
+// `recv` (checked: exactly recv_bytes) or < 0 on failure or timeout.
+using SizedAllGatherCallback = int64_t (*)(void* user, const void* send, size_t send_bytes,
+                                           void* recv, size_t recv_bytes, int32_t timeout_ms);
+
+absl::StatusOr<std::unique_ptr<AllGather>> MakeSizedCallbackAllGather(int num_ranks, int rank,
+                                                                       size_t record_bytes,
+                                                                       SizedAllGatherCallback fn,
+                                                                       void* user);
+
 }  // namespace dpbalance

@@ -55,6 +55,17 @@ struct BalancerConfig {
   // it emitted only its bonus token this step gets the shortest verify length, up to the
   // default, whose expected tokens keep it within (TpotSlo). 0: none.
   double tpot_slo_us = 0;
+  // Attention TP (plugin ABI v2): processes per DP rank that each run a Balancer for the same
+  // batch; the all-gather group is num_ranks x attn_tp_size in (dp rank, attn_tp rank) order.
+  // Members plan from identical inputs: the same batch and accept counts, and the measured times
+  // of member 0 (from the exchange), never their own; their records carry a digest of the
+  // planning inputs, and a DP rank whose members disagree falls back on all of them.
+  int attn_tp_size = 1;
+  int attn_tp_rank = 0;
+  int abi_version = 1;          // the plugin ABI the engine uses: every rank must agree
+  // true: the exchange runs on every step even once disabled (with a record that still carries
+  // this rank's token total), so an engine whose own DP sync rides in the exchange keeps it.
+  bool always_exchange = false;
   uint64_t Hash() const;                   // what the handshake compares
 };
 
@@ -71,6 +82,28 @@ struct BalancerAccepted {
   int32_t verify_len = 0;
   int32_t accepted = 0;
   bool finished = false;  // the request left the batch: forget its statistics
+};
+
+// One step of a rank (plugin ABI v2): its decode batch and what else it runs.
+struct StepInput {
+  absl::Span<const BalancerRequest> batch;
+  int64_t kv_free_tokens = -1;  // < 0: unlimited
+  int64_t extra_tokens = 0;     // query tokens beside verify (prefill chunks)
+  uint16_t kind = 0;            // kSummaryExtend | kSummaryNoVerify | kSummaryIdle
+  // An error the caller found in the step's input (e.g. a request without an id): the rank runs
+  // its default lengths and still joins the exchange, marked unusable.
+  absl::Status input_error;
+};
+
+// Every DP rank's token total and flags for the step, derived from the one exchange identically
+// on every rank (Planner::RankTokens).
+struct StepTotals {
+  bool known = false;                // false: the exchange failed; only this rank's own is known
+  std::vector<int64_t> rank_tokens;  // per DP rank, -1 when unknown
+  std::vector<uint16_t> rank_flags;  // per DP rank: kSummary* bits (kSummaryValid: planned)
+  int64_t padded_tokens = 0;         // the smallest tier >= the largest total (the max itself
+                                     // without tiers or beyond the largest)
+  uint16_t any_flags = 0;            // OR of rank_flags
 };
 
 struct PlanOutcome {
@@ -103,6 +136,9 @@ struct BalancerStats {
   double tokens_per_step = 0;         // instance tokens per step
   double goodput_tok_per_s = 0;       // instance tokens / instance step time
   ArmSummary arm_on, arm_off;         // A/B arms (epochs == 0 without A/B)
+  int64_t tp_mismatches = 0;          // steps this DP rank's attention-TP members disagreed
+  int64_t exchange_failures = 0;      // exchanges (handshake included) that failed
+  double max_exchange_ms = 0;         // longest exchange, handshake included
 };
 
 class Balancer {
@@ -113,6 +149,11 @@ class Balancer {
 
   PlanOutcome Plan(absl::Span<const BalancerRequest> batch, int64_t kv_free_tokens,
                    absl::Span<int32_t> verify_len);
+  // The same for one step of any kind, also giving every DP rank's token total (`totals` may be
+  // null). A kNoVerify step must pass k_cap = 0; an idle one an empty batch.
+  PlanOutcome Plan(const StepInput& step, absl::Span<int32_t> verify_len, StepTotals* totals);
+  // The previous step's measurements are lost (the engine planned again without reporting).
+  void ForgetMeasurements();
   // A step this rank cannot plan (the engine passed arguments that describe no batch, `why`):
   // it still joins the exchange, with a record marked unusable, so its peers plan without it
   // instead of waiting for it. The outcome carries `why` and the depth to draft.
@@ -127,19 +168,32 @@ class Balancer {
   absl::Status Handshake();
   // The one all-gather: `send` out, every rank's record into gathered_.
   absl::Status Exchange(const RankSummary& send, absl::Duration timeout);
-  PlanOutcome PlanStep(absl::Span<const BalancerRequest> batch, int64_t kv_free_tokens,
-                       absl::Span<int32_t> verify_len, absl::Status local);
+  PlanOutcome PlanStep(const StepInput& step, absl::Span<int32_t> verify_len, absl::Status local,
+                       StepTotals* totals);
+  // The DP ranks' records of the exchange: gathered_ itself, or with attention TP each DP rank's
+  // member 0, marked unusable where its members' digests differ.
+  absl::Span<const RankSummary> DpRecords() const;
+  // With attention TP: the DP view of gathered_ (leaders_); true if this DP rank's members agree.
+  bool GatherLeaders();
+  // With attention TP: the SLO and refit observations of the last report, priced with member 0's
+  // measured times from this exchange.
+  void ApplyLeaderMeasurements();
+  uint32_t InputDigest(const StepInput& step) const;
+  void FillTotals(const GlobalDecision* decision, bool balanced, StepTotals* totals);
   // PlanStep's steps: the engine's batch as the planner's (acceptance curves, SLO floors) into
   // plan_batch_; this step's index and previous measurements on own_summary_ (a bare record
   // when `local` failed); the agreed step, A/B arm and epoch, with the previous step accounted
   // (returns whether the arm is on); the decision and this rank's lengths into `out`.
   absl::Status ToPlanBatch(absl::Span<const BalancerRequest> batch);
-  void StampOwnSummary(const absl::Status& local, uint64_t step);
+  void StampOwnSummary(const absl::Status& local, uint64_t step, const StepInput& in,
+                       absl::Span<const int32_t> fallback_len);
   bool AgreeOnStep(uint64_t step, double prev_planned_barrier);
-  void DecideAndAssign(absl::Span<const BalancerRequest> batch, absl::Span<int32_t> verify_len,
-                       PlanOutcome& out);
-  // Disabled, on an ordered backend: join this step's exchange with a zero record (AllGather::ordered).
-  void KeepInStep();
+  // Returns the decision it applied (null when it fell back).
+  const GlobalDecision* DecideAndAssign(absl::Span<const BalancerRequest> batch,
+                                        absl::Span<int32_t> verify_len, PlanOutcome& out);
+  // Disabled, on an ordered backend or with always_exchange: join this step's exchange with a
+  // record marked kSummaryDisabled that still carries this rank's token total.
+  void KeepInStep(const StepInput& in, absl::Span<const int32_t> fallback_len, StepTotals* totals);
   // The engine's default lengths, never deeper than `depth_cap` (the drafted depth).
   void Fallback(absl::Span<const BalancerRequest> batch, absl::Span<int32_t> verify_len,
                 int depth_cap = kMaxDraftLen) const;
@@ -158,11 +212,14 @@ class Balancer {
   AcceptanceEstimator estimator_;
   TpotSlo slo_;
   bool enabled_ = true;
+  bool handshake_ok_ = false;  // every rank agreed on versions, ABI, group and config
   std::string disabled_reason_;
   int consecutive_failures_ = 0;
   uint64_t step_ = 0;
   std::vector<PlanRequest> plan_batch_;
-  std::vector<RankSummary> gathered_;
+  std::vector<RankSummary> gathered_;  // the group's records: num_ranks x attn_tp_size
+  std::vector<RankSummary> leaders_;   // attention TP: member 0 of each DP rank
+  GlobalDecision decision_;            // the last decision applied
   RankSummary own_summary_{};  // this rank's record of the step
   // Previous step, for the next summary and for accounting.
   double prev_attention_us_ = -1, prev_step_us_ = -1, prev_tokens_ = -1;
@@ -181,6 +238,15 @@ class Balancer {
   double tokens_sum_ = 0, time_sum_us_ = 0;
   ArmStats arm_on_, arm_off_;
   int64_t last_warn_step_ = -1000000;
+  int64_t tp_mismatches_ = 0, exchange_failures_ = 0;
+  double max_exchange_ms_ = 0;
+  // Attention TP: the last report's observations, applied with member 0's times.
+  struct Pending {
+    int64_t request_id;
+    int tokens;
+  };
+  std::vector<Pending> pending_slo_;
+  bool pending_refit_ = false;
 };
 
 }  // namespace dpbalance

@@ -69,6 +69,16 @@ struct PlannerConfig {
   // floor), for engines that can vary the verify length per batch but not per request. The
   // rank's frontier is then its few uniform levels, and Decide treats them as steps.
   bool uniform_per_rank = false;
+  // true: every rank's token total follows from the exchanged summaries alone (RankTokens), and
+  // Assign gives each rank exactly that many: the extra tokens of the last knot of its frontier
+  // under the agreed barrier (and tier), taken in frontier order. The plugin's ABI v2 sets it so
+  // an engine fills its DP sync's token counts and padding from one exchange. false: Assign also
+  // fills between knots (a few more tokens, known only to the rank itself).
+  bool exact_rank_tokens = false;
+  // true: extra verify tokens are ordered by their acceptance alone, not per microsecond: the
+  // order an engine that spreads a verify-token budget by its draft confidence uses
+  // (granularity "budget"), so the plan is priced for the lengths the engine will really run.
+  bool order_by_gain = false;
 
   absl::Status Validate() const;
   // Hash over everything that must agree across ranks. The cost model is not in it: each rank
@@ -131,6 +141,13 @@ class Planner {
   // Phase 3b. This rank's verify lengths for the batch last given to Summarize.
   absl::Status Assign(const GlobalDecision& decision, absl::Span<int32_t> verify_len);
 
+  // Every rank's query tokens this step from the summaries alone, identical on every rank:
+  // `balanced` (the decision was applied): the planned knot's tokens (exact_rank_tokens) or the
+  // base's, for a usable summary; otherwise (and for records without kSummaryValid) the tokens
+  // of its default lengths. Each plus the rank's extra_tokens. `out` has one slot per summary.
+  void RankTokens(absl::Span<const RankSummary> summaries, const GlobalDecision& decision,
+                  bool balanced, absl::Span<int64_t> out) const;
+
   // Convenience for single-process callers (replay, oracle): runs all three phases for all
   // ranks with one model each. `batches[r]` is rank r's batch; `verify_len[r]` gets its result.
   absl::StatusOr<GlobalDecision> PlanAll(absl::Span<const std::vector<PlanRequest>> batches,
@@ -181,6 +198,7 @@ class Planner {
       int64_t added = 0;
     };
     std::array<Level, kMaxDraftLen + 1> levels{};
+    RankSummary summary{};  // what this rank sent (exact_rank_tokens: Assign reads its knots)
   };
   absl::Status SummarizeInto(LocalState& st, int rank_idx, absl::Span<const PlanRequest> batch,
                              int64_t kv_free_tokens, RankSummary* out) const;
@@ -208,6 +226,9 @@ class Planner {
   int UniformLens(const LocalState& st, int level, absl::Span<int32_t> lens) const;
   absl::Status AssignFrom(const LocalState& st, const GlobalDecision& decision,
                           absl::Span<int32_t> verify_len) const;
+  // exact_rank_tokens: the knot RankTokens names for this rank, as verify lengths.
+  void AssignKnot(const LocalState& st, const GlobalDecision& decision,
+                  absl::Span<int32_t> verify_len) const;
   // Expected tokens an extra verify token must add to pay for its FFN time at `tokens_per_us`
   // (0 with padded tokens: the tier is paid, not the token).
   double MinItemGain(double tokens_per_us) const;

@@ -11,6 +11,8 @@
 // - `flags & kSummaryValid` is clear when the rank is in fallback this step; the other ranks
 //   then plan without it (its cost is unknown, so it cannot be the barrier they plan against).
 // - The previous step's measured times ride along, so every rank sees every rank's real bubble.
+// - Every record, valid or not, lets every rank derive the sender's token total for the step
+//   (Planner::RankTokens): the planned knot's tokens, or `default_tokens`, plus `extra_tokens`.
 #pragma once
 
 #include <cstdint>
@@ -21,9 +23,13 @@
 namespace dpbalance {
 
 inline constexpr uint32_t kSummaryMagic = 0x31425044;  // "DPB1" read little-endian
-inline constexpr uint16_t kSummaryVersion = 2;
+inline constexpr uint16_t kSummaryVersion = 3;
 inline constexpr int kKnotPool = 28;  // most knots a rank sends, shared by all depths
-inline constexpr uint16_t kSummaryValid = 1u << 0;
+inline constexpr uint16_t kSummaryValid = 1u << 0;     // planned with: its frontier is usable
+inline constexpr uint16_t kSummaryExtend = 1u << 1;    // the rank runs prefill tokens this step
+inline constexpr uint16_t kSummaryNoVerify = 1u << 2;  // the rank skips verify this step
+inline constexpr uint16_t kSummaryIdle = 1u << 3;      // the rank has no work this step
+inline constexpr uint16_t kSummaryDisabled = 1u << 4;  // the sender's balancer is disabled
 
 struct RankSummary {
   // --- header: 68 bytes ---
@@ -56,8 +62,11 @@ struct RankSummary {
   // --- the engine's default plan (every request at min(default_k, cap)): 12 bytes ---
   float default_attention_us;       // predicted attention time at the default verify length
   float default_gain;               // expected emitted tokens at the default verify length
-  uint32_t default_tokens;          // query tokens at the default verify length
-  uint8_t reserved[8];              // zero
+  uint32_t default_tokens;          // query tokens at the default verify length; in a record
+                                    // without kSummaryValid: the tokens its default lengths run
+  // --- step: 8 bytes ---
+  uint32_t extra_tokens;            // query tokens beside verify (prefill), in the rank's total
+  uint32_t input_digest;            // digest of the planning inputs (attention-TP members compare)
 };
 
 inline constexpr size_t kSummaryBytes = 512;

@@ -5,8 +5,12 @@
 #define DPBALANCE_PLUGIN_H_
 
 #include "dpbalance/plugin/dpbalance_plugin_v1.h"
+#include "dpbalance/plugin/dpbalance_plugin_v2.h"
 #include "dpbalance/plugin/dpbalance_router_v1.h"
 
+/* The unversioned names below stay on v1 for source compatibility; new engines use the v2
+ * names and look up DPB_PLUGIN_SYMBOL_V2 (dpbalance_plugin_v2.h). */
+#define DPB_PLUGIN_SYMBOL_V2 "dpbalancePlugin_v2"
 typedef dpbalancePlugin_v1_t dpbalancePlugin_t;
 typedef dpbInitArgs_v1_t dpbInitArgs_t;
 typedef dpbRequest_v1_t dpbRequest_t;
