@@ -317,7 +317,8 @@ def run_case(case, proc, world, plugin, logdir, groups):
         res, more = None, {}
         t = time.monotonic()
         if engine == "sglang":
-            default_total = engine_total([default_len(default_k, r.k_cap) for r in reqs], extra)
+            k0 = 0 if kind == "no_verify" else default_k
+            default_total = engine_total([default_len(k0, r.k_cap) for r in reqs], extra)
             payload = torch.tensor(sglang_row(kind, default_total), dtype=torch.int64).numpy().tobytes()
             sync.step = step
             if bal is None:
@@ -413,10 +414,10 @@ def process_main(proc, world, store, plugin, suite, logdir, q):
     gloo group made for it (a timed-out gloo group closes its connections, so each case starts
     clean), and puts (proc, case, record) on `q`."""
     try:
-        if os.environ.get("DPB_CONTRACT_EXPECT_ASAN"):  # the ASan build: the runtime is loaded
+        if os.environ.get("CONTRACT_EXPECT_ASAN"):  # the ASan build: the runtime is loaded
             with open("/proc/self/maps") as m:
                 if "libasan" not in m.read():
-                    raise RuntimeError("DPB_CONTRACT_EXPECT_ASAN is set but libasan is not mapped "
+                    raise RuntimeError("CONTRACT_EXPECT_ASAN is set but libasan is not mapped "
                                        "in this process (LD_PRELOAD did not reach it)")
         import torch.distributed as dist
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=proc, world_size=world,
