@@ -75,11 +75,20 @@ class Pool:
     def step_kind(self, step, schedule):
         return schedule(self.dp_rank, step)
 
-    def batch(self, kind, k_max):
+    def batch(self, kind, k_max, step=0, confidence=False):
+        """The step's requests; with `confidence`, each carries the draft's per-position
+        confidences (conditional acceptance, what an engine's draft head reports)."""
         if kind == "idle":
             return []
-        return [dpb.Request(rid, r["ctx"], k_min=0, k_cap=max(0, min(k_max, r["left"] - 1)))
-                for rid, r in sorted(self.reqs.items())]
+        out = []
+        for rid, r in sorted(self.reqs.items()):
+            conf = None
+            if confidence:
+                rng = random.Random(f"{self.seed}/{rid}/{step}/conf")
+                conf = [round(rng.uniform(0.2, 0.95), 4) for _ in range(k_max)]
+            out.append(dpb.Request(rid, r["ctx"], k_min=0, k_cap=max(0, min(k_max, r["left"] - 1)),
+                                   draft_confidence=conf))
+        return out
 
     def advance(self, step, reqs, lens):
         """Accepts drafts (random, the same on every member), returns the Accepted list."""
@@ -102,6 +111,23 @@ class Pool:
 def attention_us(reqs, lens, noise):
     q = [1 + k for k in lens]
     return 1500.0 + noise + sum(250.0 * qi + 0.02 * qi * r.ctx_tokens for qi, r in zip(q, reqs))
+
+
+def spread_budget(reqs, budget, depth):
+    """An engine's use of a verify-token budget (granularity "budget"): draft positions by
+    cumulative confidence (the chance the position is accepted), best first, within k_cap and
+    the agreed draft depth (what was drafted)."""
+    items = []
+    for i, r in enumerate(reqs):
+        cum = 1.0
+        for j in range(1, min(r.k_cap, depth) + 1):
+            cum *= r.draft_confidence[j - 1]
+            items.append((-cum, i, j))
+    items.sort()
+    lens = [0] * len(reqs)
+    for _, i, j in items[:budget]:
+        lens[i] = max(lens[i], j)
+    return lens
 
 
 def engine_total(lens, extra):
@@ -289,7 +315,8 @@ def run_case(case, proc, world, plugin, logdir, groups):
             kw = {}
             if abi == 2:
                 kw = dict(attn_tp_size=spec.get("attn_tp_size", attn_tp), attn_tp_rank=tp_rank,
-                          token_tiers=case.get("tiers"))
+                          token_tiers=case.get("tiers"),
+                          granularity=case.get("granularity", "request"))
             bal = dpb.DpBalance.load(spec.get("dp_size", dp), dp_rank, spec.get("config", case["config"]),
                                      allgather=gather, library=plugin, abi=abi, **kw)
     except dpb.DpBalanceError as e:
@@ -303,7 +330,7 @@ def run_case(case, proc, world, plugin, logdir, groups):
         if kind == "idle":
             pool_reqs = []
         else:
-            pool_reqs = pool.batch(kind, k_max)
+            pool_reqs = pool.batch(kind, k_max, step, case.get("granularity") == "budget")
         reqs = list(pool_reqs)
         if spec.get("bad_ctx_from") is not None and step >= spec["bad_ctx_from"] and reqs:
             reqs[0] = reqs[0]._replace(ctx_tokens=-5)  # bad input from the engine
@@ -367,6 +394,9 @@ def run_case(case, proc, world, plugin, logdir, groups):
             if bal is not None:
                 res = bal.plan(reqs, kind=kind, extra_tokens=extra)
             plan_ms = (time.monotonic() - t) * 1e3
+            if res is not None and case.get("granularity") == "budget":
+                # The engine spreads the budget over its requests by draft confidence itself.
+                more["spread_lens"] = spread_budget(reqs, res.verify_budget, res.draft_depth)
         rec = step_record(step, kind, reqs, extra, res, plan_ms, default_k, **more)
         out["steps"].append(rec)
         if bal is not None:

@@ -98,6 +98,10 @@ def suites():
         ]),
         "allgather": (4, [
             case("allgather_dp4_mixed", "plain", 4, [spec(d) for d in range(4)]),
+            # Granularity "budget": the engine spreads verify_budget by its draft confidences;
+            # its spread must be the plan's lengths (the plugin orders by the same confidences).
+            case("allgather_dp4_budget", "plain", 4, [spec(d) for d in range(4)], steps=40,
+                 granularity="budget"),
         ]),
         "faults": (4, [
             case("faults_init_fails", "plain", 4,
@@ -238,6 +242,9 @@ def check_case(c, recs, logs, f):
                 if max(s["engine_tokens"]) > 0:
                     f.check(s["engine_padded"] == s["padded"],
                             f"{w}: engine padded {s['engine_padded']} != ours {s['padded']}")
+            if "spread_lens" in s:
+                f.check(s["spread_lens"] == s["lens"], f"{w}: the engine's spread of budget "
+                        f"{s['budget']} by confidence is {s['spread_lens']}, the plan {s['lens']}")
         # attn-TP members of one DP rank: the same plan.
         for d in range(dp):
             members = [s for r, s in rows if r["dp_rank"] == d]
