@@ -2,7 +2,9 @@
 """Contract tests of plugin ABI v2 with real processes (issue #17).
 
 Usage: contract_test.py SUITE PLUGIN_SO [ABI_LAYOUT_V2]
-  SUITE: layout | sglang | vllm | allgather | faults
+  SUITE: layout | adapter | sglang | vllm | allgather | faults
+  (layout: the adapter's ctypes mirror of the v2 structs against abi_layout_v2; adapter:
+  DpBalanceV2 in one process - ids, bad arguments named, Piggyback with v2, v1 beside it)
 
 Every rank is an OS process (torch.multiprocessing, spawn) that loads libdpbalance.so through
 the Python adapter (DpBalanceV2) and exchanges over a real gloo group (torch.distributed, Debian's
@@ -426,14 +428,81 @@ def check_layout(layout):
     return 1 if f.items else 0
 
 
+def check_adapter(plugin):
+    """DpBalanceV2 in one process (dp 1 and an identity all-gather; no torch): ids as str or
+    bytes plan alike, bad arguments raise naming the field, Piggyback passes v2's step kinds on
+    and returns its PlanResult, the v1 API beside it is unchanged."""
+    f = Failures()
+    ident = lambda send, _t: send  # noqa: E731 (a group of one)
+    cfg = "k_max=7;default_k=3;log_every=0;log_level=off"
+
+    def raises(exc, text, fn):
+        try:
+            fn()
+        except exc as e:
+            f.check(text in str(e), f"{exc.__name__} '{e}' does not name '{text}'")
+            return
+        f.check(False, f"no {exc.__name__} naming '{text}'")
+
+    reqs = [dpb.Request(f"req-{i}", 1000 + 100 * i, k_cap=5) for i in range(4)]
+    breqs = [r._replace(request_id=r.request_id.encode()) for r in reqs]
+    a = dpb.DpBalance.load(1, 0, cfg, allgather=ident, library=plugin, abi=2, token_tiers=[8, 16, 32])
+    b = dpb.DpBalanceV2(1, 0, cfg, allgather=ident, library=plugin, token_tiers=[8, 16, 32])
+    f.check(isinstance(a, dpb.DpBalanceV2), f"load(abi=2) gave {type(a)}")
+    for step in range(5):
+        ra, rb = a.plan(reqs), b.plan(breqs)
+        f.check(ra == rb, f"step {step}: str ids {ra} and bytes ids {rb} plan differently")
+        f.check(ra.result == dpb.SUCCESS and ra.rank_tokens == [4 + sum(ra.verify_len)],
+                f"step {step}: {ra}")
+        acc = [dpb.Accepted(r.request_id, k, min(k, 1), False) for r, k in zip(reqs, ra.verify_len)]
+        f.check(a.report(500.0, 9000.0, acc) == dpb.SUCCESS, f"report: {a.last_result}")
+        b.report(500.0, 9000.0, [x._replace(request_id=x.request_id.encode()) for x in acc])
+    st = a.stats()
+    f.check(st.get("steps") == 5 and "tp_mismatches" in st and "max_exchange_ms" in st, f"stats {st}")
+    ni = a.plan([], kind="no_verify", extra_tokens=40)
+    f.check(ni.rank_tokens == [40] and ni.padded_tokens == 40 and ni.verify_len == [],
+            f"no_verify with 40 prefill tokens: {ni}")
+    raises(TypeError, "requests[1].request_id = 7", lambda: a.plan([reqs[0], reqs[1]._replace(request_id=7)]))
+    raises(TypeError, "requests[0].k_cap = 2.5", lambda: a.plan([reqs[0]._replace(k_cap=2.5)]))
+    raises(ValueError, "'verify'", lambda: a.plan(reqs, kind="verify"))
+    raises(TypeError, "extra_tokens = 1.5", lambda: a.plan(reqs, extra_tokens=1.5))
+    raises(ValueError, "attn_tp_rank = 2", lambda: dpb.DpBalanceV2(1, 0, cfg, ident, plugin, attn_tp_size=2, attn_tp_rank=2))
+    raises(ValueError, "'tokens'", lambda: dpb.DpBalanceV2(1, 0, cfg, ident, plugin, granularity="tokens"))
+    raises(TypeError, "need abi=2", lambda: dpb.DpBalance.load(1, 0, cfg, ident, plugin, attn_tp_size=1))
+    raises(dpb.DpBalanceError, "k_max=nine", lambda: dpb.DpBalanceV2(1, 0, "k_max=nine", ident, plugin))
+    # An id the plugin refuses (empty) is bad input: the defaults, a non-success result.
+    bad = a.plan([reqs[0]._replace(request_id="")])
+    f.check(bad.result != dpb.SUCCESS and bad.verify_len == [3], f"an empty id: {bad}")
+    # Piggyback over a group of one, v2: the payload comes back, the PlanResult with it.
+    pb = dpb.Piggyback(lambda payload: payload, 1)
+    c = dpb.DpBalanceV2(1, 0, cfg, allgather=pb, library=plugin)
+    r = pb.step(c, reqs, b"engine-row", kind="extend", extra_tokens=100)
+    f.check(r.payloads == [b"engine-row"] and r.plan is not None and
+            r.plan.rank_tokens == [100 + 4 + sum(r.verify_len)], f"piggyback v2: {r}")
+    raises(TypeError, "need ABI v2", lambda: pb.step(dpb.DpBalance(1, 0, cfg, ident, plugin), reqs,
+                                                     b"x", kind="decode"))
+    # v1 beside it, unchanged: integer ids.
+    v1 = dpb.DpBalance(1, 0, cfg, allgather=ident, library=plugin)
+    lens, depth = v1.plan([dpb.Request(i, 1000, k_cap=5) for i in range(3)])
+    f.check(len(lens) == 3 and v1.last_result == dpb.SUCCESS, f"v1: {lens} {depth} {v1.last_result}")
+    for x in (a, b, c, v1):
+        x.close()
+    for item in f.items:
+        print("FAIL:", item)
+    print(f"{'FAILED' if f.items else 'PASSED'}: v2 adapter in one process")
+    return 1 if f.items else 0
+
+
 def main():
     if len(sys.argv) < 3:
         sys.exit("usage: contract_test.py SUITE PLUGIN_SO [ABI_LAYOUT_V2]")
     suite, plugin = sys.argv[1], os.path.abspath(sys.argv[2])
     if suite == "layout":
         return check_layout(os.path.abspath(sys.argv[3]))
+    if suite == "adapter":
+        return check_adapter(plugin)
     if suite not in suites():
-        sys.exit(f"unknown suite {suite!r}: layout, {', '.join(suites())}")
+        sys.exit(f"unknown suite {suite!r}: layout, adapter, {', '.join(suites())}")
     return run_suite(suite, plugin)
 
 
