@@ -1,10 +1,11 @@
-"""dpbalance for Python decode engines: the C plugin ABI (v1) through ctypes.
+"""dpbalance for Python decode engines: the C plugin ABI (v1 and v2) through ctypes.
 
 A Python engine (SGLang, vLLM, ...) loads `libdpbalance.so` the way a C++ engine does: by
 `DPB_PLUGIN` (a name, file or path; `none` disables), the exported symbol
-`dpbalancePlugin_v1`, and `DPB_*` flags (docs/flags.md). This module adds nothing to the
-plugin's logic; it only marshals the C structs and lets a Python callable be the all-gather,
-so the ranks exchange their summaries over the engine's own CPU group (no second NCCL comm):
+`dpbalancePlugin_v1` or `dpbalancePlugin_v2`, and `DPB_*` flags (docs/flags.md). This module
+adds nothing to the plugin's logic; it only marshals the C structs and lets a Python callable be
+the all-gather, so the ranks exchange their summaries over the engine's own CPU group (no second
+NCCL comm). ABI v1 (`DpBalance`, integer request ids):
 
     from dpbalance_plugin import DpBalance, Request, Accepted, torch_allgather
 
@@ -15,14 +16,32 @@ so the ranks exchange their summaries over the engine's own CPU group (no second
     ... draft to `depth`, verify lens[i] drafts of request i, accept ...
     dpb.report(attention_us, step_us, [Accepted(rid, lens[i], accepted_i, finished_i) ...])
 
+ABI v2 (`DpBalanceV2`, or `DpBalance.load(..., abi=2)`; dpbalance_plugin_v2.h): the engine's
+string request ids, attention-TP groups (every process of a DP rank calls it), step kinds
+(decode, idle, extend, no_verify), and every DP rank's token total and the agreed padded size
+from the one exchange, so the engine fills its own DP sync's token counts from `plan`:
+
+    dpb = DpBalance.load(dp_size, dp_rank, config, allgather=torch_allgather(cpu_group), abi=2,
+                         attn_tp_size=attn_tp, attn_tp_rank=attn_tp_rank,
+                         token_tiers=cuda_graph_token_sizes)
+    res = dpb.plan([Request(req.rid, ctx, k_cap=...) ...], kind="decode", extra_tokens=0)
+    res.verify_len, res.draft_depth, res.rank_tokens, res.padded_tokens, res.verify_budget
+    dpb.report(attention_us, step_us, [Accepted(req.rid, res.verify_len[i], acc_i, fin_i) ...])
+
 Failure contract (the plugin's, kept here): `plan` never raises for a balancing failure. When
 the plugin falls back it still fills every verify length with the engine's default
 (`DPB_DEFAULT_K`, capped by k_cap) and `plan` returns those; `last_result` says why
 (dpbFallback for one step, dpbDisabled for the rest of the run). An all-gather callable that
-raises, times out or returns the wrong number of bytes disables balancing on that rank: after a
-failed collective the ranks can no longer be known to be in lockstep, so it is not called again.
+raises, times out or returns the wrong number of bytes disables balancing on that rank (v1: after
+a failed collective the ranks can no longer be known to be in lockstep, so it is not called
+again; v2: the plugin sees a negative or short byte count and falls back as the v2 header says).
 Only programming errors raise: a bad argument, a library that cannot be loaded, or `init`
 refusing the flags (DpBalanceError, naming them).
+
+The all-gather callable: `allgather(send: bytes, timeout_ms: int) -> bytes` (every process's
+`send`, group order), or an object that also has `gather_into(send, recv, timeout_ms) -> int`,
+writing into `recv` (a writable memoryview of exactly the plugin's receive buffer, so it cannot
+write past it) and returning the bytes written, or -1. `torch_allgather` is both.
 
 `Piggyback` carries the exchange on the engine's own per-step DP sync instead of a second
 collective, so that it fails on every rank or none (docs/engines.md).
@@ -39,17 +58,21 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import operator
 import os
 import struct
 from typing import Callable, NamedTuple, Optional, Sequence
 
-__all__ = ["DpBalance", "DpBalanceError", "Request", "Accepted", "Piggyback", "StepResult",
-           "Router", "RankLoad", "RESULT_NAMES", "RECORD_BYTES", "resolve_library",
-           "torch_allgather"]
+__all__ = ["DpBalance", "DpBalanceV2", "DpBalanceError", "Request", "Accepted", "PlanResult",
+           "Piggyback", "StepResult", "Router", "RankLoad", "RESULT_NAMES", "RECORD_BYTES",
+           "STEP_KINDS", "GRANULARITIES", "RANK_FLAG_NAMES", "resolve_library",
+           "torch_allgather", "TorchAllGather"]
 
 log = logging.getLogger("dpbalance")
 
 SYMBOL = "dpbalancePlugin_v1"
+SYMBOL_V2 = "dpbalancePlugin_v2"
+ABI_VERSION_2 = 2
 ROUTER_SYMBOL = "dpbalanceRouter_v1"
 DEFAULT_LIBRARY = "libdpbalance.so"
 
@@ -60,8 +83,19 @@ RESULT_NAMES = {SUCCESS: "dpbSuccess", FALLBACK: "dpbFallback",
                 DISABLED: "dpbDisabled"}
 # dpbBackend_t
 BACKEND_FROM_FLAGS, BACKEND_IN_PROCESS, BACKEND_CALLBACK, BACKEND_NCCL = range(4)
-# Bytes of one rank's summary record in ABI v1 (what the all-gather callback exchanges).
+# Bytes of one rank's summary record in ABI v1 (what the all-gather callback exchanges). ABI v2
+# passes the size to the callback (send_bytes); nothing here assumes it.
 RECORD_BYTES = 512
+# dpbStepKind_t
+STEP_DECODE, STEP_IDLE, STEP_EXTEND, STEP_NO_VERIFY = range(4)
+STEP_KINDS = {"decode": STEP_DECODE, "idle": STEP_IDLE, "extend": STEP_EXTEND,
+              "no_verify": STEP_NO_VERIFY}
+# dpbGranularity_t
+GRANULARITIES = {"request": 0, "budget": 1}
+# rank_flags bits (DPB_RANK_*)
+RANK_PLANNED, RANK_EXTEND, RANK_NO_VERIFY, RANK_IDLE, RANK_UNKNOWN = 1, 2, 4, 8, 16
+RANK_FLAG_NAMES = {RANK_PLANNED: "planned", RANK_EXTEND: "extend", RANK_NO_VERIFY: "no_verify",
+                   RANK_IDLE: "idle", RANK_UNKNOWN: "unknown"}
 
 
 class DpBalanceError(RuntimeError):
@@ -145,11 +179,82 @@ class _Router(ctypes.Structure):
     ]
 
 
+# --- the C structs of dpbalance_plugin_v2.h, field for field ------------------------------
+
+AllGatherFnV2 = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                 ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int32)
+
+
+class _InitArgsV2(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_uint32), ("dp_size", ctypes.c_int32),
+                ("dp_rank", ctypes.c_int32), ("attn_tp_size", ctypes.c_int32),
+                ("attn_tp_rank", ctypes.c_int32), ("config", ctypes.c_char_p),
+                ("backend", ctypes.c_int), ("allgather_fn", AllGatherFnV2),
+                ("allgather_user", ctypes.c_void_p), ("nccl_comm", ctypes.c_void_p),
+                ("cuda_stream", ctypes.c_void_p), ("nccl_unique_id", ctypes.c_void_p),
+                ("cuda_device", ctypes.c_int32), ("token_tiers", ctypes.POINTER(ctypes.c_int32)),
+                ("num_token_tiers", ctypes.c_int32), ("granularity", ctypes.c_int)]
+
+
+class _RequestV2(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_void_p), ("id_bytes", ctypes.c_int32),
+                ("ctx_tokens", ctypes.c_int64), ("k_min", ctypes.c_int32),
+                ("k_cap", ctypes.c_int32), ("draft_confidence", ctypes.POINTER(ctypes.c_float)),
+                ("num_confidence", ctypes.c_int32)]
+
+
+class _StepV2(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int), ("requests", ctypes.POINTER(_RequestV2)),
+                ("num_requests", ctypes.c_int32), ("kv_free_tokens", ctypes.c_int64),
+                ("extra_tokens", ctypes.c_int64)]
+
+
+class _PlanResultV2(ctypes.Structure):
+    _fields_ = [("verify_len", ctypes.POINTER(ctypes.c_int32)),
+                ("rank_tokens", ctypes.POINTER(ctypes.c_int64)),
+                ("rank_flags", ctypes.POINTER(ctypes.c_uint32)),
+                ("draft_depth", ctypes.c_int32), ("verify_budget", ctypes.c_int32),
+                ("padded_tokens", ctypes.c_int64), ("any_rank_flags", ctypes.c_uint32),
+                ("balanced", ctypes.c_int32)]
+
+
+class _AcceptedV2(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_void_p), ("id_bytes", ctypes.c_int32),
+                ("verify_len", ctypes.c_int32), ("accepted", ctypes.c_int32),
+                ("finished", ctypes.c_int32)]
+
+
+class _ReportV2(ctypes.Structure):
+    _fields_ = [("attention_us", ctypes.c_double), ("step_us", ctypes.c_double),
+                ("accepted", ctypes.POINTER(_AcceptedV2)), ("num_accepted", ctypes.c_int32)]
+
+
+class _StatsV2(ctypes.Structure):
+    _fields_ = [("v1", _Stats), ("missing_reports", ctypes.c_int64),
+                ("tp_mismatches", ctypes.c_int64), ("exchange_failures", ctypes.c_int64),
+                ("max_exchange_ms", ctypes.c_double)]
+
+
+class _PluginV2(ctypes.Structure):
+    _fields_ = [
+        ("abi_version", ctypes.c_uint32),
+        ("name", ctypes.c_char_p),
+        ("init", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(_InitArgsV2),
+                                  ctypes.POINTER(ctypes.c_void_p))),
+        ("plan", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(_StepV2),
+                                  ctypes.POINTER(_PlanResultV2))),
+        ("report", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(_ReportV2))),
+        ("stats", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(_StatsV2))),
+        ("finalize", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)),
+    ]
+
+
 # --- what the engine passes --------------------------------------------------------------
 
 class Request(NamedTuple):
-    """One request of this rank's batch, this step (dpbRequest_v1_t)."""
-    request_id: int
+    """One request of this rank's batch, this step (dpbRequest_v1_t / dpbRequest_v2_t).
+    `request_id`: an int for ABI v1; the engine's id as str (sent as UTF-8) or bytes for v2."""
+    request_id: object
     ctx_tokens: int          # tokens in KV before this step
     k_min: int = 0           # floor on the verify length (e.g. the engine's own SLO rule)
     k_cap: int = 7           # min(draft depth limit, tokens the request may still emit - 1)
@@ -158,8 +263,8 @@ class Request(NamedTuple):
 
 class Accepted(NamedTuple):
     """What a request's verify did this step (dpbAccepted_v1_t). NamedTuples, as Request: a
-    plain tuple in field order works too."""
-    request_id: int
+    plain tuple in field order works too. `request_id` as in Request."""
+    request_id: object
     verify_len: int
     accepted: int
     finished: bool = False
@@ -195,14 +300,27 @@ def _int_field(value, what: str, lo: int, hi: int) -> int:
     return value
 
 
+def _index_field(value, what: str, lo: int, hi: int) -> int:
+    """As _int_field, but any integer type (numpy's, torch's) through operator.index."""
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"dpbalance: {what} = {value!r} is not an integer") from None
+    return _int_field(value, what, lo, hi)
+
+
 # The records packed straight into the ctypes arrays (native layout, as the structs above; the
 # python_adapter test checks both against the compiler's offsets).
 _REQUEST_PACK = struct.Struct("@qqiiPi4x")
 _ACCEPTED_PACK = struct.Struct("@qiii4x")
 _RANK_LOAD_PACK = struct.Struct("@iiqqqq")
+_REQUEST_V2_PACK = struct.Struct("@PiqiiPi4x")    # id, id_bytes, ctx, k_min, k_cap, conf, n
+_ACCEPTED_V2_PACK = struct.Struct("@Piiii")      # id, id_bytes, verify_len, accepted, finished
 _I64, _I32 = (-(1 << 63), (1 << 63) - 1), (-(1 << 31), (1 << 31) - 1)
 _REQUEST_FIELDS = [("request_id", _I64), ("ctx_tokens", _I64), ("k_min", _I32), ("k_cap", _I32)]
 _ACCEPTED_FIELDS = [("request_id", _I64), ("verify_len", _I32), ("accepted", _I32)]
+_REQUEST_V2_FIELDS = [("ctx_tokens", _I64), ("k_min", _I32), ("k_cap", _I32)]
+_ACCEPTED_V2_FIELDS = [("verify_len", _I32), ("accepted", _I32)]
 _RANK_LOAD_FIELDS = [("num_requests", _I32), ("max_requests", _I32), ("ctx_tokens", _I64),
                      ("max_ctx_tokens", _I64), ("reserved_tokens", _I64),
                      ("capacity_tokens", _I64)]
@@ -221,8 +339,10 @@ def _records(struct_type, n):
     return arr, memoryview(arr).cast("B")
 
 
-if (_REQUEST_PACK.size, _ACCEPTED_PACK.size, _RANK_LOAD_PACK.size) != (
-        ctypes.sizeof(_Request), ctypes.sizeof(_Accepted), ctypes.sizeof(_RankLoad)):
+if (_REQUEST_PACK.size, _ACCEPTED_PACK.size, _RANK_LOAD_PACK.size, _REQUEST_V2_PACK.size,
+        _ACCEPTED_V2_PACK.size) != (
+        ctypes.sizeof(_Request), ctypes.sizeof(_Accepted), ctypes.sizeof(_RankLoad),
+        ctypes.sizeof(_RequestV2), ctypes.sizeof(_AcceptedV2)):
     raise ImportError("dpbalance: this platform's struct layout differs from the packed records")
 
 
@@ -261,16 +381,147 @@ class _Closing:
             pass
 
 
-class DpBalance(_Closing):
-    """One DP rank's balancer, behind the plugin's C ABI. Not thread-safe: one per rank."""
+class _Balancer(_Closing):
+    """What both ABI versions share: loading, the all-gather trampoline's core, the reused
+    request and accepted arrays and their packing. Not thread-safe: one per rank (process)."""
+
+    _REQ_T = _ACC_T = None  # the ABI's ctypes records
+    _REQ_PACK = _ACC_PACK = None
+    _REQ_FIELDS = _ACC_FIELDS = ()
+
+    def _setup(self, allgather, library, symbol, plugin_type) -> None:
+        self._lib, self._plugin, self.path = _load_symbol(library, symbol, plugin_type)
+        self.name = (self._plugin.name or b"").decode()
+        self.last_result = SUCCESS
+        self._user_allgather = allgather
+        self._callback_error: Optional[BaseException] = None
+        self._ctx = ctypes.c_void_p()
+        # Buffers reused across steps (grown on demand): no allocation per step in steady state.
+        self._cap = self._acc_cap = 0
+        self._grow(16)
+        self._grow_accepted(16)
+
+    def _init_failed(self, rc: int, what: str, config: str) -> DpBalanceError:
+        self._ctx = ctypes.c_void_p()
+        why = (f"; its all-gather callback failed: {self._callback_error}"
+               if self._callback_error is not None else "")
+        return DpBalanceError(
+            f"dpbalance: init of {what} with config '{config}' returned "
+            f"{RESULT_NAMES.get(rc, rc)} (the plugin's log on stderr names the flag or cause)"
+            f"{why}")
+
+    def _gather(self, send: int, send_bytes: int, recv: int, recv_bytes: int,
+                timeout_ms: int) -> int:
+        """Runs the engine's all-gather on this process's record; returns the bytes written into
+        `recv`, never more than recv_bytes. Raises what the callable raised, or ValueError for a
+        result that does not fit."""
+        data = ctypes.string_at(send, send_bytes)
+        into = getattr(self._user_allgather, "gather_into", None)
+        if into is not None:
+            view = memoryview((ctypes.c_ubyte * recv_bytes).from_address(recv)).cast("B")
+            try:
+                n = into(data, view, int(timeout_ms))
+            finally:
+                view.release()
+            if isinstance(n, bool) or not isinstance(n, int) or n > recv_bytes:
+                raise ValueError(f"gather_into returned {n!r}, the receive buffer holds "
+                                 f"{recv_bytes} bytes")
+            if n < 0:
+                raise ConnectionError(f"gather_into returned {n}")
+            return n
+        out = self._user_allgather(data, int(timeout_ms))
+        n = len(out)
+        if n > recv_bytes:  # never past the plugin's buffer
+            raise ValueError(f"all-gather returned {n} bytes, the receive buffer holds "
+                             f"{recv_bytes} ({recv_bytes // max(send_bytes, 1)} processes x "
+                             f"{send_bytes})")
+        ctypes.memmove(recv, bytes(out), n)
+        return n
+
+    def _grow(self, n: int) -> None:
+        if n > self._cap:
+            self._cap = max(n, 2 * self._cap, 16)
+            self._reqs, self._reqs_view = _records(self._REQ_T, self._cap)
+            self._lens = (ctypes.c_int32 * self._cap)()
+
+    def _grow_accepted(self, n: int) -> None:
+        if n > self._acc_cap:
+            self._acc_cap = max(n, 2 * self._acc_cap, 16)
+            self._acc, self._acc_view = _records(self._ACC_T, self._acc_cap)
+
+    def _ids(self, items, what: str):
+        """(per item: the id as packed before the other fields, a value to keep alive)."""
+        raise NotImplementedError
+
+    def _pack_requests(self, requests: Sequence[Request]) -> list:
+        """Packs `requests` into the reused array; returns what must stay alive through plan."""
+        self._grow(len(requests))
+        ids, keep = self._ids(requests, "requests")
+        buf, pack, size = self._reqs_view, self._REQ_PACK.pack_into, self._REQ_PACK.size
+        try:
+            for i, r in enumerate(requests):
+                c = r.draft_confidence
+                if c:
+                    arr = (ctypes.c_float * len(c))(*c)
+                    keep.append(arr)
+                    pack(buf, i * size, *ids[i], r.ctx_tokens, r.k_min, r.k_cap,
+                         ctypes.addressof(arr), len(c))
+                else:
+                    pack(buf, i * size, *ids[i], r.ctx_tokens, r.k_min, r.k_cap, 0, 0)
+        except (struct.error, TypeError, AttributeError):
+            _name_the_bad_field(requests, "requests", self._REQ_FIELDS)
+            raise
+        return keep
+
+    def _pack_accepted(self, accepted: Sequence[Accepted]) -> list:
+        self._grow_accepted(len(accepted))
+        ids, keep = self._ids(accepted, "accepted")
+        buf, pack, size = self._acc_view, self._ACC_PACK.pack_into, self._ACC_PACK.size
+        try:
+            for i, a in enumerate(accepted):
+                pack(buf, i * size, *ids[i], a.verify_len, a.accepted, 1 if a.finished else 0)
+        except (struct.error, TypeError, AttributeError):
+            _name_the_bad_field(accepted, "accepted", self._ACC_FIELDS)
+            raise
+        return keep
+
+    def _warn_callback(self) -> None:
+        if self._callback_error is not None:
+            log.warning("dpbalance: %s all-gather callback failed (%s); the plugin falls back",
+                        self._who(), self._callback_error)
+
+    def _who(self) -> str:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self._ctx:
+            self._plugin.finalize(self._ctx)
+            self._ctx = ctypes.c_void_p()
+
+
+class DpBalance(_Balancer):
+    """One DP rank's balancer, behind the plugin's C ABI v1 (integer request ids). Not
+    thread-safe: one per rank. `DpBalance.load(..., abi=2)` gives a DpBalanceV2."""
+
+    _REQ_T, _ACC_T = _Request, _Accepted
+    _REQ_PACK, _ACC_PACK = _REQUEST_PACK, _ACCEPTED_PACK
+    _REQ_FIELDS, _ACC_FIELDS = _REQUEST_FIELDS, _ACCEPTED_FIELDS
 
     @classmethod
     def load(cls, num_ranks: int, rank: int, config: str = "", allgather=None,
-             library: Optional[str] = None) -> Optional["DpBalance"]:
-        """Like the constructor, but returns None when DPB_PLUGIN (or `library`) is `none`."""
+             library: Optional[str] = None, abi: int = 1, **v2_args):
+        """Like the constructor, but returns None when DPB_PLUGIN (or `library`) is `none`.
+        abi=2: a DpBalanceV2 (num_ranks is the DP size, rank the DP rank; `v2_args` are its
+        keyword arguments: attn_tp_size, attn_tp_rank, token_tiers, granularity)."""
+        if abi not in (1, 2):
+            raise ValueError(f"dpbalance: abi = {abi!r}, the adapter speaks ABI 1 and 2")
+        if abi == 1 and v2_args:
+            raise TypeError(f"dpbalance: {sorted(v2_args)} need abi=2")
         if resolve_library(library) is None:
             log.info("dpbalance: DPB_PLUGIN=none, running without it")
             return None
+        if abi == 2:
+            return DpBalanceV2(num_ranks, rank, config, allgather, library, **v2_args)
         return cls(num_ranks, rank, config, allgather, library)
 
     def __init__(self, num_ranks: int, rank: int, config: str = "",
@@ -281,55 +532,37 @@ class DpBalance(_Closing):
         Without it the backend comes from the flags (DPB_BACKEND: nccl or inproc)."""
         _int_field(num_ranks, "num_ranks", 1, 1 << 20)
         _int_field(rank, "rank", 0, num_ranks - 1)
-        self._lib, self._plugin, path = _load_symbol(library, SYMBOL, _Plugin)
-        self.num_ranks, self.rank, self.path = num_ranks, rank, path
-        self.name = (self._plugin.name or b"").decode()
-        self.last_result = SUCCESS
-        self._user_allgather = allgather
-        self._callback_error: Optional[BaseException] = None
+        self.num_ranks, self.rank = num_ranks, rank
+        self._setup(allgather, library, SYMBOL, _Plugin)
         # Kept referenced for the context's lifetime: the plugin holds the raw pointer.
         self._cfn = AllGatherFn(self._allgather_trampoline) if allgather else AllGatherFn()
         self._config = (config or "").encode()
         args = _InitArgs(num_ranks=num_ranks, rank=rank, config=self._config,
                          backend=BACKEND_CALLBACK if allgather else BACKEND_FROM_FLAGS,
                          allgather_fn=self._cfn, cuda_device=-1)
-        self._ctx = ctypes.c_void_p()
         rc = self._plugin.init(ctypes.byref(args), ctypes.byref(self._ctx))
         if rc != SUCCESS:
-            self._ctx = ctypes.c_void_p()
-            raise DpBalanceError(
-                f"dpbalance: init of rank {rank}/{num_ranks} with config '{config}' returned "
-                f"{RESULT_NAMES.get(rc, rc)} (the plugin's log on stderr names the flag or cause)")
-        # Buffers reused across steps (grown on demand): no allocation per step in steady state.
-        self._cap = self._acc_cap = 0
-        self._grow(16)
-        self._grow_accepted(16)
+            raise self._init_failed(rc, f"rank {rank}/{num_ranks}", config)
         self._depth = ctypes.c_int32(0)
+
+    def _who(self) -> str:
+        return f"rank {self.rank}"
+
+    def _ids(self, items, what):
+        return [(x.request_id,) for x in items], []
 
     # The plugin calls this from inside plan(), on this rank's thread.
     def _allgather_trampoline(self, _user, send, recv, record_bytes, timeout_ms) -> int:
         try:
-            out = self._user_allgather(ctypes.string_at(send, record_bytes), int(timeout_ms))
             want = record_bytes * self.num_ranks
-            if len(out) != want:
-                raise ValueError(f"all-gather returned {len(out)} bytes, expected {want} "
+            n = self._gather(send, record_bytes, recv, want, timeout_ms)
+            if n != want:
+                raise ValueError(f"all-gather returned {n} bytes, expected {want} "
                                  f"({self.num_ranks} ranks x {record_bytes})")
-            ctypes.memmove(recv, bytes(out), want)
             return 0
         except BaseException as e:  # never let an exception unwind through C
             self._callback_error = e
             return 1
-
-    def _grow(self, n: int) -> None:
-        if n > self._cap:
-            self._cap = max(n, 2 * self._cap, 16)
-            self._reqs, self._reqs_view = _records(_Request, self._cap)
-            self._lens = (ctypes.c_int32 * self._cap)()
-
-    def _grow_accepted(self, n: int) -> None:
-        if n > self._acc_cap:
-            self._acc_cap = max(n, 2 * self._acc_cap, 16)
-            self._acc, self._acc_view = _records(_Accepted, self._acc_cap)
 
     def plan(self, requests: Sequence[Request], kv_free_tokens: int = -1):
         """Returns (verify lengths in request order, draft depth). Call on every rank each step.
@@ -341,22 +574,7 @@ class DpBalance(_Closing):
         if not self._ctx:
             raise DpBalanceError("dpbalance: plan() after close()")
         n = len(requests)
-        self._grow(n)
-        buf, pack, size = self._reqs_view, _REQUEST_PACK.pack_into, _REQUEST_PACK.size
-        conf = []  # keeps confidence arrays alive through the call
-        try:
-            for i, r in enumerate(requests):
-                c = r.draft_confidence
-                if c:
-                    arr = (ctypes.c_float * len(c))(*c)
-                    conf.append(arr)
-                    pack(buf, i * size, r.request_id, r.ctx_tokens, r.k_min, r.k_cap,
-                         ctypes.addressof(arr), len(c))
-                else:
-                    pack(buf, i * size, r.request_id, r.ctx_tokens, r.k_min, r.k_cap, 0, 0)
-        except (struct.error, TypeError, AttributeError):
-            _name_the_bad_field(requests, "requests", _REQUEST_FIELDS)
-            raise
+        keep = self._pack_requests(requests)  # noqa: F841 (alive through the call)
         self._callback_error = None
         self.last_result = self._plugin.plan(self._ctx, self._reqs, n, int(kv_free_tokens),
                                              self._lens, ctypes.byref(self._depth))
@@ -371,14 +589,7 @@ class DpBalance(_Closing):
         if not self._ctx:
             raise DpBalanceError("dpbalance: report() after close()")
         n = len(accepted)
-        self._grow_accepted(n)
-        buf, pack, size = self._acc_view, _ACCEPTED_PACK.pack_into, _ACCEPTED_PACK.size
-        try:
-            for i, a in enumerate(accepted):
-                pack(buf, i * size, a.request_id, a.verify_len, a.accepted, 1 if a.finished else 0)
-        except (struct.error, TypeError, AttributeError):
-            _name_the_bad_field(accepted, "accepted", _ACCEPTED_FIELDS)
-            raise
+        self._pack_accepted(accepted)
         rc = self._plugin.report(self._ctx, float(attention_us), float(step_us), self._acc, n)
         self.last_result = rc
         return rc
@@ -393,10 +604,168 @@ class DpBalance(_Closing):
             return {"result": RESULT_NAMES.get(rc, rc)}
         return {name: getattr(s, name) for name, _ in _Stats._fields_}
 
-    def close(self) -> None:
-        if self._ctx:
-            self._plugin.finalize(self._ctx)
-            self._ctx = ctypes.c_void_p()
+
+class PlanResult(NamedTuple):
+    """What `DpBalanceV2.plan` returns (dpbPlanResult_v2_t plus the result code)."""
+    verify_len: list      # per request, request order (the defaults unless `balanced`)
+    draft_depth: int      # the agreed draft depth
+    verify_budget: int    # this rank's verify tokens (sum of verify_len)
+    padded_tokens: int    # the agreed per-rank padded size
+    rank_tokens: list     # every DP rank's token total, DP rank order; -1: unknown
+    rank_flags: list      # every DP rank's RANK_* bits
+    any_rank_flags: int   # OR of rank_flags
+    balanced: bool        # the lengths are balanced (False: the engine's defaults)
+    result: int           # the dpbResult_t code; anything but SUCCESS: defaults, see the log
+
+
+def _id_bytes(value, what: str) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise TypeError(f"dpbalance: {what} = {value!r} is not a str or bytes id (ABI v2)")
+
+
+class DpBalanceV2(_Balancer):
+    """One process's balancer behind ABI v2 (dpbalance_plugin_v2.h): the engine's string ids,
+    attention-TP groups, step kinds, every DP rank's token total and the padded size. With
+    attn_tp_size > 1 every process of every DP rank makes one (the group is
+    dp_size * attn_tp_size processes in (dp_rank, attn_tp_rank) order) and calls plan in
+    lockstep. Not thread-safe: one per process."""
+
+    _REQ_T, _ACC_T = _RequestV2, _AcceptedV2
+    _REQ_PACK, _ACC_PACK = _REQUEST_V2_PACK, _ACCEPTED_V2_PACK
+    _REQ_FIELDS, _ACC_FIELDS = _REQUEST_V2_FIELDS, _ACCEPTED_V2_FIELDS
+
+    @classmethod
+    def load(cls, dp_size: int, dp_rank: int, config: str = "", allgather=None,
+             library: Optional[str] = None, **kwargs) -> Optional["DpBalanceV2"]:
+        """Like the constructor, but returns None when DPB_PLUGIN (or `library`) is `none`."""
+        return DpBalance.load(dp_size, dp_rank, config, allgather, library, abi=2, **kwargs)
+
+    def __init__(self, dp_size: int, dp_rank: int, config: str = "", allgather=None,
+                 library: Optional[str] = None, attn_tp_size: int = 1, attn_tp_rank: int = 0,
+                 token_tiers: Optional[Sequence[int]] = None, granularity: str = "request"):
+        """`allgather`: see the module docstring; it gathers from all dp_size * attn_tp_size
+        processes. `token_tiers`: the per-rank token sizes the engine captured (CUDA graphs),
+        ascending; None: DPB_TIERS. `granularity`: "request" (a verify length per request) or
+        "budget" (a verify-token budget for this rank, spread by the engine). Raises
+        DpBalanceError when the library, the flags or the arguments are refused."""
+        _int_field(dp_size, "dp_size", 1, 1 << 20)
+        _int_field(dp_rank, "dp_rank", 0, dp_size - 1)
+        _int_field(attn_tp_size, "attn_tp_size", 1, 1 << 20)
+        _int_field(attn_tp_rank, "attn_tp_rank", 0, attn_tp_size - 1)
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"dpbalance: granularity = {granularity!r}, expected one of "
+                             f"{sorted(GRANULARITIES)}")
+        tiers = [] if token_tiers is None else list(token_tiers)
+        for i, t in enumerate(tiers):
+            _int_field(t, f"token_tiers[{i}]", *_I32)
+        self.num_ranks = self.dp_size = dp_size
+        self.rank = self.dp_rank = dp_rank
+        self.attn_tp_size, self.attn_tp_rank = attn_tp_size, attn_tp_rank
+        self.group_size = dp_size * attn_tp_size
+        self._setup(allgather, library, SYMBOL_V2, _PluginV2)
+        if self._plugin.abi_version != ABI_VERSION_2:
+            raise DpBalanceError(f"dpbalance: '{self.path}' exports {SYMBOL_V2} with abi_version "
+                                 f"{self._plugin.abi_version}, expected {ABI_VERSION_2}")
+        self._cfn = AllGatherFnV2(self._allgather_trampoline) if allgather else AllGatherFnV2()
+        self._config = (config or "").encode()
+        self._tiers = (ctypes.c_int32 * max(len(tiers), 1))(*tiers)
+        args = _InitArgsV2(struct_size=ctypes.sizeof(_InitArgsV2), dp_size=dp_size,
+                           dp_rank=dp_rank, attn_tp_size=attn_tp_size, attn_tp_rank=attn_tp_rank,
+                           config=self._config,
+                           backend=BACKEND_CALLBACK if allgather else BACKEND_FROM_FLAGS,
+                           allgather_fn=self._cfn, cuda_device=-1,
+                           token_tiers=self._tiers if token_tiers is not None else None,
+                           num_token_tiers=len(tiers), granularity=GRANULARITIES[granularity])
+        rc = self._plugin.init(ctypes.byref(args), ctypes.byref(self._ctx))
+        if rc != SUCCESS:
+            raise self._init_failed(
+                rc, f"DP rank {dp_rank}/{dp_size}, attn-TP rank {attn_tp_rank}/{attn_tp_size}",
+                config)
+        self._rank_tokens = (ctypes.c_int64 * dp_size)()
+        self._rank_flags = (ctypes.c_uint32 * dp_size)()
+        self._step = _StepV2()
+        self._result = _PlanResultV2()
+        self._report = _ReportV2()
+
+    def _who(self) -> str:
+        return f"DP rank {self.dp_rank} (attn-TP rank {self.attn_tp_rank})"
+
+    def _ids(self, items, what):
+        """All ids in one bytes object; each record points into it (no copy per id)."""
+        try:
+            raw = [_id_bytes(x.request_id, f"{what}[{i}].request_id")
+                   for i, x in enumerate(items)]
+        except AttributeError:
+            raise TypeError(f"dpbalance: {what} holds an item without request_id") from None
+        blob = b"".join(raw)
+        base = ctypes.cast(ctypes.c_char_p(blob), ctypes.c_void_p).value or 0
+        ids, off = [], 0
+        for r in raw:
+            ids.append((base + off, len(r)))
+            off += len(r)
+        return ids, [blob]
+
+    def _allgather_trampoline(self, _user, send, send_bytes, recv, recv_bytes, timeout_ms):
+        try:
+            return self._gather(send, send_bytes, recv, recv_bytes, timeout_ms)
+        except BaseException as e:  # never let an exception unwind through C
+            self._callback_error = e
+            return -1
+
+    def plan(self, requests: Sequence[Request], kind: str = "decode", kv_free_tokens: int = -1,
+             extra_tokens: int = 0) -> PlanResult:
+        """Call on every process each step, whatever the step (`kind`: decode, idle, extend,
+        no_verify). `extra_tokens`: query tokens this rank runs beside verify (prefill).
+        Failures come back as the defaults with a non-SUCCESS `result`, as in v1; only values
+        that cannot be marshalled raise (naming them)."""
+        if not self._ctx:
+            raise DpBalanceError("dpbalance: plan() after close()")
+        if kind not in STEP_KINDS:
+            raise ValueError(f"dpbalance: step kind {kind!r}, expected one of {list(STEP_KINDS)}")
+        n = len(requests)
+        keep = self._pack_requests(requests)  # noqa: F841 (alive through the call)
+        st, res = self._step, self._result
+        st.kind, st.requests, st.num_requests = STEP_KINDS[kind], self._reqs, n
+        st.kv_free_tokens = _index_field(kv_free_tokens, "kv_free_tokens", *_I64)
+        st.extra_tokens = _index_field(extra_tokens, "extra_tokens", *_I64)
+        ctypes.memset(ctypes.byref(res), 0, ctypes.sizeof(res))
+        res.verify_len, res.rank_tokens, res.rank_flags = self._lens, self._rank_tokens, self._rank_flags
+        self._callback_error = None
+        rc = self._plugin.plan(self._ctx, ctypes.byref(st), ctypes.byref(res))
+        self.last_result = rc
+        self._warn_callback()
+        return PlanResult(self._lens[:n], res.draft_depth, res.verify_budget, res.padded_tokens,
+                          self._rank_tokens[:], self._rank_flags[:], res.any_rank_flags,
+                          bool(res.balanced), rc)
+
+    def report(self, attention_us: float, step_us: float, accepted: Sequence[Accepted]) -> int:
+        """After the verify forward: this process's measured attention and step time (µs) and
+        the accept counts (ids as passed to plan). Returns the result code (`last_result`)."""
+        if not self._ctx:
+            raise DpBalanceError("dpbalance: report() after close()")
+        keep = self._pack_accepted(accepted)  # noqa: F841
+        r = self._report
+        r.attention_us, r.step_us = float(attention_us), float(step_us)
+        r.accepted, r.num_accepted = self._acc, len(accepted)
+        rc = self._plugin.report(self._ctx, ctypes.byref(r))
+        self.last_result = rc
+        return rc
+
+    def stats(self) -> dict:
+        """dpbStats_v2_t as one flat dict (the v1 figures and the v2 counters); {} after
+        close()."""
+        if not self._ctx:
+            return {}
+        s = _StatsV2()
+        rc = self._plugin.stats(self._ctx, ctypes.byref(s))
+        if rc != SUCCESS:
+            return {"result": RESULT_NAMES.get(rc, rc)}
+        out = {name: getattr(s.v1, name) for name, _ in _Stats._fields_}
+        out.update({name: getattr(s, name) for name, _ in _StatsV2._fields_[1:]})
+        return out
 
 
 class Router(_Closing):
@@ -478,6 +847,7 @@ class StepResult(NamedTuple):
     verify_len: Optional[list]  # per request; None when this rank has no plugin (use defaults)
     draft_depth: Optional[int]  # the instance's agreed depth; None without a plugin
     payloads: list              # every rank's engine payload, rank order
+    plan: Optional[PlanResult] = None  # ABI v2: the whole result (token totals, padded size)
 
 
 class Piggyback:
@@ -492,24 +862,29 @@ class Piggyback:
     that rank drafting the default depth while the rest draft the agreed one.
 
     `collective(payload: bytes) -> bytes` is the engine's all-gather of equal-size byte
-    strings: every rank's payload concatenated in rank order. Pass the object as the plugin's
-    all-gather, then call `step` where the engine runs its exchange:
+    strings: every process's payload concatenated in group order. Pass the object as the
+    plugin's all-gather, then call `step` where the engine runs its exchange:
 
         pb = Piggyback(my_collective, dp_size)
         dpb = DpBalance.load(dp_size, dp_rank, config, allgather=pb)   # may be None
         res = pb.step(dpb, requests, my_payload)  # res.payloads: what the engine gathered
 
-    Every rank must pass payloads of one size and call `step` every step (also with no plugin,
-    or a disabled one: the record slot then goes out as zeros, which every plugin that reads
-    it rejects, so all ranks fall back together). An exception from `collective` is the
-    engine's own failure: `step` re-raises it (the plugin has then disabled itself). A request
+    ABI v2 (a DpBalanceV2): `num_ranks` is the group's size, dp_size * attn_tp_size, and
+    `step` passes `kind` and `extra_tokens` on to `plan` and returns its PlanResult in `plan`.
+
+    Every process must pass payloads of one size and call `step` every step (also with no
+    plugin, or a disabled one: the record slot then goes out as zeros, which every plugin that
+    reads it rejects, so all ranks fall back together). The record's size is the one the
+    plugin's handshake at `init` sent (RECORD_BYTES before any). An exception from `collective`
+    is the engine's own failure: `step` re-raises it (the plugin has then fallen back). A request
     that cannot be marshalled raises too, after the engine's sync has run with a zero record,
-    so the other ranks never wait for this one. One per rank, like DpBalance."""
+    so the other ranks never wait for this one. One per process, like DpBalance."""
 
     def __init__(self, collective: Callable[[bytes], bytes], num_ranks: int):
         _int_field(num_ranks, "num_ranks", 1, 1 << 20)
         self._collective = collective
         self.num_ranks = num_ranks
+        self.record_bytes = RECORD_BYTES
         self._payload: Optional[bytes] = None
         self._payloads: Optional[list] = None
         self._error: Optional[BaseException] = None
@@ -531,59 +906,111 @@ class Piggyback:
         """The plugin's all-gather. Outside `step` (init's handshake) the record travels alone;
         all ranks are in init together. The engine's collective sets its own timeout."""
         if self._payload is None:
+            self.record_bytes = len(send)
             return self._collective(send)
         try:
-            if len(send) != RECORD_BYTES:
-                raise ValueError(f"dpbalance: record of {len(send)} bytes, ABI v1 has "
-                                 f"{RECORD_BYTES}")
+            if len(send) != self.record_bytes:
+                raise ValueError(f"dpbalance: record of {len(send)} bytes, the handshake sent "
+                                 f"{self.record_bytes}")
             return self._gather(self._payload, send)
         except BaseException as e:
             self._error = e
             raise
 
-    def step(self, dpb: Optional["DpBalance"], requests: Sequence[Request], payload: bytes,
-             kv_free_tokens: int = -1) -> StepResult:
-        """One decode step's exchange: plans with `dpb` (None: no plugin) and gathers
-        `payload` from every rank, in one collective."""
+    def step(self, dpb, requests: Sequence[Request], payload: bytes, kv_free_tokens: int = -1,
+             **plan_args) -> StepResult:
+        """One step's exchange: plans with `dpb` (a DpBalance, a DpBalanceV2, or None: no
+        plugin) and gathers `payload` from every process, in one collective. `plan_args`
+        (v2 only): kind, extra_tokens."""
         self._payload, self._payloads, self._error = bytes(payload), None, None
         try:
-            lens = depth = None
+            lens = depth = plan = None
             if dpb is not None:
                 try:
-                    lens, depth = dpb.plan(requests, kv_free_tokens)
+                    if isinstance(dpb, DpBalanceV2):
+                        plan = dpb.plan(requests, kv_free_tokens=kv_free_tokens, **plan_args)
+                        lens, depth = plan.verify_len, plan.draft_depth
+                    else:
+                        if plan_args:
+                            raise TypeError(f"dpbalance: {sorted(plan_args)} need ABI v2")
+                        lens, depth = dpb.plan(requests, kv_free_tokens)
                 except Exception:
                     # Raised before the exchange (a value that cannot be marshalled): the peers
                     # are in the engine's sync, so it still runs, with a zero record.
                     if self._payloads is None and self._error is None:
-                        self._gather(self._payload, bytes(RECORD_BYTES))
+                        self._gather(self._payload, bytes(self.record_bytes))
                     raise
             if self._error is not None:
                 raise self._error
             if self._payloads is None:  # the plugin did not exchange: the engine's sync still runs
-                self._gather(self._payload, bytes(RECORD_BYTES))
-            return StepResult(lens, depth, self._payloads)
+                self._gather(self._payload, bytes(self.record_bytes))
+            return StepResult(lens, depth, self._payloads, plan)
         finally:
             self._payload = None
 
 
-def torch_allgather(group=None) -> Callable[[bytes, int], bytes]:
+class TorchAllGather:
     """An all-gather over a torch.distributed group (a gloo CPU group, as engines keep for
-    their per-step DP metadata). The group's own timeout bounds the call; torch has no per-call
-    one, so create the group with a timeout that suits the engine."""
-    import torch
-    import torch.distributed as dist
+    their per-step DP metadata), for both ABIs: call it as `(send, timeout_ms) -> bytes`, or
+    through `gather_into` (what DpBalanceV2 uses). Each call first gathers every process's
+    (send size, receive capacity): when they disagree (ranks on different ABI versions or
+    configs, a receive buffer that does not hold the group's records) every process raises the
+    same error, naming the process and the value, before any payload moves, so none is left
+    waiting in a collective the others skipped. The group's own timeout bounds the call; torch
+    has no per-call one, so create the group with the timeout the engine wants (DPB_TIMEOUT_MS
+    for a group of its own). After a gloo timeout the group's connections are closed, and every
+    later call fails at once on every process."""
 
-    world = dist.get_world_size(group)
-    box = {}
+    def __init__(self, group=None):
+        import torch
+        import torch.distributed as dist
+        self._torch, self._dist, self.group = torch, dist, group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self._mine = torch.zeros(2, dtype=torch.int64)
+        self._sizes = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world)]
+        self._n = -1
 
-    def allgather(send: bytes, _timeout_ms: int) -> bytes:
+    def _exchange(self, send: bytes, capacity: int) -> list:
         n = len(send)
-        if box.get("n") != n:  # buffers reused across steps
-            box["n"] = n
-            box["send"] = torch.empty(n, dtype=torch.uint8)
-            box["recv"] = [torch.empty(n, dtype=torch.uint8) for _ in range(world)]
-        box["send"].copy_(torch.frombuffer(bytearray(send), dtype=torch.uint8))
-        dist.all_gather(box["recv"], box["send"], group=group)
-        return b"".join(t.numpy().tobytes() for t in box["recv"])
+        self._mine[0], self._mine[1] = n, capacity
+        self._dist.all_gather(self._sizes, self._mine, group=self.group)
+        sizes = [(int(t[0]), int(t[1])) for t in self._sizes]
+        for r, (s, _) in enumerate(sizes):
+            if s != sizes[0][0]:
+                raise ValueError(
+                    f"dpbalance torch_allgather: process {r} of the group sends {s} bytes, "
+                    f"process 0 sends {sizes[0][0]} (this is process {self.rank}): ranks on "
+                    f"different ABI versions or record sizes")
+        for r, (s, c) in enumerate(sizes):
+            if c >= 0 and c != self.world * s:
+                raise ValueError(
+                    f"dpbalance torch_allgather: process {r}'s receive buffer holds {c} bytes, "
+                    f"the group of {self.world} processes gathers {self.world} x {s} = "
+                    f"{self.world * s} (this is process {self.rank}): a dp_size or attn_tp_size "
+                    f"that does not match the group")
+        if self._n != n:  # buffers reused across steps
+            self._n = n
+            self._send = self._torch.empty(n, dtype=self._torch.uint8)
+            self._recv = [self._torch.empty(n, dtype=self._torch.uint8) for _ in range(self.world)]
+        self._send.copy_(self._torch.frombuffer(bytearray(send), dtype=self._torch.uint8))
+        self._dist.all_gather(self._recv, self._send, group=self.group)
+        return self._recv
 
-    return allgather
+    def __call__(self, send: bytes, _timeout_ms: int) -> bytes:
+        return b"".join(t.numpy().tobytes() for t in self._exchange(send, -1))
+
+    def gather_into(self, send: bytes, recv: memoryview, _timeout_ms: int) -> int:
+        """Writes every process's `send` into `recv` (group order); returns the bytes written.
+        Raises (the adapter returns -1 to the plugin) when the sizes disagree; never writes past
+        `recv`."""
+        n = len(send)
+        parts = self._exchange(send, len(recv))
+        for r, t in enumerate(parts):
+            recv[r * n:(r + 1) * n] = t.numpy().tobytes()
+        return self.world * n
+
+
+def torch_allgather(group=None) -> TorchAllGather:
+    """The all-gather over a torch.distributed group (see TorchAllGather)."""
+    return TorchAllGather(group)
