@@ -50,6 +50,7 @@ int main() {
   FIELD(dpbPlanResult_v2_t, padded_tokens);
   FIELD(dpbPlanResult_v2_t, any_rank_flags);
   FIELD(dpbPlanResult_v2_t, balanced);
+  FIELD(dpbPlanResult_v2_t, plan_id);
   SIZE(dpbPlanResult_v2_t);
   FIELD(dpbAccepted_v2_t, id);
   FIELD(dpbAccepted_v2_t, id_bytes);
@@ -57,6 +58,7 @@ int main() {
   FIELD(dpbAccepted_v2_t, accepted);
   FIELD(dpbAccepted_v2_t, finished);
   SIZE(dpbAccepted_v2_t);
+  FIELD(dpbReport_v2_t, plan_id);
   FIELD(dpbReport_v2_t, attention_us);
   FIELD(dpbReport_v2_t, step_us);
   FIELD(dpbReport_v2_t, accepted);

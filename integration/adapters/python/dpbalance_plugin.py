@@ -215,7 +215,7 @@ class _PlanResultV2(ctypes.Structure):
                 ("rank_flags", ctypes.POINTER(ctypes.c_uint32)),
                 ("draft_depth", ctypes.c_int32), ("verify_budget", ctypes.c_int32),
                 ("padded_tokens", ctypes.c_int64), ("any_rank_flags", ctypes.c_uint32),
-                ("balanced", ctypes.c_int32)]
+                ("balanced", ctypes.c_int32), ("plan_id", ctypes.c_int64)]
 
 
 class _AcceptedV2(ctypes.Structure):
@@ -225,7 +225,8 @@ class _AcceptedV2(ctypes.Structure):
 
 
 class _ReportV2(ctypes.Structure):
-    _fields_ = [("attention_us", ctypes.c_double), ("step_us", ctypes.c_double),
+    _fields_ = [("plan_id", ctypes.c_int64),
+                ("attention_us", ctypes.c_double), ("step_us", ctypes.c_double),
                 ("accepted", ctypes.POINTER(_AcceptedV2)), ("num_accepted", ctypes.c_int32)]
 
 
@@ -616,6 +617,7 @@ class PlanResult(NamedTuple):
     any_rank_flags: int   # OR of rank_flags
     balanced: bool        # the lengths are balanced (False: the engine's defaults)
     result: int           # the dpbResult_t code; anything but SUCCESS: defaults, see the log
+    plan_id: int = -1     # this plan, for `report(..., plan_id=)` when reports lag a step
 
 
 def _id_bytes(value, what: str) -> bytes:
@@ -689,6 +691,7 @@ class DpBalanceV2(_Balancer):
         self._step = _StepV2()
         self._result = _PlanResultV2()
         self._report = _ReportV2()
+        self._last_plan_id = -1
 
     def _who(self) -> str:
         return f"DP rank {self.dp_rank} (attn-TP rank {self.attn_tp_rank})"
@@ -737,17 +740,22 @@ class DpBalanceV2(_Balancer):
         rc = self._plugin.plan(self._ctx, ctypes.byref(st), ctypes.byref(res))
         self.last_result = rc
         self._warn_callback()
+        self._last_plan_id = res.plan_id
         return PlanResult(self._lens[:n], res.draft_depth, res.verify_budget, res.padded_tokens,
                           self._rank_tokens[:], self._rank_flags[:], res.any_rank_flags,
-                          bool(res.balanced), rc)
+                          bool(res.balanced), rc, res.plan_id)
 
-    def report(self, attention_us: float, step_us: float, accepted: Sequence[Accepted]) -> int:
+    def report(self, attention_us: float, step_us: float, accepted: Sequence[Accepted],
+               plan_id: Optional[int] = None) -> int:
         """After the verify forward: this process's measured attention and step time (µs) and
-        the accept counts (ids as passed to plan). Returns the result code (`last_result`)."""
+        the accept counts (ids as passed to plan). `plan_id`: the plan reported (PlanResult's),
+        for an engine that plans step t+1 before step t's results are in; default: the latest
+        plan. Returns the result code (`last_result`)."""
         if not self._ctx:
             raise DpBalanceError("dpbalance: report() after close()")
         keep = self._pack_accepted(accepted)  # noqa: F841
         r = self._report
+        r.plan_id = _index_field(self._last_plan_id if plan_id is None else plan_id, "plan_id", *_I64)
         r.attention_us, r.step_us = float(attention_us), float(step_us)
         r.accepted, r.num_accepted = self._acc, len(accepted)
         rc = self._plugin.report(self._ctx, ctypes.byref(r))
