@@ -36,7 +36,7 @@ struct Context {
 struct InitCommon {
   int32_t dp_size = 0, dp_rank = 0, attn_tp_size = 1, attn_tp_rank = 0;
   const char* config = nullptr;
-  dpbBackend_t backend = dpbBackendFromFlags;
+  int32_t backend = dpbBackendFromFlags;  // RawEnum of the engine's field
   dpbAllGatherFn_v1_t allgather_v1 = nullptr;
   dpbAllGatherFn_v2_t allgather_v2 = nullptr;
   void* allgather_user = nullptr;
@@ -63,12 +63,22 @@ int64_t RequestKey(const void* id, int32_t id_bytes) {
 
 constexpr int32_t kMaxIdBytes = 4096;
 
+// A C enum field as the engine wrote it: any int may arrive, and loading one that is not an
+// enumerator as the enum type is undefined behaviour, so it is read as its bytes.
+template <typename Enum>
+int32_t RawEnum(const Enum& e) {
+  static_assert(sizeof(Enum) == sizeof(int32_t));
+  int32_t v;
+  std::memcpy(&v, &e, sizeof(v));
+  return v;
+}
+
 void DefaultLengths(const dpbRequest_v1_t* req, int32_t n, int32_t default_k, int32_t* out) {
   for (int32_t i = 0; i < n; ++i) out[i] = DefaultVerifyLen(default_k, req[i].k_cap);
 }
 
 absl::StatusOr<std::unique_ptr<AllGather>> MakeBackend(const InitCommon& a, const PluginFlags& f) {
-  dpbBackend_t b = a.backend;
+  int32_t b = a.backend;
   const int group = a.dp_size * a.attn_tp_size, rank = a.dp_rank * a.attn_tp_size + a.attn_tp_rank;
   if (b == dpbBackendFromFlags) {
     b = f.backend == "inproc" ? dpbBackendInProcess : f.backend == "callback" ? dpbBackendCallback : dpbBackendNccl;
@@ -159,7 +169,7 @@ dpbResult_t Init(const dpbInitArgs_v1_t* args, void** context) {
   a.dp_size = args->num_ranks;
   a.dp_rank = args->rank;
   a.config = args->config;
-  a.backend = args->backend;
+  a.backend = RawEnum(args->backend);
   a.allgather_v1 = args->allgather_fn;
   a.allgather_user = args->allgather_user;
   a.nccl_comm = args->nccl_comm;
@@ -183,7 +193,7 @@ dpbResult_t InitV2(const dpbInitArgs_v2_t* args, void** context) {
   a.attn_tp_size = args->attn_tp_size;
   a.attn_tp_rank = args->attn_tp_rank;
   a.config = args->config;
-  a.backend = args->backend;
+  a.backend = RawEnum(args->backend);
   a.allgather_v2 = args->allgather_fn;
   a.allgather_user = args->allgather_user;
   a.nccl_comm = args->nccl_comm;
@@ -203,12 +213,11 @@ dpbResult_t InitV2(const dpbInitArgs_v2_t* args, void** context) {
       f.balancer.planner.token_tiers.assign(args->token_tiers, args->token_tiers + args->num_token_tiers);
       f.balancer.planner.global.padded_tokens = true;
     }
-    switch (args->granularity) {
+    switch (const int32_t g = RawEnum(args->granularity)) {
       case dpbGranularityRequest: break;
       case dpbGranularityBudget: f.balancer.planner.order_by_gain = true; break;
       default:
-        return absl::InvalidArgumentError(
-            absl::StrFormat("granularity = %d is not 0 (request) or 1 (budget)", static_cast<int>(args->granularity)));
+        return absl::InvalidArgumentError(absl::StrFormat("granularity = %d is not 0 (request) or 1 (budget)", g));
     }
     return f.balancer.planner.Validate();  // e.g. tiers not ascending, named
   });
@@ -316,6 +325,7 @@ uint32_t RankFlagsV2(uint16_t summary_flags) {
 // (the rank then runs its defaults and still joins the exchange).
 absl::Status ToRequests(Context& ctx, const dpbStep_v2_t& step) {
   const int32_t n = step.num_requests;
+  const bool no_verify = RawEnum(step.kind) == dpbStepNoVerify;
   ctx.requests.resize(n);
   absl::Status bad;
   for (int32_t i = 0; i < n; ++i) {
@@ -330,9 +340,9 @@ absl::Status ToRequests(Context& ctx, const dpbStep_v2_t& step) {
     r.request_id = id_ok ? RequestKey(q.id, q.id_bytes) : 0;
     r.ctx_tokens = q.ctx_tokens;
     // A step without verify plans (and falls back to) zero drafts for every request.
-    r.k_cap = step.kind == dpbStepNoVerify ? 0 : q.k_cap;
-    r.k_min = step.kind == dpbStepNoVerify ? 0 : std::min(std::max(q.k_min, ctx.k_min), std::max(q.k_cap, 0));
-    r.draft_confidence = step.kind != dpbStepNoVerify && q.draft_confidence && q.num_confidence > 0
+    r.k_cap = no_verify ? 0 : q.k_cap;
+    r.k_min = no_verify ? 0 : std::min(std::max(q.k_min, ctx.k_min), std::max(q.k_cap, 0));
+    r.draft_confidence = !no_verify && q.draft_confidence && q.num_confidence > 0
                              ? absl::MakeConstSpan(q.draft_confidence, q.num_confidence)
                              : absl::Span<const float>();
   }
@@ -387,16 +397,17 @@ dpbResult_t PlanV2(void* context, const dpbStep_v2_t* step, dpbPlanResult_v2_t* 
     StepInput in;
     in.kv_free_tokens = step->kv_free_tokens;
     in.extra_tokens = step->extra_tokens;
-    switch (step->kind) {
+    const int32_t kind = RawEnum(step->kind);
+    switch (kind) {
       case dpbStepDecode: break;
       case dpbStepIdle: in.kind = kSummaryIdle; break;
       case dpbStepExtend: in.kind = kSummaryExtend; break;
       case dpbStepNoVerify: in.kind = kSummaryNoVerify; break;
       default:
         in.input_error = absl::InvalidArgumentError(
-            absl::StrFormat("plan: step kind %d is not 0..3", static_cast<int>(step->kind)));
+            absl::StrFormat("plan: step kind %d is not 0..3", kind));
     }
-    if (in.input_error.ok() && step->kind == dpbStepIdle && n > 0) {
+    if (in.input_error.ok() && kind == dpbStepIdle && n > 0) {
       in.input_error = absl::InvalidArgumentError(absl::StrFormat("plan: an idle step with %d requests", n));
     }
     if (absl::Status s = ToRequests(*ctx, *step); !s.ok() && in.input_error.ok()) in.input_error = s;
@@ -410,7 +421,7 @@ dpbResult_t PlanV2(void* context, const dpbStep_v2_t* step, dpbPlanResult_v2_t* 
     return o.balanced || o.status.ok() ? dpbSuccess : dpbFallback;
   } catch (...) {
     for (int32_t i = 0; i < n; ++i) {
-      res->verify_len[i] = step->kind == dpbStepNoVerify ? 0 : DefaultVerifyLen(ctx->default_k, step->requests[i].k_cap);
+      res->verify_len[i] = RawEnum(step->kind) == dpbStepNoVerify ? 0 : DefaultVerifyLen(ctx->default_k, step->requests[i].k_cap);
     }
     res->draft_depth = ctx->default_k;
     res->balanced = 0;

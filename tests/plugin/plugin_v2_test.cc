@@ -119,7 +119,9 @@ class PluginV2 : public ::testing::Test {
             // Members of one DP rank measure different attention times (their own heads).
             seen[r * tp + t].push_back(Step(ctx, dp, engine(r, t, step), 300.0 + 150 * r + 40 * t));
           }
-          if (stats) EXPECT_EQ(v2_->stats(ctx, &(*stats)[r * tp + t]), dpbSuccess);
+          if (stats) {
+            EXPECT_EQ(v2_->stats(ctx, &(*stats)[r * tp + t]), dpbSuccess);
+          }
           EXPECT_EQ(v2_->finalize(ctx), dpbSuccess);
         });
       }
@@ -385,10 +387,16 @@ TEST_F(PluginV2, PlanAndReportStayPairedAndBadIdsFallBack) {
   EXPECT_EQ(v2_->plan(ctx, &step, &res), dpbInvalidArgument);
   for (int32_t x : v) EXPECT_EQ(x, 2);
   EXPECT_EQ(report(res.plan_id), dpbSuccess);
+  reqs[1].id = e.ids[1].data();
+  const int32_t bad_kind = 7;  // not an enumerator: read as bytes, refused by value
+  std::memcpy(&step.kind, &bad_kind, sizeof(bad_kind));
+  EXPECT_EQ(v2_->plan(ctx, &step, &res), dpbInvalidArgument);
+  for (int32_t x : v) EXPECT_EQ(x, 2);
+  EXPECT_EQ(report(res.plan_id), dpbSuccess);
   dpbStats_v2_t st{};
   EXPECT_EQ(v2_->stats(ctx, &st), dpbSuccess);
   EXPECT_EQ(st.missing_reports, 2);
-  EXPECT_EQ(st.v1.fallbacks, 1);
+  EXPECT_EQ(st.v1.fallbacks, 2);
   EXPECT_EQ(v2_->finalize(ctx), dpbSuccess);
 }
 
@@ -484,7 +492,8 @@ TEST_F(PluginV2, BadInitArgumentsAreRefusedByName) {
   a.num_token_tiers = 2;
   EXPECT_EQ(v2_->init(&a, &ctx), dpbInvalidArgument);
   a.num_token_tiers = 0;
-  a.granularity = static_cast<dpbGranularity_t>(9);
+  const int32_t bad_granularity = 9;  // not an enumerator: read as bytes, refused by value
+  std::memcpy(&a.granularity, &bad_granularity, sizeof(bad_granularity));
   EXPECT_EQ(v2_->init(&a, &ctx), dpbInvalidArgument);
   EXPECT_EQ(ctx, nullptr);
 }
