@@ -18,6 +18,7 @@ namespace {
 
 constexpr uint32_t kHelloMagic = 0x4f4c4548;  // "HELO"
 constexpr int64_t kWarnEverySteps = 1000;     // rate limit for step-path warnings
+constexpr int64_t kMaxExtraTokens = 1 << 30;  // a step's prefill tokens on one rank, at most
 constexpr int64_t kBarrierWarnSteps = 200;    // balanced steps before judging barrier/plan
 constexpr double kBarrierWarnRatio = 1.10;    // warn above this mean measured/planned barrier
 
@@ -249,6 +250,14 @@ uint32_t Balancer::InputDigest(const StepInput& in) const {
   return static_cast<uint32_t>(d ^ (d >> 32));
 }
 
+// What this rank runs: its lengths plus its extra tokens (a bad extra_tokens, which fails the
+// step, counts as its nearest valid value).
+int64_t Balancer::OwnTokens(const StepInput& in, absl::Span<const int32_t> lens) {
+  int64_t own = std::clamp<int64_t>(in.extra_tokens, 0, kMaxExtraTokens);
+  for (int32_t v : lens) own += 1 + v;
+  return own;
+}
+
 void Balancer::FillTotals(const GlobalDecision* decision, bool balanced, const StepInput& in,
                           absl::Span<const int32_t> own_len, StepTotals* totals) {
   if (totals == nullptr) return;
@@ -264,9 +273,7 @@ void Balancer::FillTotals(const GlobalDecision* decision, bool balanced, const S
     totals->rank_flags[r] = totals->rank_tokens[r] < 0 ? 0 : f;
   }
   // This rank's own entry is what it runs (it may have fallen back alone, or be disabled).
-  int64_t own = in.extra_tokens;
-  for (int32_t v : own_len) own += 1 + v;
-  totals->rank_tokens[rank_] = own;
+  totals->rank_tokens[rank_] = OwnTokens(in, own_len);
   totals->rank_flags[rank_] =
       in.kind | (balanced && decision != nullptr && (recs[rank_].flags & kSummaryValid) ? kSummaryValid : 0);
   int64_t max_tokens = 0;
@@ -295,10 +302,9 @@ PlanOutcome Balancer::Plan(const StepInput& step, absl::Span<int32_t> verify_len
   if (local.ok() && verify_len.size() != step.batch.size()) {
     local = absl::InvalidArgumentError(absl::StrFormat(
         "verify_len has %d slots for %d requests", verify_len.size(), step.batch.size()));
-  } else if (local.ok() &&
-             (step.extra_tokens < 0 || step.extra_tokens > std::numeric_limits<uint32_t>::max() / 2)) {
-    local = absl::InvalidArgumentError(
-        absl::StrFormat("extra_tokens = %d must be in 0..2^31", step.extra_tokens));
+  } else if (local.ok() && (step.extra_tokens < 0 || step.extra_tokens > kMaxExtraTokens)) {
+    local = absl::InvalidArgumentError(absl::StrFormat("extra_tokens = %d must be in 0..%d",
+                                                       step.extra_tokens, kMaxExtraTokens));
   }
   return PlanStep(step, verify_len, local, totals);
 }
@@ -319,9 +325,7 @@ PlanOutcome Balancer::PlanStep(const StepInput& in, absl::Span<int32_t> verify_l
     totals->known = false;
     totals->rank_tokens.assign(dp, -1);
     totals->rank_flags.assign(dp, 0);
-    int64_t own = std::max<int64_t>(in.extra_tokens, 0);
-    for (int32_t v : verify_len) own += 1 + v;
-    totals->rank_tokens[rank_] = own;
+    totals->rank_tokens[rank_] = OwnTokens(in, verify_len);
     totals->rank_flags[rank_] = in.kind;
     totals->padded_tokens = 0;
     totals->any_flags = in.kind;
@@ -436,7 +440,7 @@ void Balancer::StampOwnSummary(const absl::Status& local, uint64_t step, const S
     own_summary_.default_tokens = static_cast<uint32_t>(std::min<int64_t>(tokens, UINT32_MAX));
   }
   own_summary_.flags |= in.kind;
-  own_summary_.extra_tokens = static_cast<uint32_t>(std::clamp<int64_t>(in.extra_tokens, 0, UINT32_MAX));
+  own_summary_.extra_tokens = static_cast<uint32_t>(std::clamp<int64_t>(in.extra_tokens, 0, kMaxExtraTokens));
   own_summary_.input_digest = config_.attn_tp_size > 1 && local.ok() ? InputDigest(in) : 0;
   own_summary_.step_idx = static_cast<uint32_t>(step);
   own_summary_.prev_attention_us = static_cast<float>(measured.fresh ? measured.attention_us : -1);

@@ -194,6 +194,7 @@ class Balancer {
   // measured times from this exchange.
   void ApplyLeaderMeasurements();
   uint32_t InputDigest(const StepInput& step) const;
+  static int64_t OwnTokens(const StepInput& in, absl::Span<const int32_t> lens);
   // Every DP rank's total from the records; this rank's own from what it runs (`own_len`).
   void FillTotals(const GlobalDecision* decision, bool balanced, const StepInput& in,
                   absl::Span<const int32_t> own_len, StepTotals* totals);
