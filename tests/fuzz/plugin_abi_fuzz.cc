@@ -17,11 +17,15 @@
 #include <cstring>
 #include <vector>
 
+#include "plugin_request_fuzz.h"
 #include "dpbalance/plugin/dpbalance_plugin_v1.h"
 
 extern "C" const dpbalancePlugin_v1_t dpbalancePlugin_v1;
 
 namespace {
+
+using dpbalance::fuzz::ConsumeInt32;
+using dpbalance::fuzz::ConsumeRequest;
 
 // One instance per planning mode and option set; each its own in-process group.
 constexpr const char* kConfigs[] = {
@@ -62,11 +66,6 @@ Instances::Instances() {
   }
 }
 
-// Anything in the type sometimes, a plausible value mostly.
-int32_t ConsumeInt32(FuzzedDataProvider& in, int32_t lo, int32_t hi) {
-  return in.ConsumeIntegralInRange(0, 7) == 0 ? in.ConsumeIntegral<int32_t>() : in.ConsumeIntegralInRange(lo, hi);
-}
-
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -85,17 +84,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     for (int32_t i = 0; i < n; ++i) {
       dpbRequest_v1_t& r = requests[i];
       r.request_id = in.ConsumeIntegralInRange<int64_t>(0, 63);
-      r.ctx_tokens = in.ConsumeBool() ? in.ConsumeIntegral<int64_t>() : in.ConsumeIntegralInRange<int64_t>(0, 1 << 20);
-      r.k_cap = ConsumeInt32(in, 0, 9);
-      r.k_min = ConsumeInt32(in, 0, 9);
-      if (in.ConsumeBool()) {
-        confidences[i].resize(in.ConsumeIntegralInRange(0, 12));
-        for (float& c : confidences[i]) {
-          c = in.ConsumeBool() ? in.ConsumeProbability<float>() : in.ConsumeFloatingPoint<float>();
-        }
-        r.draft_confidence = confidences[i].data();
-        r.num_confidence = static_cast<int32_t>(confidences[i].size());
-      }
+      ConsumeRequest(in, r, confidences[i]);
     }
     const int64_t kv_free_tokens = in.ConsumeBool() ? in.ConsumeIntegral<int64_t>() : in.ConsumeIntegralInRange<int64_t>(-1, 512);
     verify_len.assign(n, -12345);

@@ -19,11 +19,15 @@
 #include <string>
 #include <vector>
 
+#include "plugin_request_fuzz.h"
 #include "dpbalance/plugin/dpbalance_plugin_v2.h"
 
 extern "C" const dpbalancePlugin_v2_t dpbalancePlugin_v2;
 
 namespace {
+
+using dpbalance::fuzz::ConsumeInt32;
+using dpbalance::fuzz::ConsumeRequest;
 
 struct Init {
   const char* config;
@@ -69,10 +73,6 @@ Instances::Instances() {
   }
 }
 
-int32_t ConsumeInt32(FuzzedDataProvider& in, int32_t lo, int32_t hi) {
-  return in.ConsumeIntegralInRange(0, 7) == 0 ? in.ConsumeIntegral<int32_t>() : in.ConsumeIntegralInRange(lo, hi);
-}
-
 [[noreturn]] void Fail(const char* what, long a, long b) {
   std::fprintf(stderr, "plan: %s (%ld vs %ld)\n", what, a, b);
   std::abort();
@@ -106,17 +106,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       r.id = id_kind == 1 ? nullptr : ids[i].data();
       r.id_bytes = id_kind == 2 ? in.ConsumeIntegral<int32_t>() : static_cast<int32_t>(ids[i].size());
       if (r.id_bytes > static_cast<int32_t>(ids[i].size())) r.id_bytes = static_cast<int32_t>(ids[i].size());
-      r.ctx_tokens = in.ConsumeBool() ? in.ConsumeIntegral<int64_t>() : in.ConsumeIntegralInRange<int64_t>(0, 1 << 20);
-      r.k_cap = ConsumeInt32(in, 0, 9);
-      r.k_min = ConsumeInt32(in, 0, 9);
-      if (in.ConsumeBool()) {
-        confidences[i].resize(in.ConsumeIntegralInRange(0, 12));
-        for (float& c : confidences[i]) {
-          c = in.ConsumeBool() ? in.ConsumeProbability<float>() : in.ConsumeFloatingPoint<float>();
-        }
-        r.draft_confidence = confidences[i].data();
-        r.num_confidence = static_cast<int32_t>(confidences[i].size());
-      }
+      ConsumeRequest(in, r, confidences[i]);
     }
     dpbStep_v2_t st{};
     std::memcpy(&st.kind, &kind, sizeof(kind));

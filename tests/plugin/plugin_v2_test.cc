@@ -66,13 +66,19 @@ class PluginV2 : public ::testing::Test {
     return a;
   }
 
-  // One plan + report of one process.
-  StepSeen Step(void* ctx, int dp, const EngineStep& e, double attention_us) const {
+  // The engine's requests in ABI form (ids point into `e`).
+  static std::vector<dpbRequest_v2_t> Requests(const EngineStep& e) {
     std::vector<dpbRequest_v2_t> reqs(e.ids.size());
     for (size_t i = 0; i < e.ids.size(); ++i) {
       reqs[i] = dpbRequest_v2_t{e.ids[i].data(), static_cast<int32_t>(e.ids[i].size()), e.ctx[i], 0, e.k_cap,
                                 nullptr, 0};
     }
+    return reqs;
+  }
+
+  // One plan + report of one process.
+  StepSeen Step(void* ctx, int dp, const EngineStep& e, double attention_us) const {
+    std::vector<dpbRequest_v2_t> reqs = Requests(e);
     dpbStep_v2_t step{e.kind, reqs.data(), static_cast<int32_t>(reqs.size()), -1, e.extra};
     StepSeen s;
     s.verify_len.assign(reqs.size(), -1);
@@ -360,10 +366,7 @@ TEST_F(PluginV2, PlanAndReportStayPairedAndBadIdsFallBack) {
   };
   EXPECT_EQ(report(0), dpbInvalidArgument);  // no plan yet
   const EngineStep e = Decode(0, 0);
-  std::vector<dpbRequest_v2_t> reqs;
-  for (size_t i = 0; i < e.ids.size(); ++i) {
-    reqs.push_back({e.ids[i].data(), static_cast<int32_t>(e.ids[i].size()), e.ctx[i], 0, 5, nullptr, 0});
-  }
+  std::vector<dpbRequest_v2_t> reqs = Requests(e);
   std::vector<int32_t> v(reqs.size());
   dpbPlanResult_v2_t res{};
   res.verify_len = v.data();
@@ -425,10 +428,7 @@ TEST_F(PluginV2, ReportsOneStepLateStayPairedWithTheirPlans) {
         };
         for (int step = 0; step < steps; ++step) {
           const EngineStep e = Decode(r, step);
-          std::vector<dpbRequest_v2_t> reqs;
-          for (size_t i = 0; i < e.ids.size(); ++i) {
-            reqs.push_back({e.ids[i].data(), static_cast<int32_t>(e.ids[i].size()), e.ctx[i], 0, 5, nullptr, 0});
-          }
+          std::vector<dpbRequest_v2_t> reqs = Requests(e);
           std::vector<int32_t> v(reqs.size());
           dpbPlanResult_v2_t res{};
           res.verify_len = v.data();
