@@ -342,11 +342,12 @@ PlanRequest Simulation::PlanRequestFor(int rank, int64_t id, int64_t ctx, int64_
   return p;
 }
 
-// The engine plans the batch it saw N steps ago (a step-ahead engine drafts before it knows the
-// last step's outcome): each request's context and remaining tokens then, and the estimators and
-// SLO floors as they were (ApplyObservations feeds them N steps late). Requests planned that
-// have finished since are dropped; requests admitted since run the default verify length; a
-// planned length is cut to what the request can still emit.
+// The engine plans a step ahead of what it has seen (a step-ahead engine drafts before it knows
+// the last steps' outcome). It knows the batch it scheduled, but each request's context and
+// remaining tokens only as of N steps ago (a request admitted since: as admitted), and the
+// estimators and SLO floors as they were (ApplyObservations feeds them N steps late). Requests
+// that finished in those N steps are still planned, and their lengths dropped. A planned length
+// is cut to what the request can still emit.
 absl::StatusOr<int> Simulation::PlanStale() {
   std::vector<std::vector<Seen>> now(num_ranks_);
   for (int r = 0; r < num_ranks_; ++r) {
@@ -356,33 +357,36 @@ absl::StatusOr<int> Simulation::PlanStale() {
   while (history_.size() > static_cast<size_t>(cfg_.stale_steps) + 1) history_.pop_front();
   const std::vector<std::vector<Seen>>& seen = history_.front();
   for (int r = 0; r < num_ranks_; ++r) {
-    batches_[r].resize(seen[r].size());
-    for (size_t i = 0; i < seen[r].size(); ++i) {
-      const Seen& s = seen[r][i];
-      batches_[r][i] = PlanRequestFor(r, s.id, s.ctx, s.remaining, s.truth_curve);
+    batches_[r].clear();
+    for (const InflightRequest& a : ranks_[r]) {  // batches are small (<= --max_batch)
+      const TraceRequest& t = trace_[a.id];
+      int64_t ctx = t.input_tokens, remaining = t.output_tokens;
+      for (const Seen& s : seen[r]) {
+        if (s.id == a.id) {
+          ctx = s.ctx;
+          remaining = s.remaining;
+          break;
+        }
+      }
+      batches_[r].push_back(PlanRequestFor(r, a.id, ctx, remaining, a.truth_curve));
+    }
+    for (const Seen& s : seen[r]) {  // finished since, which the engine does not know yet
+      bool running = false;
+      for (const InflightRequest& a : ranks_[r]) running = running || a.id == s.id;
+      if (!running) batches_[r].push_back(PlanRequestFor(r, s.id, s.ctx, s.remaining, s.truth_curve));
     }
   }
   stale_verify_.resize(num_ranks_);
   absl::StatusOr<int> depth = Decide(stale_verify_);
   if (!depth.ok()) return depth.status();
-  int deepest = *depth;
   for (int r = 0; r < num_ranks_; ++r) {
     verify_[r].resize(ranks_[r].size());
     for (size_t i = 0; i < ranks_[r].size(); ++i) {
-      const InflightRequest& a = ranks_[r][i];
-      const int32_t cap = static_cast<int32_t>(std::clamp<int64_t>(a.remaining - 1, 0, cfg_.k_max));
-      int32_t len = DefaultVerifyLen(cfg_.static_k, cap);
-      for (size_t j = 0; j < seen[r].size(); ++j) {  // batches are small (<= --max_batch)
-        if (seen[r][j].id == a.id) {
-          len = std::min(stale_verify_[r][j], cap);
-          break;
-        }
-      }
-      verify_[r][i] = len;
-      deepest = std::max(deepest, static_cast<int>(len));
+      const int32_t cap = static_cast<int32_t>(std::clamp<int64_t>(ranks_[r][i].remaining - 1, 0, cfg_.k_max));
+      verify_[r][i] = std::min(stale_verify_[r][i], cap);
     }
   }
-  return deepest;
+  return *depth;
 }
 
 // SGLang's DSpark verify planner under DP attention, as read at sgl-project/sglang commit

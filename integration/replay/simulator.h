@@ -19,10 +19,11 @@
 // - `kDspark`: SGLang's DSpark verify planner under DP attention (simulator.cc, DsparkPlan): each
 //   rank alone picks its verify-token budget by expected tokens per second, and the ranks agree
 //   only on the padded tier.
-// - Staleness (`stale_steps` N > 0): the planner (and kDspark) plans the batch as it was N steps
-//   ago, with each request's context then and the acceptance statistics (and TPOT SLO pace) the
-//   engine had then; requests admitted since run the default verify length. The truth charges
-//   the real batch.
+// - Staleness (`stale_steps` N > 0), an engine that plans (and drafts) a step ahead of what it
+//   has seen: the planner (and kDspark) plans the batch the engine scheduled, with each
+//   request's context and remaining tokens as of N steps ago (as admitted, if admitted since),
+//   the acceptance statistics (and TPOT SLO pace) of then, and the requests that finished in
+//   those N steps still in it. The truth charges the real batch.
 // - Thread-compatible: independent calls may run concurrently.
 #pragma once
 
