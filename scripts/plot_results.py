@@ -46,7 +46,7 @@ def main(src, dst, title):
     ax1.set_yticklabels([f"{n} (k={r['k']})" if r["verify_mode"] == "off" and r["routing"] != "ideal" else n
                          for n, r in zip(names, runs)])
     ax1.invert_yaxis()
-    fig.suptitle(title + "  -  purple: routing only (best static k), green: ours (E), orange: verify "
+    fig.suptitle(title + "\npurple: routing only (best static k), green: ours (E), orange: verify "
                  "balancing, pink: SGLang DSpark (token tiers), grey: ideal; dotted: D z1.2", fontsize=10)
     fig.tight_layout()
     fig.savefig(dst, dpi=110)

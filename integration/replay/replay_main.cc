@@ -58,8 +58,8 @@ ABSL_FLAG(std::string, tiers, "sglang",
           "--max_batch, times k_max + 1 tokens), 'none' (pad to the largest rank's tokens) or "
           "ascending token counts separated by commas");
 ABSL_FLAG(bool, padded, false,
-          "single planner run: every rank padded to the agreed --tiers tier, the planner in its "
-          "padded mode (what the v2 plugin does with DPB_TIERS and DPB_PADDED)");
+          "single run: every rank padded to the agreed --tiers tier (a planner in its "
+          "padded mode: what the v2 plugin does with DPB_TIERS and DPB_PADDED)");
 ABSL_FLAG(int, stale_steps, 0,
           "planner rows: plan with the batch, contexts and acceptance statistics N steps old "
           "(an engine that drafts ahead); the truth charges the real ones");
