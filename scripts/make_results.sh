@@ -36,6 +36,29 @@ $B/integration/dpbalance-replay --truth docs/generated/model_packed.json --truth
 $B/integration/dpbalance-replay --truth docs/generated/model_packed.json --truth_layers 61 \
   --planner_model v2 --json docs/generated/replay_h200truth_v2planner.json \
   | tee docs/generated/replay_h200truth_v2planner.txt
+# Issue #17: what one and two steps of staleness cost (--stale_steps; docs/results.md section 8),
+# for the v2 planner on the engine's token tiers, SGLang's DSpark and the planner without tiers,
+# on the Mooncake trace with the V2 truth (best static k = 1) and the H200 packed truth (best
+# static k = 5). Stale 0 repeats the comparison's rows 'D z1.2 + goodput (v2, tiers)' and
+# 'D z1.2 dspark' (and 'D z1.2 + goodput'); then D at static k on the same tiers, for context.
+: > docs/generated/replay_stale.txt
+for c in "mooncake 1" "h200truth 5 --truth docs/generated/model_packed.json --truth_layers 61"; do
+  set -- $c
+  n=$1 k=$2
+  shift 2
+  for row in "v2tiers:goodput --padded=true" dspark:dspark goodput:goodput; do
+    v=${row#*:}
+    for s in 0 1 2; do
+      echo "== $n --verify $v --k $k --stale_steps $s" | tee -a docs/generated/replay_stale.txt
+      $B/integration/dpbalance-replay "$@" --compare=false --routing D --verify $v --k $k \
+        --stale_steps $s --json docs/generated/replay_stale_${n}_${row%%:*}_$s.json \
+        | grep -E '^(name|D )' | tee -a docs/generated/replay_stale.txt
+    done
+  done
+  echo "== $n --verify off --k $k --padded=true" | tee -a docs/generated/replay_stale.txt
+  $B/integration/dpbalance-replay "$@" --compare=false --routing D --verify off --k $k --padded=true \
+    | grep -E '^(name|D )' | tee -a docs/generated/replay_stale.txt
+done
 # Online planners that know the kernel: from the offline packed fit, and from V2 with the
 # packed grid's makespans seeded (what an engine without a calibration run can set).
 for start in docs/generated/model_packed.json v2+fa2-packed-h200; do

@@ -22,6 +22,8 @@ def main(src, dst, title):
     for r in runs:
         if r["routing"] == "ideal":
             colors.append("#888888")
+        elif r["verify_mode"] == "dspark":
+            colors.append("#e7298a")
         elif r["verify_mode"] in ("goodput", "oracle", "fill", "local"):
             colors.append("#d95f02" if r["verify_mode"] == "goodput" else "#fdb863")
         else:
@@ -44,8 +46,8 @@ def main(src, dst, title):
     ax1.set_yticklabels([f"{n} (k={r['k']})" if r["verify_mode"] == "off" and r["routing"] != "ideal" else n
                          for n, r in zip(names, runs)])
     ax1.invert_yaxis()
-    fig.suptitle(title + "  -  purple: routing only (best static k), green: ours (E), orange: verify "
-                 "balancing, grey: ideal; dotted: D z1.2", fontsize=10)
+    fig.suptitle(title + "\npurple: routing only (best static k), green: ours (E), orange: verify "
+                 "balancing, pink: SGLang DSpark (token tiers), grey: ideal; dotted: D z1.2", fontsize=10)
     fig.tight_layout()
     fig.savefig(dst, dpi=110)
 

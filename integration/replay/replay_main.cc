@@ -22,6 +22,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "cli.h"
 #include "nlohmann/json.hpp"
 #include "simulator.h"
@@ -47,7 +48,21 @@ ABSL_FLAG(int, groups, 1, "routing groups (D inside the chosen group)");
 ABSL_FLAG(std::string, group_choice, "A", "group choice: A or B");
 ABSL_FLAG(double, split_percentile, 0.9, "C: percentile Px as a fraction");
 ABSL_FLAG(int, split_window, 1000, "C: last N requests");
-ABSL_FLAG(std::string, verify, "off", "single run: off, local, goodput, fill or oracle");
+ABSL_FLAG(std::string, verify, "off",
+          "single run: off, local, goodput, fill, oracle or dspark (SGLang's DSpark planner: each "
+          "rank's verify budget by its own expected tokens per second, every rank padded to the "
+          "largest rank's tier)");
+ABSL_FLAG(std::string, tiers, "sglang",
+          "token tiers of the rows that run with them (dspark, the 'tiers' rows, --padded): "
+          "'sglang' (SGLang's default CUDA-graph batch sizes with speculative decoding, up to "
+          "--max_batch, times k_max + 1 tokens), 'none' (pad to the largest rank's tokens) or "
+          "ascending token counts separated by commas");
+ABSL_FLAG(bool, padded, false,
+          "single run: every rank padded to the agreed --tiers tier (a planner in its "
+          "padded mode: what the v2 plugin does with DPB_TIERS and DPB_PADDED)");
+ABSL_FLAG(int, stale_steps, 0,
+          "planner rows: plan with the batch, contexts and acceptance statistics N steps old "
+          "(an engine that drafts ahead); the truth charges the real ones");
 ABSL_FLAG(std::string, k, "best", "static verify length (off mode; default k of fill), or 'best'");
 ABSL_FLAG(int, k_max, 7, "draft depth limit for the planner and the static sweep");
 ABSL_FLAG(bool, floor_at_default, false,
@@ -97,6 +112,7 @@ struct RowSpec {
   std::optional<int> k;  // nullopt: best static k (off) or the best static k of D (planner)
   bool slo = true;       // planner rows: run under the TPOT SLO (when there is one)
   bool guard = true;     // planner rows: run under the step guard (--step_slack)
+  bool padded = false;   // every rank padded to the agreed --tiers tier (dspark always is)
 };
 
 // A row of the table after its run.
@@ -110,6 +126,8 @@ struct Row {
   double tpot_slo_ms = 0;  // planner rows: the SLO they ran under (0: none)
   RunResult result;
   double step_slack = -1;  // planner rows: the TPOT guard they ran under (< 0: none)
+  bool padded = false;     // ran with token tiers (every rank padded to the agreed tier)
+  int stale_steps = 0;     // planner rows: the planner's staleness
 };
 
 // What every row shares: the trace, the truth timing model and the configuration the rows vary.
@@ -164,8 +182,31 @@ absl::StatusOr<VerifyMode> ParseVerifyMode(const std::string& name) {
   if (name == "goodput") return VerifyMode::kGoodput;
   if (name == "fill") return VerifyMode::kFill;
   if (name == "oracle") return VerifyMode::kOracle;
+  if (name == "dspark") return VerifyMode::kDspark;
   return absl::InvalidArgumentError(
-      absl::StrCat("--verify = '", name, "' is not off, local, goodput, fill or oracle"));
+      absl::StrCat("--verify = '", name, "' is not off, local, goodput, fill, oracle or dspark"));
+}
+
+// --tiers: 'sglang', 'none' or ascending positive token counts separated by commas.
+absl::StatusOr<std::vector<int32_t>> ParseTiers(const std::string& v, int max_batch, int k_max) {
+  if (v == "sglang") return SglangDefaultTiers(max_batch, k_max);
+  if (v == "none") return std::vector<int32_t>();
+  std::vector<int32_t> tiers;
+  for (absl::string_view part : absl::StrSplit(v, ',')) {
+    int32_t t;
+    if (!absl::SimpleAtoi(part, &t) || t <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--tiers = '", v, "': '", part, "' is not a positive token count (expected 'sglang', "
+          "'none' or ascending counts separated by commas)"));
+    }
+    if (!tiers.empty() && t <= tiers.back()) {
+      return absl::InvalidArgumentError(absl::StrCat("--tiers = '", v, "': ", t,
+                                                     " does not exceed the tier before it, ",
+                                                     tiers.back(), " (tiers must ascend)"));
+    }
+    tiers.push_back(t);
+  }
+  return tiers;
 }
 
 // The checks on every flag, before anything is loaded or run (exit status 2 when one fails):
@@ -203,7 +244,8 @@ absl::Status CheckFlags() {
            in_range("noise", absl::GetFlag(FLAGS_noise), 0, 10),  // sigma 10: a factor e^10 already
            in_range("acceptance_sigma", absl::GetFlag(FLAGS_acceptance_sigma), 0, 100),  // logits
            in_range("max_requests", absl::GetFlag(FLAGS_max_requests), 0, 2147483647),
-           in_range("threads", absl::GetFlag(FLAGS_threads), 0, 1024)}) {
+           in_range("threads", absl::GetFlag(FLAGS_threads), 0, 1024),
+           in_range("stale_steps", absl::GetFlag(FLAGS_stale_steps), 0, 64)}) {
     if (!s.ok()) return s;
   }
   if (const double p = absl::GetFlag(FLAGS_split_percentile); !(p > 0 && p < 1)) {
@@ -244,6 +286,11 @@ absl::Status CheckFlags() {
                                                    "' must be A, B, C, D or E"));
   }
   if (absl::StatusOr<VerifyMode> v = ParseVerifyMode(absl::GetFlag(FLAGS_verify)); !v.ok()) return v.status();
+  if (absl::StatusOr<std::vector<int32_t>> t =
+          ParseTiers(absl::GetFlag(FLAGS_tiers), absl::GetFlag(FLAGS_max_batch), k_max);
+      !t.ok()) {
+    return t.status();
+  }
   return cli::CheckWritable("--json", absl::GetFlag(FLAGS_json));
 }
 
@@ -302,6 +349,11 @@ absl::StatusOr<SimConfig> BaseConfigFromFlags(const TruthModel& truth) {
   base.max_step_slack = absl::GetFlag(FLAGS_step_slack);
   base.floor_at_default = absl::GetFlag(FLAGS_floor_at_default);
   base.seed = absl::GetFlag(FLAGS_seed);
+  base.stale_steps = absl::GetFlag(FLAGS_stale_steps);
+  absl::StatusOr<std::vector<int32_t>> tiers =
+      ParseTiers(absl::GetFlag(FLAGS_tiers), base.max_batch_per_rank, base.k_max);
+  if (!tiers.ok()) return tiers.status();
+  base.token_tiers = *std::move(tiers);
   base.routing.split_percentile = absl::GetFlag(FLAGS_split_percentile);
   base.routing.split_window = absl::GetFlag(FLAGS_split_window);
   std::string planner_model = absl::GetFlag(FLAGS_planner_model);
@@ -380,7 +432,13 @@ std::vector<RowSpec> AllComparisonRows(std::optional<int> fixed_k) {
           {"D z1.2 + oracle", RS::kDualPath, 1.2, 1, VerifyMode::kOracle, fixed_k},
           // The ceiling: the per-step optimum with true acceptance when TPOT is free.
           {"D z1.2 oracle no-guard", RS::kDualPath, 1.2, 1, VerifyMode::kOracle, fixed_k, false, false},
-          {"E + goodput", RS::kCostAware, 1.2, 1, VerifyMode::kGoodput, fixed_k}};
+          {"E + goodput", RS::kCostAware, 1.2, 1, VerifyMode::kGoodput, fixed_k},
+          // The engines' current best (SGLang DSpark: per-rank budgets, padded to the largest
+          // rank's tier; no TPOT floor or guard), and what the v2 plugin does on the same tiers:
+          // the goodput planner in its padded mode.
+          {"D z1.2 dspark", RS::kDualPath, 1.2, 1, VerifyMode::kDspark, fixed_k, false, false, true},
+          {"D z1.2 + goodput (v2, tiers)", RS::kDualPath, 1.2, 1, VerifyMode::kGoodput, fixed_k,
+           true, true, true}};
 }
 
 // --compare=false: the one row --routing, --z, --groups, --verify and --k name.
@@ -390,8 +448,12 @@ absl::StatusOr<RowSpec> SingleRunRow(std::optional<int> fixed_k) {
   const std::string verify_name = absl::GetFlag(FLAGS_verify);
   absl::StatusOr<VerifyMode> verify = ParseVerifyMode(verify_name);
   if (!verify.ok()) return verify.status();
-  return RowSpec{absl::StrCat(absl::GetFlag(FLAGS_routing), " ", verify_name), *routing,
-                 absl::GetFlag(FLAGS_z), absl::GetFlag(FLAGS_groups), *verify, fixed_k};
+  const bool padded = *verify == VerifyMode::kDspark || absl::GetFlag(FLAGS_padded);
+  const bool dspark = *verify == VerifyMode::kDspark;
+  return RowSpec{absl::StrCat(absl::GetFlag(FLAGS_routing), " ", verify_name,
+                              padded && !dspark ? " (tiers)" : ""),
+                 *routing, absl::GetFlag(FLAGS_z), absl::GetFlag(FLAGS_groups), *verify, fixed_k,
+                 !dspark, !dspark, padded};
 }
 
 // Runs `jobs` on a few threads; results keep the jobs' order.
@@ -449,6 +511,7 @@ SimConfig ComparisonRunner::ConfigFor(const RowSpec& spec, int k) const {
   c.routing.groups = spec.groups;
   c.verify = spec.verify;
   c.static_k = k;
+  c.padded = spec.padded;
   return c;
 }
 
@@ -470,7 +533,7 @@ absl::Status ComparisonRunner::RunStaticRows(const std::vector<RowSpec>& specs,
     auto [i, k] = job_row_k[j];
     if (!rows[i] || results[j]->goodput_tok_per_s > rows[i]->result.goodput_tok_per_s) {
       rows[i] = Row{specs[i].name, std::string(RoutingName(specs[i].routing)), specs[i].z,
-                    specs[i].groups, "off", k, 0, *results[j]};
+                    specs[i].groups, "off", k, 0, *results[j], -1, specs[i].padded};
     }
   }
   return absl::OkStatus();
@@ -499,6 +562,7 @@ absl::StatusOr<int> ComparisonRunner::PlannerDefaults(const std::vector<RowSpec>
     const RowSpec& spec = specs.front();
     SimConfig c = ConfigFor(spec, spec.k.value_or(default_k));
     c.verify = VerifyMode::kStatic;
+    c.padded = false;  // the comparison's reference: D z1.2's static run, without tiers
     absl::StatusOr<RunResult> r = Simulate(c, instance_.truth, instance_.trace);
     if (!r.ok()) return r.status();
     comparison.slo_ms = r->tpot_p99_ms;
@@ -528,7 +592,8 @@ absl::Status ComparisonRunner::RunPlannerRows(const std::vector<RowSpec>& specs,
     auto [i, k] = job_row_k[j];
     rows[i] = Row{specs[i].name, std::string(RoutingName(specs[i].routing)), specs[i].z,
                   specs[i].groups, VerifyModeName(specs[i].verify), k,
-                  row_slo_ms(specs[i]), *results[j], specs[i].guard ? instance_.base.max_step_slack : -1};
+                  row_slo_ms(specs[i]), *results[j], specs[i].guard ? instance_.base.max_step_slack : -1,
+                  specs[i].padded || specs[i].verify == VerifyMode::kDspark, instance_.base.stale_steps};
   }
   return absl::OkStatus();
 }
@@ -571,7 +636,7 @@ absl::StatusOr<Comparison> ComparisonRunner::Run(const std::vector<RowSpec>& spe
   return comparison;
 }
 
-nlohmann::json RowJson(const Row& row, const std::string& eval_cost) {
+nlohmann::json RowJson(const Row& row, const std::string& eval_cost, const SimConfig& base) {
   const RunResult& r = row.result;
   nlohmann::json j;
   j["name"] = row.name;
@@ -603,6 +668,12 @@ nlohmann::json RowJson(const Row& row, const std::string& eval_cost) {
   j["step_over_plan"] = r.step_over_plan;
   j["wall_s"] = r.wall_s;
   j["sim_steps_per_s"] = r.wall_s > 0 ? r.steps / r.wall_s : 0;
+  // Keys only the rows with tiers or staleness carry (the other rows' JSON is unchanged).
+  if (row.padded) {
+    j["token_tiers"] = base.token_tiers;
+    j["padding_fraction"] = r.padding_fraction;
+  }
+  if (row.stale_steps > 0 && row.routing != "ideal" && row.verify != "off") j["stale_steps"] = row.stale_steps;
   return j;
 }
 
@@ -615,7 +686,7 @@ absl::Status WriteJson(const std::string& path, const Instance& instance, const 
   out["dp"] = instance.base.num_ranks;
   out["truth"] = instance.truth.attention.name();
   out["runs"] = nlohmann::json::array();
-  for (const Row& row : rows) out["runs"].push_back(RowJson(row, eval_cost));
+  for (const Row& row : rows) out["runs"].push_back(RowJson(row, eval_cost, instance.base));
   std::ofstream f(path);
   if (!f) return absl::NotFoundError(absl::StrCat("--json: cannot write '", path, "'"));
   f << out.dump(2) << "\n";
@@ -637,12 +708,12 @@ void PrintHeader(const Instance& instance, const Comparison& comparison, const s
 }
 
 void PrintTable(const std::vector<Row>& rows, const std::string& eval_cost) {
-  std::printf("%-22s %-5s %-7s %3s %6s %7s %7s %9s %10s %8s %8s %8s %7s %6s\n", "name", "route",
+  std::printf("%-28s %-5s %-7s %3s %6s %7s %7s %9s %10s %8s %8s %8s %7s %6s\n", "name", "route",
               "verify", "k", "depth", "bubble", "costR", "costR-v1", "goodput", "step_ms",
               "tpot50", "tpot99", "tokbal", "wall_s");
   for (const Row& row : rows) {
     const RunResult& r = row.result;
-    std::printf("%-22s %-5s %-7s %3d %6.2f %7.4f %7.4f %9.4f %10.1f %8.2f %8.2f %8.2f %7.4f %6.2f\n",
+    std::printf("%-28s %-5s %-7s %3d %6.2f %7.4f %7.4f %9.4f %10.1f %8.2f %8.2f %8.2f %7.4f %6.2f\n",
                 row.name.c_str(), row.routing.c_str(), row.verify.c_str(), row.k, r.mean_draft_depth,
                 1 - r.balance_efficiency, eval_cost == "v1" ? r.cost_ratio_v1 : r.cost_ratio_v2,
                 r.cost_ratio_v1, r.goodput_tok_per_s, r.mean_step_ms, r.tpot_p50_ms, r.tpot_p99_ms,
@@ -703,6 +774,27 @@ void PrintVerifyBalancingSummary(const std::vector<Row>& rows) {
   }
 }
 
+// What the v2 plugin does (the goodput planner on the engine's token tiers, padded mode) against
+// the engines' current best (SGLang DSpark on the same tiers), same trace and truth: issue #17's
+// targets (goodput >= 1.02x on the Mooncake trace with the V2 truth, >= 1.10x on the H200 packed
+// truth, never below 1.0x; TPOT p99 <= 1.05x).
+void PrintTiersSummary(const std::vector<Row>& rows) {
+  const Row* dspark = FindRow(rows, "D z1.2 dspark");
+  const Row* v2 = FindRow(rows, "D z1.2 + goodput (v2, tiers)");
+  if (!dspark || !v2) return;
+  const RunResult& d = dspark->result;
+  const RunResult& g = v2->result;
+  std::printf("\nv2 on token tiers (D z1.2 + goodput (v2, tiers)) vs the engines' best (D z1.2 dspark):\n");
+  std::printf("  goodput            x%.4f (%.1f vs %.1f tok/s)\n", g.goodput_tok_per_s / d.goodput_tok_per_s,
+              g.goodput_tok_per_s, d.goodput_tok_per_s);
+  std::printf("  TPOT p99           x%.4f (target <= 1.05)\n", g.tpot_p99_ms / d.tpot_p99_ms);
+  std::printf("  padding            %.4f vs %.4f of the tokens run\n", g.padding_fraction, d.padding_fraction);
+  if (const Row* oracle = FindRow(rows, "D z1.2 oracle no-guard")) {
+    std::printf("  without tiers: the oracle with no guard or SLO reaches x%.4f of dspark\n",
+                oracle->result.goodput_tok_per_s / d.goodput_tok_per_s);
+  }
+}
+
 // Our cost-aware routing E against the best D over Z, on both published cost ratios (E should
 // be at least as good); one seed here, scripts/routing_seeds.py for the spread over seeds.
 void PrintRoutingSummary(const std::vector<Row>& rows, const CostModel& planner_model) {
@@ -756,6 +848,7 @@ int Main() {
   PrintTable(comparison->rows, eval_cost);
   PrintStepRate(comparison->rows);
   PrintVerifyBalancingSummary(comparison->rows);
+  PrintTiersSummary(comparison->rows);
   PrintRoutingSummary(comparison->rows, instance->base.planner_model);
   if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
     if (absl::Status s = WriteJson(path, *instance, comparison->rows, eval_cost); !s.ok()) {

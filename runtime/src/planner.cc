@@ -620,6 +620,54 @@ void SweepDepth(const PlannerConfig& c, int d, absl::Span<const RankSummary> sum
              plans);
 }
 
+// Padded mode with token tiers: every rank runs the agreed tier's tokens, and its spare tokens
+// cost attention whether they are padding or verify work (Assign fills them with the best items
+// that fit under the barrier; the rest is padding). A plan is then a tier P (and a depth): each
+// rank's attention and gain are its frontier at P - base tokens (along the chord between the
+// knots around it; past its last knot the padding is priced at the rank's mean cost per token),
+// the barrier their maximum and the FFN every rank's P tokens. Tiers below the largest base are
+// infeasible; past the last tier the largest base is the count (no graph).
+void SweepTiers(const PlannerConfig& c, int d, absl::Span<const RankSummary> summaries,
+                const UsableTotals& t, const DecideScratch& scratch, BestPlan& plans) {
+  auto consider_tier = [&](double tier) {
+    double barrier = t.floor_us, gain = 0;
+    for (uint32_t r : scratch.usable_ranks) {
+      const RankSummary& s = summaries[r];
+      const DepthKnots dk = KnotsAtDepth(s, d);
+      const double want = tier - s.base_tokens;  // extra tokens this rank runs
+      double c0 = s.base_attention_us, g0 = s.base_gain, t0 = 0;
+      int k = 0;
+      for (; k < dk.count && s.knot_tokens[dk.first + k] < want; ++k) {
+        c0 = s.knot_attention_us[dk.first + k];
+        g0 = s.knot_gain[dk.first + k];
+        t0 = s.knot_tokens[dk.first + k];
+      }
+      double cost = c0, g = g0;
+      if (want > 0 && k < dk.count) {  // on the chord to knot k
+        const double t1 = s.knot_tokens[dk.first + k];
+        const double f = t1 > t0 ? (want - t0) / (t1 - t0) : 1.0;
+        cost = c0 + f * (s.knot_attention_us[dk.first + k] - c0);
+        g = g0 + f * (s.knot_gain[dk.first + k] - g0);
+      } else if (want > t0) {  // past the last knot: padding at the rank's mean cost per token
+        const double per_token = t0 > 0             ? (c0 - s.base_attention_us) / t0
+                                 : s.base_tokens > 0 ? s.base_attention_us / s.base_tokens
+                                                     : 0.0;
+        cost = c0 + per_token * (want - t0);
+      }
+      barrier = std::max(barrier, cost);
+      gain += g;
+    }
+    plans.Consider(d, barrier, gain, tier * static_cast<double>(scratch.usable_ranks.size()), tier);
+  };
+  bool any = false;
+  for (int32_t tier : c.token_tiers) {
+    if (tier < t.max_base_tokens) continue;
+    consider_tier(tier);
+    any = true;
+  }
+  if (!any) consider_tier(t.max_base_tokens);
+}
+
 }  // namespace
 
 
@@ -973,8 +1021,14 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
   }
   decide_.segments.resize(summaries.size());
   const int depth_hi = std::max(totals->depth_lo, c.k_max);
+  const bool tiers = c.global.padded_tokens && !c.token_tiers.empty() && !c.uniform_per_rank &&
+                     c.mode == PlanMode::kGoodput;
   for (int d = totals->depth_lo; d <= depth_hi; ++d) {
-    SweepDepth(c, d, summaries, *totals, decide_, plans);
+    if (tiers) {
+      SweepTiers(c, d, summaries, *totals, decide_, plans);
+    } else {
+      SweepDepth(c, d, summaries, *totals, decide_, plans);
+    }
   }
   // Step 4: a rank that sent no usable summary runs the engine's default lengths; every rank
   // sees that in the same bytes, so all agree to draft deep enough for it (an MTP draft has MoE

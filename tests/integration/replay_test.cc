@@ -1,6 +1,8 @@
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 
+#include "dpbalance/acceptance.h"
 #include "gtest/gtest.h"
 #include "simulator.h"
 #include "trace.h"
@@ -271,6 +273,164 @@ TEST(Simulator, BadConfigIsAnError) {
   absl::StatusOr<RunResult> r = Simulate(c, TruthModel{}, trace);
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("capacity"), std::string::npos);
+}
+
+// Token tiers: every rank runs the agreed tier of the largest rank's tokens, its spare tokens
+// spread round-robin over its requests as verify tokens (an empty rank runs one request with no
+// context); past the last tier the largest rank's tokens are the agreed count.
+TEST(Tiers, EveryRankIsPaddedToTheLargestRanksTier) {
+  const std::vector<int32_t> tiers = {8, 16, 24, 32};
+  std::vector<std::vector<RequestLoad>> ranks = {
+      {{100, 2}, {50, 4}},          // 6 tokens
+      {{10, 8}, {20, 8}, {30, 3}},  // 19 tokens: the largest
+      {}};                          // idle
+  int64_t max_tokens = 0;
+  for (const auto& r : ranks) {
+    int64_t t = 0;
+    for (const RequestLoad& l : r) t += l.query_tokens;
+    max_tokens = std::max(max_tokens, t);
+  }
+  const int64_t tier = AgreedTier(tiers, max_tokens);
+  ASSERT_EQ(tier, 24);
+  for (auto& r : ranks) {
+    int64_t t = 0;
+    for (const RequestLoad& l : r) t += l.query_tokens;
+    AddPadding(r, tier - t);
+    int64_t padded = 0;
+    for (const RequestLoad& l : r) padded += l.query_tokens;
+    EXPECT_EQ(padded, tier);
+  }
+  EXPECT_EQ(ranks[0][0].query_tokens, 2 + 9);  // 18 spare tokens, 9 each
+  EXPECT_EQ(ranks[0][1].query_tokens, 4 + 9);
+  EXPECT_EQ(ranks[1][0].query_tokens, 8 + 2);  // 5 spare: 2, 2, 1
+  EXPECT_EQ(ranks[1][2].query_tokens, 3 + 1);
+  ASSERT_EQ(ranks[2].size(), 1u);
+  EXPECT_EQ(ranks[2][0].ctx_tokens, 0);
+  EXPECT_EQ(AgreedTier(tiers, 33), 33);  // past the last tier: no graph, no padding
+  EXPECT_EQ(AgreedTier({}, 19), 19);     // no tiers: the largest rank's tokens
+  // SGLang's speculative capture sizes up to a batch of 64, times the verify window of 8.
+  const std::vector<int32_t> sglang = SglangDefaultTiers(64, 7);
+  ASSERT_EQ(sglang.size(), 27u);
+  EXPECT_EQ(sglang.front(), 8);
+  EXPECT_EQ(sglang[8], 80);  // batch 10 follows 8
+  EXPECT_EQ(sglang.back(), 512);
+}
+
+// DSpark's per-rank budget is the local argmax of expected tokens per second: with verify tokens
+// free it verifies every draft, with tokens dear none, and in between it spends the budget on
+// the positions most likely to survive.
+TEST(Dspark, RankBudgetIsTheLocalArgmaxOfTokensPerSecond) {
+  std::vector<PlanRequest> batch(2);
+  batch[0].ctx_tokens = 2000;
+  batch[0].k_cap = 7;
+  batch[0].acceptance = *AcceptanceCurve::FromConditional(ShiftedProfile(MtpK8ConditionalProfile(), 2.0));
+  batch[1] = batch[0];
+  batch[1].acceptance = *AcceptanceCurve::FromConditional(ShiftedProfile(MtpK8ConditionalProfile(), -2.0));
+  DsparkScratch scratch;
+  std::vector<int32_t> v(2);
+  GlobalCost free_tokens;
+  free_tokens.ffn_per_token_us = 0;
+  free_tokens.draft_per_step_us = 0;
+  EXPECT_EQ(DsparkRankPlan(batch, CostModel(), free_tokens, 4, true, absl::MakeSpan(v), scratch), 7);
+  EXPECT_EQ(v, (std::vector<int32_t>{7, 7}));
+  GlobalCost dear = free_tokens;
+  dear.ffn_per_token_us = 1e6;
+  EXPECT_EQ(DsparkRankPlan(batch, CostModel(), dear, 4, true, absl::MakeSpan(v), scratch), 0);
+  EXPECT_EQ(v, (std::vector<int32_t>{0, 0}));
+  GlobalCost replay;  // the replay's defaults: 20 ms fixed, 2 us a token, 1.5 ms a draft step
+  DsparkRankPlan(batch, CostModel::PublishedV2(), replay, 64, true, absl::MakeSpan(v), scratch);
+  EXPECT_GT(v[0], v[1]);  // the request that accepts more verifies longer
+  EXPECT_GT(v[0], 0);
+}
+
+// The dspark row pads every rank to the agreed tier. Its verify lengths do not depend on the
+// step times, so the same requests run the same steps under any tiers; only the time differs:
+// more padding, less goodput.
+TEST(Dspark, PaddingToCoarserTiersCostsTime) {
+  const auto trace = Slice(600);
+  SimConfig c = Small();
+  c.verify = VerifyMode::kDspark;
+  c.static_k = 1;
+  c.token_tiers = {};
+  const RunResult none = *Simulate(c, TruthModel{}, trace);
+  c.token_tiers = SglangDefaultTiers(c.max_batch_per_rank, c.k_max);
+  const RunResult sglang = *Simulate(c, TruthModel{}, trace);
+  c.token_tiers = {1024};
+  const RunResult coarse = *Simulate(c, TruthModel{}, trace);
+  EXPECT_EQ(none.steps, sglang.steps);
+  EXPECT_EQ(none.tokens, coarse.tokens);
+  EXPECT_GT(none.padding_fraction, 0);  // ranks differ: all run the largest rank's tokens
+  EXPECT_GE(sglang.padding_fraction, none.padding_fraction);
+  EXPECT_GT(coarse.padding_fraction, 0.5);
+  EXPECT_GE(none.goodput_tok_per_s, sglang.goodput_tok_per_s);
+  EXPECT_GT(sglang.goodput_tok_per_s, coarse.goodput_tok_per_s);
+  EXPECT_EQ(sglang.step_over_plan, 0);  // no instance plan
+}
+
+// What the v2 plugin does on tiers: the goodput planner in its padded mode fills the tier's spare
+// tokens with verify work, so far less of what runs is padding than under DSpark, and it beats
+// DSpark on the same tiers.
+TEST(Tiers, PaddedPlannerFillsTheTierAndBeatsDspark) {
+  const auto trace = Slice(1500);
+  SimConfig c = Small();
+  c.static_k = 1;
+  c.token_tiers = SglangDefaultTiers(c.max_batch_per_rank, c.k_max);
+  c.verify = VerifyMode::kDspark;
+  const RunResult dspark = *Simulate(c, TruthModel{}, trace);
+  c.verify = VerifyMode::kGoodput;
+  c.padded = true;
+  const RunResult v2 = *Simulate(c, TruthModel{}, trace);
+  EXPECT_LT(v2.padding_fraction, 0.5 * dspark.padding_fraction);
+  EXPECT_GT(v2.goodput_tok_per_s, dspark.goodput_tok_per_s);
+  c.padded = false;  // the same planner without tiers runs no padding
+  EXPECT_EQ(Simulate(c, TruthModel{}, trace)->padding_fraction, 0);
+}
+
+// --stale_steps: 0 is today's replay; a planner N steps behind still plans every step (requests
+// it has not seen run the default length) and the run differs.
+TEST(Stale, ZeroIsTodayAndStalePlansStillRun) {
+  const auto trace = Slice(600);
+  SimConfig c = Small();
+  c.verify = VerifyMode::kGoodput;
+  c.static_k = 1;
+  const RunResult today = *Simulate(c, TruthModel{}, trace);
+  c.stale_steps = 0;
+  const RunResult zero = *Simulate(c, TruthModel{}, trace);
+  EXPECT_EQ(zero.steps, today.steps);
+  EXPECT_EQ(zero.sim_time_s, today.sim_time_s);
+  for (int n : {1, 2}) {
+    c.stale_steps = n;
+    for (VerifyMode v : {VerifyMode::kGoodput, VerifyMode::kDspark, VerifyMode::kOracle}) {
+      c.verify = v;
+      absl::StatusOr<RunResult> r = Simulate(c, TruthModel{}, trace);
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_GT(r->requests_finished, 0);
+      if (v == VerifyMode::kGoodput) {
+        EXPECT_NE(r->sim_time_s, today.sim_time_s) << n;
+        EXPECT_GT(r->mean_verify_len, 0);
+      }
+    }
+  }
+}
+
+TEST(Tiers, BadTiersAndStalenessAreErrorsNamingTheValue) {
+  const auto trace = Slice(10);
+  SimConfig c = Small();
+  c.padded = true;
+  c.verify = VerifyMode::kGoodput;
+  c.token_tiers = {16, 8};
+  absl::StatusOr<RunResult> r = Simulate(c, TruthModel{}, trace);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("tier 8 (position 2)"), std::string::npos) << r.status();
+  c.token_tiers = {0};
+  r = Simulate(c, TruthModel{}, trace);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("tier 0"), std::string::npos) << r.status();
+  c.token_tiers = {};
+  c.stale_steps = 65;
+  r = Simulate(c, TruthModel{}, trace);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("--stale_steps = 65"), std::string::npos) << r.status();
 }
 
 }  // namespace
