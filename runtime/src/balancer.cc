@@ -191,7 +191,7 @@ void Balancer::KeepInStep(const StepInput& in, absl::Span<const int32_t> fallbac
   own_summary_.flags |= kSummaryDisabled;
   if (!Exchange(own_summary_, config_.timeout).ok()) return;
   if (config_.attn_tp_size > 1) GatherLeaders();
-  FillTotals(nullptr, false, in, fallback_len, totals);
+  FillTotals(nullptr, false, in, fallback_len, false, totals);
 }
 
 absl::Span<const RankSummary> Balancer::DpRecords() const {
@@ -259,7 +259,8 @@ int64_t Balancer::OwnTokens(const StepInput& in, absl::Span<const int32_t> lens)
 }
 
 void Balancer::FillTotals(const GlobalDecision* decision, bool balanced, const StepInput& in,
-                          absl::Span<const int32_t> own_len, StepTotals* totals) {
+                          absl::Span<const int32_t> own_len, bool fell_back_alone,
+                          StepTotals* totals) {
   if (totals == nullptr) return;
   const absl::Span<const RankSummary> recs = DpRecords();
   totals->known = true;
@@ -272,10 +273,14 @@ void Balancer::FillTotals(const GlobalDecision* decision, bool balanced, const S
     if (balanced && decision != nullptr && (recs[r].flags & kSummaryValid)) f |= kSummaryValid;
     totals->rank_flags[r] = totals->rank_tokens[r] < 0 ? 0 : f;
   }
-  // This rank's own entry is what it runs (it may have fallen back alone, or be disabled).
-  totals->rank_tokens[rank_] = OwnTokens(in, own_len);
-  totals->rank_flags[rank_] =
-      in.kind | (balanced && decision != nullptr && (recs[rank_].flags & kSummaryValid) ? kSummaryValid : 0);
+  // Every record says what its rank runs, this rank's own included, except when this rank alone
+  // failed to apply the decision the others planned it into (Assign's error): it runs its
+  // defaults, which it says here (the others cannot know; the result is a fallback).
+  // The same when the engine replaced this rank's own record (an inactive rank's fallback row).
+  if (fell_back_alone || totals->rank_tokens[rank_] < 0) {
+    totals->rank_tokens[rank_] = OwnTokens(in, own_len);
+    totals->rank_flags[rank_] = in.kind;
+  }
   int64_t max_tokens = 0;
   totals->any_flags = 0;
   for (size_t r = 0; r < recs.size(); ++r) {
@@ -365,7 +370,7 @@ PlanOutcome Balancer::PlanStep(const StepInput& in, absl::Span<int32_t> verify_l
   for (size_t r = 0; r < recs.size(); ++r) {
     if (recs[r].flags & kSummaryDisabled) {
       Disable(absl::StrFormat("rank %d is disabled", r));
-      FillTotals(nullptr, false, in, verify_len, totals);
+      FillTotals(nullptr, false, in, verify_len, false, totals);
       return out;
     }
   }
@@ -375,7 +380,7 @@ PlanOutcome Balancer::PlanStep(const StepInput& in, absl::Span<int32_t> verify_l
       out.status = absl::UnavailableError(absl::StrFormat(
           "rank %d sent an empty record (no plugin there, or the engine's row for an inactive "
           "rank): default lengths on every rank this step", r));
-      FillTotals(nullptr, false, in, verify_len, totals);
+      FillTotals(nullptr, false, in, verify_len, false, totals);
       return out;
     }
   }
@@ -389,17 +394,17 @@ PlanOutcome Balancer::PlanStep(const StepInput& in, absl::Span<int32_t> verify_l
     if (d.ok()) out.draft_depth = d->draft_depth;
     Fail(local);
     out.status = local;
-    FillTotals(d.ok() ? &*d : nullptr, d.ok(), in, verify_len, totals);
+    FillTotals(d.ok() ? &*d : nullptr, d.ok(), in, verify_len, false, totals);
     return out;
   }
   if (!arm_on) {
     consecutive_failures_ = 0;
-    FillTotals(nullptr, false, in, verify_len, totals);
+    FillTotals(nullptr, false, in, verify_len, false, totals);
     return out;
   }
   // Step 4: the global decision (same bytes on every rank) and this rank's verify lengths.
   const GlobalDecision* applied = DecideAndAssign(batch, verify_len, out);
-  FillTotals(applied, applied != nullptr, in, verify_len, totals);
+  FillTotals(applied, applied != nullptr, in, verify_len, !out.balanced, totals);
   return out;
 }
 

@@ -1073,7 +1073,9 @@ absl::Status Planner::AssignFrom(const LocalState& st, const GlobalDecision& d,
           st.base_len[i], d.draft_depth));
     }
   }
-  if (config_.exact_rank_tokens) {
+  // Exact totals take the knot; so does a budget (the engine spreads it by confidence, which is
+  // the knot's prefix), padded or not. Padded per-request lengths fill up to the tier instead.
+  if (config_.exact_rank_tokens && (!config_.global.padded_tokens || config_.order_by_gain)) {
     AssignKnot(st, d, verify_len);
     return absl::OkStatus();
   }
@@ -1119,8 +1121,14 @@ void Planner::RankTokens(absl::Span<const RankSummary> summaries, const GlobalDe
     }
     int64_t tokens = s.default_tokens;
     if (balanced && config_.mode != PlanMode::kOff && SummaryUsable(s, r)) {
-      tokens = config_.exact_rank_tokens ? s.base_tokens + ChooseKnot(s, decision, config_).extra_tokens
-                                         : s.base_tokens;
+      if (config_.global.padded_tokens) {
+        // A rank that can verify runs the tier and fills up to it; one that cannot (no
+        // requests, no drafts) runs what it has.
+        tokens = s.max_depth > 0 ? decision.padded_rank_tokens : int64_t{s.base_tokens};
+      } else {
+        tokens = config_.exact_rank_tokens ? s.base_tokens + ChooseKnot(s, decision, config_).extra_tokens
+                                           : s.base_tokens;
+      }
     }
     out[r] = tokens + s.extra_tokens;
   }

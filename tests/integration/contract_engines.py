@@ -380,6 +380,8 @@ def run_case(case, proc, world, plugin, logdir, groups):
                     more["zero_record_error"] = str(e)[:200]
             lens = list(res.verify_len) if res is not None else [default_len(default_k, r.k_cap) for r in reqs]
             num_tokens = engine_total(lens, extra)
+            if res is not None and res.result == dpb.SUCCESS and res.rank_tokens[dp_rank] >= 0:
+                num_tokens = res.rank_tokens[dp_rank]  # the engine fills its sync from our result
             tensor = vllm_sync_tensor(torch, dp, dp_rank, num_tokens, kind, lens, len(reqs))
             dist.all_reduce(tensor, group=engine_group)
             across = tensor[0].tolist()

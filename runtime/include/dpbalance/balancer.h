@@ -195,9 +195,10 @@ class Balancer {
   void ApplyLeaderMeasurements();
   uint32_t InputDigest(const StepInput& step) const;
   static int64_t OwnTokens(const StepInput& in, absl::Span<const int32_t> lens);
-  // Every DP rank's total from the records; this rank's own from what it runs (`own_len`).
+  // Every DP rank's total from the records (this rank's own from what it runs, `own_len`, when
+  // it `fell_back_alone` from a decision the others applied).
   void FillTotals(const GlobalDecision* decision, bool balanced, const StepInput& in,
-                  absl::Span<const int32_t> own_len, StepTotals* totals);
+                  absl::Span<const int32_t> own_len, bool fell_back_alone, StepTotals* totals);
   // PlanStep's steps: the engine's batch as the planner's (acceptance curves, SLO floors) into
   // plan_batch_; this step's index and previous measurements on own_summary_ (a bare record
   // when `local` failed); the agreed step, A/B arm and epoch, with the previous step accounted

@@ -71,9 +71,11 @@ struct PlannerConfig {
   bool uniform_per_rank = false;
   // true: every rank's token total follows from the exchanged summaries alone (RankTokens), and
   // Assign gives each rank exactly that many: the extra tokens of the last knot of its frontier
-  // under the agreed barrier (and tier), taken in frontier order. The plugin's ABI v2 sets it so
-  // an engine fills its DP sync's token counts and padding from one exchange. false: Assign also
-  // fills between knots (a few more tokens, known only to the rank itself).
+  // under the agreed barrier, taken in frontier order. The plugin's ABI v2 sets it so an engine
+  // fills its DP sync's token counts and padding from one exchange. In padded mode it changes
+  // nothing: every rank runs the agreed tier (RankTokens says so) and fills its spare tokens
+  // with verify work where it pays, the rest being padding rows. false: Assign also fills
+  // between knots (a few more tokens, known only to the rank itself).
   bool exact_rank_tokens = false;
   // true: extra verify tokens are ordered by their acceptance alone, not per microsecond: the
   // order an engine that spreads a verify-token budget by its draft confidence uses
@@ -142,8 +144,9 @@ class Planner {
   absl::Status Assign(const GlobalDecision& decision, absl::Span<int32_t> verify_len);
 
   // Every rank's query tokens this step from the summaries alone, identical on every rank:
-  // `balanced` (the decision was applied): the planned knot's tokens (exact_rank_tokens) or the
-  // base's, for a usable summary; otherwise (and for records without kSummaryValid) the tokens
+  // `balanced` (the decision was applied): for a usable summary the agreed tier in padded mode
+  // (the rank's lengths stay within it, padding rows make up the rest), else the planned knot's
+  // tokens (exact_rank_tokens) or the base's; otherwise (and for records without kSummaryValid) the tokens
   // of its default lengths. Each plus the rank's extra_tokens; -1 for a record without the
   // summary magic (an empty one: nothing is known of that rank). One slot per summary.
   void RankTokens(absl::Span<const RankSummary> summaries, const GlobalDecision& decision,

@@ -32,12 +32,16 @@
  * itself failed, rank_tokens[] of the other ranks is -1 (unknown) and the engine must run its own
  * sync for the step.
  *
- * Token totals: rank_tokens[r] = sum over rank r's requests of (1 + verify_len) plus rank r's
- * extra_tokens; it is exact (rank r's own result adds up to it). padded_tokens is the smallest
- * configured tier >= max_r rank_tokens[r] (the max itself when no tiers are configured, or when
- * it is above the largest tier): the per-rank size for MAX_LEN-style DP padding. With tiers the
- * planner knows the tier is paid and spends the spare tokens on verify work where it pays before
- * they are left as padding rows.
+ * Token totals: without tiers, rank_tokens[r] = sum over rank r's requests of (1 + verify_len)
+ * plus rank r's extra_tokens, exactly (rank r's own result adds up to it): what an engine that
+ * packs the ranks' tokens (SGLang's SUM_LEN) needs. With tiers (token_tiers or DPB_TIERS with
+ * DPB_PADDED=1: an engine that pads every rank to one size, SGLang's MAX_LEN under CUDA graphs,
+ * vLLM) every planned rank that verifies runs the agreed tier: rank_tokens[r] is the tier plus
+ * its extra_tokens, the rank's own verify work (sum of 1 + verify_len) stays within the tier, the
+ * tier's spare tokens go to verify work where it pays, and padding rows make up the rest. A rank
+ * not planned this step (defaults, fallback) says its exact total either way. padded_tokens is
+ * the smallest configured tier >= max_r rank_tokens[r] (the max itself without tiers or above
+ * the largest tier): the per-rank size for the engine's DP padding.
  *
  * Attention TP: with attn_tp_size > 1 the group is dp_size * attn_tp_size processes in the order
  * (dp_rank, attn_tp_rank), as SGLang's (dp, attn_tp, W) gather. Every process of one DP rank gets
