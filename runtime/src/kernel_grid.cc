@@ -1,6 +1,7 @@
 #include "dpbalance/kernel_grid.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -22,8 +23,43 @@ struct SmEvent {
   double time;
   int sm;
   uint32_t version;
-  bool operator>(const SmEvent& o) const { return time > o.time; }
+  // Simultaneous events go to the lower SM first (the tie rule SimulateMakespans reproduces).
+  bool operator>(const SmEvent& o) const {
+    return time > o.time || (time == o.time && sm > o.sm);
+  }
 };
+
+// A slot of the list phase: when it frees and which slot it is (sm * ctas_per_sm + k). Slots
+// free in time order, ties to the lower SM (slots of one SM are interchangeable).
+struct SlotFree {
+  double time;
+  int32_t id;
+  bool operator<(const SlotFree& o) const { return time < o.time || (time == o.time && id < o.id); }
+};
+
+// Sorts the first k (<= kMaxCtasPerSm) entries of `v` ascending.
+void SortSmall(std::array<double, kMaxCtasPerSm>& v, int k) {
+  for (int i = 1; i < k; ++i) {
+    const double x = v[i];
+    int j = i;
+    for (; j > 0 && v[j - 1] > x; --j) v[j] = v[j - 1];
+    v[j] = x;
+  }
+}
+
+// Per-CTA rate with k CTAs resident on an SM.
+inline double ShareRate(int k, double alone_rate) { return k == 1 ? alone_rate : 1.0 / k; }
+
+// When an SM whose k resident CTAs (ascending `left`, work still to do at time `t`, all
+// running) is done if nothing joins it: processor sharing, the last at the alone rate.
+double DrainSm(double t, const double* left, int k, double alone_rate) {
+  double done = 0;
+  for (int m = 0; m < k; ++m) {
+    t += (left[m] - done) / ShareRate(k - m, alone_rate);
+    done = left[m];
+  }
+  return t;
+}
 
 }  // namespace
 
@@ -147,6 +183,187 @@ double SimulateMakespan(absl::Span<const double> works, int num_sms, int ctas_pe
 
 namespace {
 
+// The list phase of SimulateMakespans with two CTAs per SM when every cost is a whole number of
+// quarter blocks (whole key blocks, the bank's overheads, no 0.2-block exits): each slot then
+// holds its CTA for a whole number of half-block time units, and a ring of per-unit buckets
+// (a calendar queue: O(1) per CTA plus one look per time unit) replaces the heap. Every time is
+// exact in double, so the result equals the heap's to the bit. Returns false (nothing written)
+// where it does not apply. `starts` (optional, size n) and `free_at` (size 2 x num_sms, by slot
+// id) as in SimulateMakespans.
+bool CalendarListPhase(const std::vector<double>& cost, int num_sms, int per_sm, double* starts,
+                       double* free_at) {
+  if (per_sm != 2) return false;
+  const size_t n = cost.size(), slots = 2 * static_cast<size_t>(num_sms);
+  thread_local std::vector<int64_t> units;
+  units.resize(n);
+  int64_t longest = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const double u = cost[i] * 4;  // time units (1/2 block) a slot is held: cost / (1/2) / (1/2)
+    if (!(u >= 1 && u < (1 << 22)) || u != std::floor(u)) return false;
+    units[i] = static_cast<int64_t>(u);
+    longest = std::max(longest, units[i]);
+  }
+  size_t ring = 64;
+  while (ring <= static_cast<size_t>(longest)) ring <<= 1;  // every pending time within a lap
+  if (ring > 8 * n + 4096) return false;  // a scan this long costs more than the heap
+  const size_t mask = ring - 1, word_mask = ring / 64 - 1;
+  // The ring's buckets are all empty between calls (only the slots' own buckets are cleared at
+  // the end), so a call costs no pass over the ring; a bitmap of the non-empty buckets lets the
+  // scan skip 64 empty time units at once.
+  thread_local std::vector<int32_t> bucket, next;
+  thread_local std::vector<uint64_t> busy;
+  thread_local std::vector<int64_t> due;
+  if (bucket.size() < ring) {
+    bucket.assign(ring, -1);
+    busy.assign(ring / 64, 0);
+  }
+  next.resize(slots);
+  due.resize(slots);
+  // Buckets list their slots by id, so simultaneous frees go to the lower SM first.
+  auto insert = [&](int32_t id, int64_t t) {
+    due[id] = t;
+    const size_t at = static_cast<size_t>(t) & mask;
+    int32_t* link = &bucket[at];
+    if (*link < 0) busy[at >> 6] |= uint64_t{1} << (at & 63);
+    while (*link >= 0 && *link < id) link = &next[*link];
+    next[id] = *link;
+    *link = id;
+  };
+  for (size_t i = 0; i < slots; ++i) {
+    insert(static_cast<int32_t>((i % num_sms) * 2 + i / num_sms), units[i]);
+  }
+  int64_t now = 0;
+  for (size_t i = slots; i < n; ++i) {
+    // The earliest non-empty bucket at or after `now` (all pending times lie in one lap).
+    uint64_t bits = busy[(static_cast<size_t>(now) >> 6) & word_mask] & (~uint64_t{0} << (now & 63));
+    while (bits == 0) {
+      now = (now | 63) + 1;
+      bits = busy[(static_cast<size_t>(now) >> 6) & word_mask];
+    }
+    now = (now & ~int64_t{63}) + std::countr_zero(bits);
+    const size_t at = static_cast<size_t>(now) & mask;
+    const int32_t id = bucket[at];
+    bucket[at] = next[id];
+    if (bucket[at] < 0) busy[at >> 6] &= ~(uint64_t{1} << (at & 63));
+    if (starts != nullptr) starts[i] = 0.5 * static_cast<double>(now);
+    insert(id, now + units[i]);
+  }
+  for (size_t id = 0; id < slots; ++id) {
+    free_at[id] = 0.5 * static_cast<double>(due[id]);
+    const size_t at = static_cast<size_t>(due[id]) & mask;
+    bucket[at] = -1;
+    busy[at >> 6] = 0;
+  }
+  return true;
+}
+
+}  // namespace
+
+void SimulateMakespans(absl::Span<const double> works, int num_sms, int ctas_per_sm,
+                       absl::Span<const std::array<double, 2>> params, unsigned mask,
+                       double exit_cost, double* out, int starts_of,
+                       std::vector<double>* starts) {
+  const size_t n = works.size();
+  if (starts != nullptr) starts->assign(n, 0.0);
+  const int num = static_cast<int>(params.size());
+  for (int j = 0; j < num; ++j) {
+    if (mask >> j & 1u) out[j] = 0;
+  }
+  if (n == 0 || num_sms <= 0) return;
+  const int per_sm = std::clamp(ctas_per_sm, 1, kMaxCtasPerSm);
+  const size_t slots = static_cast<size_t>(num_sms) * per_sm;
+  thread_local std::vector<double> cost;
+  thread_local std::vector<SlotFree> heap;
+  thread_local std::vector<double> free_at;
+  unsigned left_to_do = mask & ((num >= 32 ? 0u : 1u << num) - 1u);
+  if (starts_of >= 0 && starts != nullptr) left_to_do |= 1u << starts_of;
+  while (left_to_do != 0) {
+    const int lead = std::countr_zero(left_to_do);
+    const double overhead = params[lead][1];
+    // The list phase (every SM full) depends on the overhead only, unless one CTA per SM runs
+    // alone all along: one pass serves every bank entry that shares it.
+    unsigned group = 0;
+    for (int j = lead; j < num; ++j) {
+      if ((left_to_do >> j & 1u) && params[j][1] == overhead &&
+          (per_sm > 1 || params[j][0] == params[lead][0])) {
+        group |= 1u << j;
+      }
+    }
+    left_to_do &= ~group;
+    cost.resize(n);
+    for (size_t i = 0; i < n; ++i) cost[i] = works[i] < 0 ? exit_cost : works[i] + overhead;
+    if (n <= slots) {
+      // One wave: CTA i on SM i % num_sms; every SM drains from time 0 (starts stay 0).
+      for (int j = lead; j < num; ++j) {
+        if ((group >> j & 1u) == 0 || (mask >> j & 1u) == 0) continue;
+        double makespan = 0;
+        for (size_t s = 0; s < std::min<size_t>(n, num_sms); ++s) {
+          std::array<double, kMaxCtasPerSm> left;
+          int k = 0;
+          for (size_t i = s; i < n; i += num_sms) left[k++] = cost[i];
+          SortSmall(left, k);
+          makespan = std::max(makespan, DrainSm(0.0, left.data(), k, params[j][0]));
+        }
+        out[j] = makespan;
+      }
+      continue;
+    }
+    // Several waves: until the queue empties every SM holds per_sm CTAs, so each slot runs its
+    // CTA at the full-SM share; list scheduling of the CTAs, in order, onto the slot that frees
+    // first (ties to the lower SM). The first wave goes breadth-first over SMs.
+    const double rate = ShareRate(per_sm, params[lead][0]);
+    const bool keep_starts = starts != nullptr && starts_of >= 0 && (group >> starts_of & 1u);
+    free_at.resize(slots);
+    if (!CalendarListPhase(cost, num_sms, per_sm, keep_starts ? starts->data() : nullptr,
+                           free_at.data())) {
+    heap.resize(slots);
+    for (size_t i = 0; i < slots; ++i) {
+      const int32_t sm = static_cast<int32_t>(i % num_sms), k = static_cast<int32_t>(i / num_sms);
+      heap[i] = {cost[i] / rate, sm * per_sm + k};
+    }
+    // Min-heap by hand (replace-top is the hot operation).
+    auto sift_down = [&](size_t h) {
+      const SlotFree v = heap[h];
+      for (;;) {
+        size_t c = 2 * h + 1;
+        if (c >= slots) break;
+        if (c + 1 < slots && heap[c + 1] < heap[c]) ++c;
+        if (!(heap[c] < v)) break;
+        heap[h] = heap[c];
+        h = c;
+      }
+      heap[h] = v;
+    };
+    for (size_t h = slots / 2; h-- > 0;) sift_down(h);
+    for (size_t i = slots; i < n; ++i) {
+      const double now = heap[0].time;
+      if (keep_starts) (*starts)[i] = now;
+      heap[0].time = now + cost[i] / rate;
+      sift_down(0);
+    }
+    for (const SlotFree& f : heap) free_at[f.id] = f.time;
+    }
+    // The tail: no CTA joins any more, so each SM drains on its own.
+    for (int j = lead; j < num; ++j) {
+      if ((group >> j & 1u) == 0 || (mask >> j & 1u) == 0) continue;
+      double makespan = 0;
+      for (int s = 0; s < num_sms; ++s) {
+        std::array<double, kMaxCtasPerSm> left;
+        const double* f = &free_at[static_cast<size_t>(s) * per_sm];
+        std::copy(f, f + per_sm, left.begin());
+        SortSmall(left, per_sm);
+        const double first = left[0];
+        // Work left at the first finish, in the share it ran at.
+        for (int m = 0; m < per_sm; ++m) left[m] = (left[m] - first) * rate;
+        makespan = std::max(makespan, DrainSm(first, left.data() + 1, per_sm - 1, params[j][0]));
+      }
+      out[j] = makespan;
+    }
+  }
+}
+
+namespace {
+
 // One launch's CTAs, in launch order. CTAs that read the same key range can share one fetch
 // into L2: consecutive runs of `row_blocks` CTAs read one range, and there are `num_ranges`
 // ranges, repeated per head in the head-major verify launch.
@@ -163,9 +380,11 @@ double KeyBlocks(const KernelGrid& grid, const RequestLoad& r) {
 
 // Head-major launch with every q_i = 1: heads become rows; the keys of each request may be
 // split over several CTAs (`SplitKvCount`), followed by a combine kernel.
-CtaList SplitKvCtas(const KernelGrid& grid, absl::Span<const RequestLoad> batch, int64_t max_ctx) {
+void SplitKvCtas(const KernelGrid& grid, absl::Span<const RequestLoad> batch, int64_t max_ctx,
+                 CtaList& ctas) {
   const int64_t b = static_cast<int64_t>(batch.size());
-  CtaList ctas;
+  ctas.works.clear();
+  ctas.combine_work = 0;
   ctas.row_blocks = CeilDiv(grid.heads, grid.block_m);
   const int64_t max_blocks = CeilDiv(std::max<int64_t>(max_ctx, 1), grid.block_n);
   const int splits =
@@ -183,32 +402,37 @@ CtaList SplitKvCtas(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
     }
   }
   if (splits > 1) ctas.combine_work = static_cast<double>(b * splits);
-  return ctas;
 }
 
 // Head-major verify launch: one CTA per (head, request, row block); row blocks of the longest
 // request's queries.
-CtaList HeadMajorCtas(const KernelGrid& grid, absl::Span<const RequestLoad> batch, int32_t max_q) {
+void HeadMajorCtas(const KernelGrid& grid, absl::Span<const RequestLoad> batch, int32_t max_q,
+                   CtaList& ctas) {
   const int64_t b = static_cast<int64_t>(batch.size());
-  CtaList ctas;
+  ctas.works.clear();
+  ctas.combine_work = 0;
   ctas.row_blocks = CeilDiv(max_q, grid.block_m);
   ctas.num_ranges = b;
   ctas.works.reserve(static_cast<size_t>(grid.heads * b * ctas.row_blocks));
-  for (int h = 0; h < grid.heads; ++h) {
-    for (int64_t i = 0; i < b; ++i) {
-      for (int64_t m = 0; m < ctas.row_blocks; ++m) {
-        ctas.works.push_back(m * grid.block_m < batch[i].query_tokens ? KeyBlocks(grid, batch[i])
-                                                                      : -1.0);
-      }
+  for (int64_t i = 0; i < b; ++i) {  // the first head; every head repeats it
+    for (int64_t m = 0; m < ctas.row_blocks; ++m) {
+      ctas.works.push_back(m * grid.block_m < batch[i].query_tokens ? KeyBlocks(grid, batch[i])
+                                                                    : -1.0);
     }
   }
-  return ctas;
+  const size_t per_head = ctas.works.size();
+  ctas.works.resize(per_head * static_cast<size_t>(std::max(grid.heads, 1)));
+  for (size_t at = per_head; at < ctas.works.size(); at += per_head) {
+    std::copy_n(ctas.works.begin(), per_head, ctas.works.begin() + static_cast<ptrdiff_t>(at));
+  }
 }
 
 // Packed rows: heads x q_i rows per request, request by request.
-CtaList PackedRowCtas(const KernelGrid& grid, absl::Span<const RequestLoad> batch, int32_t max_q) {
+void PackedRowCtas(const KernelGrid& grid, absl::Span<const RequestLoad> batch, int32_t max_q,
+                   CtaList& ctas) {
   const int64_t b = static_cast<int64_t>(batch.size());
-  CtaList ctas;
+  ctas.works.clear();
+  ctas.combine_work = 0;
   ctas.row_blocks = CeilDiv(static_cast<int64_t>(grid.heads) * max_q, grid.block_m);
   ctas.num_ranges = b;
   ctas.works.reserve(static_cast<size_t>(b * ctas.row_blocks));
@@ -218,11 +442,11 @@ CtaList PackedRowCtas(const KernelGrid& grid, absl::Span<const RequestLoad> batc
       ctas.works.push_back(m * grid.block_m < rows ? KeyBlocks(grid, batch[i]) : -1.0);
     }
   }
-  return ctas;
 }
 
-CtaList BuildCtaList(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
-                     bool single_query_launch) {
+// Fills `ctas` (its buffers reused across calls).
+void BuildCtaList(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
+                  bool single_query_launch, CtaList& ctas) {
   int64_t max_ctx = 0;
   int32_t max_q = 1;
   for (const RequestLoad& r : batch) {
@@ -230,9 +454,14 @@ CtaList BuildCtaList(const KernelGrid& grid, absl::Span<const RequestLoad> batch
     max_q = std::max(max_q, r.query_tokens);
   }
   if (grid.layout == KernelGrid::Layout::kHeadMajor) {
-    return single_query_launch ? SplitKvCtas(grid, batch, max_ctx) : HeadMajorCtas(grid, batch, max_q);
+    if (single_query_launch) {
+      SplitKvCtas(grid, batch, max_ctx, ctas);
+    } else {
+      HeadMajorCtas(grid, batch, max_q, ctas);
+    }
+    return;
   }
-  return PackedRowCtas(grid, batch, max_q);
+  PackedRowCtas(grid, batch, max_q, ctas);
 }
 
 // Key blocks each reuse window's CTAs fetch from HBM, into out[kGridColdReads0 + w]. `starts`:
@@ -240,23 +469,34 @@ CtaList BuildCtaList(const KernelGrid& grid, absl::Span<const RequestLoad> batch
 // each key range's fetches: a CTA fetches when it starts more than the window after its range's
 // last fetch.
 void FillColdReads(const CtaList& ctas, const std::vector<double>& starts, GridTerms* out) {
-  std::vector<double> last_fetch(static_cast<size_t>(ctas.num_ranges));
-  auto range_of = [&](size_t cta) {
-    return (cta / static_cast<size_t>(ctas.row_blocks)) % static_cast<size_t>(ctas.num_ranges);
-  };
-  for (int w = 0; w < kNumGridReuseWindows; ++w) {
-    std::fill(last_fetch.begin(), last_fetch.end(), -std::numeric_limits<double>::infinity());
-    double cold = 0;
-    for (size_t c = 0; c < ctas.works.size(); ++c) {
-      if (ctas.works[c] <= 0) continue;
-      double& last = last_fetch[range_of(c)];
-      if (starts[c] - last > kGridReuseWindows[w]) {
-        cold += ctas.works[c];
-        last = starts[c];
+  thread_local std::vector<std::array<double, kNumGridReuseWindows>> last_fetch;
+  last_fetch.assign(static_cast<size_t>(ctas.num_ranges),
+                    [] {
+                      std::array<double, kNumGridReuseWindows> a;
+                      a.fill(-std::numeric_limits<double>::infinity());
+                      return a;
+                    }());
+  std::array<double, kNumGridReuseWindows> cold{};
+  const size_t row_blocks = static_cast<size_t>(ctas.row_blocks);
+  const size_t num_ranges = static_cast<size_t>(ctas.num_ranges);
+  size_t range = 0, in_range = 0;  // range_of(c) = (c / row_blocks) % num_ranges, kept by steps
+  for (size_t c = 0; c < ctas.works.size(); ++c) {
+    const double work = ctas.works[c];
+    if (work > 0) {
+      std::array<double, kNumGridReuseWindows>& last = last_fetch[range];
+      for (int w = 0; w < kNumGridReuseWindows; ++w) {
+        if (starts[c] - last[w] > kGridReuseWindows[w]) {
+          cold[w] += work;
+          last[w] = starts[c];
+        }
       }
     }
-    (*out)[kGridColdReads0 + w] = cold;
+    if (++in_range == row_blocks) {
+      in_range = 0;
+      if (++range == num_ranges) range = 0;
+    }
   }
+  for (int w = 0; w < kNumGridReuseWindows; ++w) (*out)[kGridColdReads0 + w] = cold[w];
 }
 
 }  // namespace
@@ -265,7 +505,8 @@ GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> bat
                        bool single_query_launch, unsigned terms) {
   GridTerms out{};
   if (!grid.enabled() || batch.empty()) return out;
-  const CtaList ctas = BuildCtaList(grid, batch, single_query_launch);
+  thread_local CtaList ctas;
+  BuildCtaList(grid, batch, single_query_launch, ctas);
   const std::vector<double>& works = ctas.works;
   out[kGridCtas] = static_cast<double>(works.size());
   for (double w : works) out[kGridWork] += std::max(w, 0.0);
@@ -273,14 +514,13 @@ GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> bat
   constexpr double kExitCost = 0.2;  // key blocks' worth of a CTA that exits at once
   constexpr unsigned kColdReadBits = ((1u << kNumGridReuseWindows) - 1) << kGridColdReads0;
   const bool cold_reads = (terms & kColdReadBits) != 0;
-  std::vector<double> starts;
-  for (int j = 0; j < kNumGridMakespans; ++j) {
-    const bool keep_starts = cold_reads && j == kColdReadsMakespan;
-    if ((terms >> (kGridMakespan0 + j) & 1u) == 0 && !keep_starts) continue;
-    out[kGridMakespan0 + j] =
-        SimulateMakespan(works, grid.num_sms, grid.ctas_per_sm, kGridMakespanParams[j][0],
-                         kGridMakespanParams[j][1], kExitCost, keep_starts ? &starts : nullptr);
-  }
+  thread_local std::vector<double> starts;
+  // The makespan whose start times the cold reads use is filled with them (as it always was).
+  const unsigned makespans = (terms >> kGridMakespan0 & ((1u << kNumGridMakespans) - 1)) |
+                             (cold_reads ? 1u << kColdReadsMakespan : 0u);
+  SimulateMakespans(works, grid.num_sms, grid.ctas_per_sm, kGridMakespanParams, makespans,
+                    kExitCost, &out[kGridMakespan0], cold_reads ? kColdReadsMakespan : -1,
+                    cold_reads ? &starts : nullptr);
   if (cold_reads) FillColdReads(ctas, starts, &out);
   return out;
 }

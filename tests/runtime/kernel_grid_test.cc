@@ -1,6 +1,7 @@
 #include "dpbalance/kernel_grid.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <deque>
 #include <random>
@@ -86,6 +87,65 @@ TEST(GridMakespan, MatchesATimeSteppedReferenceOnRandomLaunches) {
     const double fast = SimulateMakespan(works, sms, per_sm, alone, 0.5, 0.2);
     const double slow = SteppedMakespan(works, sms, per_sm, alone, 0.5, 0.2);
     EXPECT_NEAR(fast, slow, 2e-3 * works.size() + 1e-3) << "trial " << trial;
+  }
+}
+
+// SimulateMakespans (list phase once per overhead, then closed-form drains) against the
+// event-by-event reference. Whole-block works with dyadic overheads and exit costs keep every
+// time exact in double, so the two must agree to the bit, ties (many equal works) included.
+TEST(GridMakespan, BankEqualsTheEventSimulationExactlyOnDyadicLaunches) {
+  std::mt19937_64 rng(17);
+  const std::array<std::array<double, 2>, 5> params = {
+      {{1.0, 1.0}, {0.8, 1.0}, {0.65, 0.25}, {0.5, 4.0}, {0.8, 0.25}}};
+  int multi_wave = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    // 1, 2 or 4 CTAs per SM: shares of 1/2 and 1/4 are exact too.
+    const int sms = 1 + static_cast<int>(rng() % 9), per_sm = 1 << (rng() % 3);
+    const int distinct = 1 + static_cast<int>(rng() % 6);  // few distinct works: many ties
+    std::vector<double> pool(distinct);
+    for (double& w : pool) w = static_cast<double>(1 + rng() % 40);
+    std::vector<double> works(rng() % (sms * per_sm * 6 + 2));
+    for (double& w : works) w = rng() % 5 == 0 ? -1.0 : pool[rng() % distinct];
+    multi_wave += works.size() > static_cast<size_t>(sms * per_sm);
+    std::array<double, 5> out{};
+    std::vector<double> starts;
+    const int starts_of = static_cast<int>(rng() % 5);
+    SimulateMakespans(works, sms, per_sm, params, 0x1f, 0.25, out.data(), starts_of, &starts);
+    for (int j = 0; j < 5; ++j) {
+      std::vector<double> ref_starts;
+      const double ref = SimulateMakespan(works, sms, per_sm, params[j][0], params[j][1], 0.25,
+                                          &ref_starts);
+      EXPECT_EQ(out[j], ref) << "trial " << trial << " bank entry " << j;
+      if (j == starts_of) {
+        EXPECT_EQ(starts, ref_starts) << "trial " << trial;
+      }
+    }
+  }
+  EXPECT_GT(multi_wave, 100);
+}
+
+// The same on real-valued works (no exact ties) and the grid's exit cost of 0.2 block, on the
+// H200's 132 x 2 slots: equal up to rounding.
+TEST(GridMakespan, BankMatchesTheEventSimulationOnRandomH200Launches) {
+  std::mt19937_64 rng(23);
+  std::lognormal_distribution<double> work(std::log(40.0), 1.0);
+  for (int trial = 0; trial < 60; ++trial) {
+    std::vector<double> works(rng() % 1500);
+    for (double& w : works) w = rng() % 4 == 0 ? -1.0 : work(rng);
+    GridTerms out{};
+    SimulateMakespans(works, 132, 2, kGridMakespanParams, (1u << kNumGridMakespans) - 1, 0.2,
+                      out.data());
+    for (int j = 0; j < kNumGridMakespans; ++j) {
+      const double ref = SimulateMakespan(works, 132, 2, kGridMakespanParams[j][0],
+                                          kGridMakespanParams[j][1], 0.2);
+      EXPECT_NEAR(out[j], ref, 1e-9 * (1 + ref)) << "trial " << trial << " bank entry " << j;
+    }
+    // Entries not asked for are left alone.
+    std::array<double, kNumGridMakespans> only{};
+    only.fill(-7);
+    SimulateMakespans(works, 132, 2, kGridMakespanParams, 1u << 2, 0.2, only.data());
+    EXPECT_EQ(only[0], -7);
+    EXPECT_NEAR(only[2], out[2], 1e-12 * (1 + out[2]));
   }
 }
 

@@ -109,9 +109,23 @@ GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> bat
 // Makespan of CTAs with the given work (key-block iterations; a negative entry is a CTA that
 // exits at once and costs `exit_cost`), launched in order, under the sharing model above.
 // `starts` (optional) receives each CTA's start time; they never decrease in launch order.
+// Simultaneous events go to the lower SM first. The event-by-event reference for
+// SimulateMakespans, which the grid terms use.
 double SimulateMakespan(absl::Span<const double> works, int num_sms, int ctas_per_sm,
                         double alone_rate, double overhead, double exit_cost,
                         std::vector<double>* starts = nullptr);
+
+// The makespans of several (alone_rate, overhead) pairs of `params` at once: out[j] for every j
+// whose bit is set in `mask`, each equal to SimulateMakespan's (up to rounding) under the same
+// tie rule: simultaneous finishes go to the lower SM first. Until the queue empties every SM is
+// full, so that phase is list scheduling on num_sms x ctas_per_sm slots and depends on the
+// overhead alone: it runs once per distinct overhead. After it each SM drains on its own (a
+// closed form); a launch of one wave is only that. `starts` (optional) receives the start times
+// under params[starts_of]. O(CTAs log slots) per distinct overhead.
+void SimulateMakespans(absl::Span<const double> works, int num_sms, int ctas_per_sm,
+                       absl::Span<const std::array<double, 2>> params, unsigned mask,
+                       double exit_cost, double* out, int starts_of = -1,
+                       std::vector<double>* starts = nullptr);
 
 // Linear change of each grid term per extra query token and per extra query-key pair on the
 // verify launch (the planner's increments between simulations): packed rows add heads/block_m
