@@ -19,22 +19,33 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 constexpr int kMaxCtasPerSm = 8;
 
+// An event of the event-by-event simulation. Under TieRule::kSpread simultaneous events go
+// every SM's first before any SM's second, then the lower SM first: a launch whose CTAs free
+// slots at the same time spreads the next CTAs over SMs, breadth-first, as the first wave does.
+// `rank`: how many events of this SM come before it at the same time. Under kHeapOrder only
+// the time is compared, and ties fall as the binary heap leaves them.
 struct SmEvent {
   double time;
+  int rank;
   int sm;
   uint32_t version;
-  // Simultaneous events go to the lower SM first (the tie rule SimulateMakespans reproduces).
   bool operator>(const SmEvent& o) const {
-    return time > o.time || (time == o.time && sm > o.sm);
+    if (time != o.time) return time > o.time;
+    return rank != o.rank ? rank > o.rank : sm > o.sm;
   }
 };
 
-// A slot of the list phase: when it frees and which slot it is (sm * ctas_per_sm + k). Slots
-// free in time order, ties to the lower SM (slots of one SM are interchangeable).
+// A slot of the list phase: when it frees, its rank (as SmEvent's: slots of its SM freeing at
+// the same time before it) and which slot it is (sm * ctas_per_sm + k). Slots free in
+// (time, rank, SM) order, SimulateMakespan's tie rule; an SM's slots never tie on both.
 struct SlotFree {
   double time;
+  int32_t rank;
   int32_t id;
-  bool operator<(const SlotFree& o) const { return time < o.time || (time == o.time && id < o.id); }
+  bool operator<(const SlotFree& o) const {
+    if (time != o.time) return time < o.time;
+    return rank != o.rank ? rank < o.rank : id < o.id;
+  }
 };
 
 // Sorts the first k (<= kMaxCtasPerSm) entries of `v` ascending.
@@ -127,58 +138,149 @@ int SplitKvCount(int parallel_ctas, int num_slots, int num_key_blocks, int max_s
   return 1;
 }
 
+namespace {
+
+// SimulateMakespan's event-by-event simulation, resumable: RunListPhase stops once every CTA has
+// started, and a copy can then finish under another alone rate. Until then every SM holds
+// ctas_per_sm CTAs (when there are at least that many per SM), each at rate 1 / ctas_per_sm,
+// so the alone rate has not been read: the finish is the same as a run from the start.
+template <bool kSpread>
+class EventSim {
+ public:
+  EventSim(absl::Span<const double> works, int num_sms, int per_sm, double alone_rate,
+           double overhead, double exit_cost, std::vector<double>* starts)
+      : works_(works), n_(works.size()), num_sms_(num_sms), alone_rate_(alone_rate),
+        overhead_(overhead), exit_cost_(exit_cost), starts_(starts), rem_(num_sms), count_(num_sms, 0),
+        since_(num_sms, 0.0), version_(num_sms, 0) {
+    heap_.reserve(2 * static_cast<size_t>(num_sms));
+    for (int slot = 0; slot < per_sm; ++slot) {  // the first wave goes breadth-first over SMs
+      for (int s = 0; s < num_sms && next_ < n_; ++s) rem_[s][count_[s]++] = Cost(next_++);
+    }
+    for (int s = 0; s < num_sms; ++s) Schedule(s, 0.0, -1);
+  }
+  void set_alone_rate(double alone_rate) { alone_rate_ = alone_rate; }
+  // Handles events until every CTA has started (`list_phase_only`) or all have finished.
+  void Run(bool list_phase_only) {
+    while (!heap_.empty() && !(list_phase_only && next_ >= n_)) {
+      std::pop_heap(heap_.begin(), heap_.end(), Later());
+      const SmEvent e = heap_.back();
+      heap_.pop_back();
+      if (e.version != version_[e.sm]) continue;
+      const int s = e.sm;
+      const double done = (e.time - since_[s]) * Rate(count_[s]);
+      int finished = 0;
+      for (int k = 0; k < count_[s]; ++k) {
+        rem_[s][k] -= done;
+        if (rem_[s][k] < rem_[s][finished]) finished = k;
+      }
+      since_[s] = now_ = e.time;
+      rem_[s][finished] = rem_[s][--count_[s]];
+      if (next_ < n_) {
+        if (starts_ != nullptr) (*starts_)[next_] = now_;
+        rem_[s][count_[s]++] = Cost(next_++);
+      }
+      Schedule(s, now_, e.rank);
+    }
+  }
+  double now() const { return now_; }
+
+ private:
+  struct Later {
+    bool operator()(const SmEvent& a, const SmEvent& b) const {
+      if constexpr (kSpread) {
+        return a > b;
+      } else {
+        return a.time > b.time;
+      }
+    }
+  };
+  double Cost(size_t i) const { return works_[i] < 0 ? exit_cost_ : works_[i] + overhead_; }
+  double Rate(int k) const { return k == 1 ? alone_rate_ : 1.0 / k; }
+  // `rank`: the rank of the event of SM s just handled at `now` (-1: none).
+  void Schedule(int s, double now, int rank) {
+    ++version_[s];
+    if (count_[s] == 0) return;
+    double first = rem_[s][0];
+    for (int k = 1; k < count_[s]; ++k) first = std::min(first, rem_[s][k]);
+    const double t = now + first / Rate(count_[s]);
+    heap_.push_back({t, t == now ? rank + 1 : 0, s, version_[s]});
+    std::push_heap(heap_.begin(), heap_.end(), Later());
+  }
+
+  absl::Span<const double> works_;
+  size_t n_, next_ = 0;
+  int num_sms_;
+  double alone_rate_, overhead_, exit_cost_;
+  std::vector<double>* starts_;
+  // Per SM: the remaining work of its resident CTAs, when it was last brought up to date, and a
+  // version that invalidates its older entries in the event heap.
+  std::vector<std::array<double, kMaxCtasPerSm>> rem_;
+  std::vector<int> count_;
+  std::vector<double> since_;
+  std::vector<uint32_t> version_;
+  std::vector<SmEvent> heap_;
+  double now_ = 0;
+};
+
+}  // namespace
+
 double SimulateMakespan(absl::Span<const double> works, int num_sms, int ctas_per_sm,
                         double alone_rate, double overhead, double exit_cost,
-                        std::vector<double>* starts) {
+                        std::vector<double>* starts, TieRule ties) {
   const size_t n = works.size();
   if (starts != nullptr) starts->assign(n, 0.0);
   if (n == 0 || num_sms <= 0) return 0;
   const int per_sm = std::clamp(ctas_per_sm, 1, kMaxCtasPerSm);
-  auto cost = [&](size_t i) { return works[i] < 0 ? exit_cost : works[i] + overhead; };
-  auto rate = [&](int k) { return k == 1 ? alone_rate : 1.0 / k; };
-  // Per SM: the remaining work of its resident CTAs, when it was last brought up to date, and a
-  // version that invalidates its older entries in the event heap.
-  std::vector<std::array<double, kMaxCtasPerSm>> rem(num_sms);
-  std::vector<int> count(num_sms, 0);
-  std::vector<double> since(num_sms, 0.0);
-  std::vector<uint32_t> version(num_sms, 0);
-  std::vector<SmEvent> heap;
-  heap.reserve(2 * static_cast<size_t>(num_sms));
-  auto schedule = [&](int s, double now) {
-    ++version[s];
-    if (count[s] == 0) return;
-    double first = rem[s][0];
-    for (int k = 1; k < count[s]; ++k) first = std::min(first, rem[s][k]);
-    heap.push_back({now + first / rate(count[s]), s, version[s]});
-    std::push_heap(heap.begin(), heap.end(), std::greater<>());
-  };
-  size_t next = 0;
-  for (int slot = 0; slot < per_sm; ++slot) {  // the first wave goes breadth-first over SMs
-    for (int s = 0; s < num_sms && next < n; ++s) rem[s][count[s]++] = cost(next++);
+  if (ties == TieRule::kSpread) {
+    EventSim<true> sim(works, num_sms, per_sm, alone_rate, overhead, exit_cost, starts);
+    sim.Run(/*list_phase_only=*/false);
+    return sim.now();
   }
-  for (int s = 0; s < num_sms; ++s) schedule(s, 0.0);
-  double now = 0;
-  while (!heap.empty()) {
-    std::pop_heap(heap.begin(), heap.end(), std::greater<>());
-    const SmEvent e = heap.back();
-    heap.pop_back();
-    if (e.version != version[e.sm]) continue;
-    const int s = e.sm;
-    const double done = (e.time - since[s]) * rate(count[s]);
-    int finished = 0;
-    for (int k = 0; k < count[s]; ++k) {
-      rem[s][k] -= done;
-      if (rem[s][k] < rem[s][finished]) finished = k;
-    }
-    since[s] = now = e.time;
-    rem[s][finished] = rem[s][--count[s]];
-    if (next < n) {
-      if (starts != nullptr) (*starts)[next] = now;
-      rem[s][count[s]++] = cost(next++);
-    }
-    schedule(s, now);
+  EventSim<false> sim(works, num_sms, per_sm, alone_rate, overhead, exit_cost, starts);
+  sim.Run(/*list_phase_only=*/false);
+  return sim.now();
+}
+
+void ReferenceMakespans(absl::Span<const double> works, int num_sms, int ctas_per_sm,
+                        absl::Span<const std::array<double, 2>> params, unsigned mask,
+                        double exit_cost, double* out, int starts_of,
+                        std::vector<double>* starts) {
+  const size_t n = works.size();
+  if (starts != nullptr) starts->assign(n, 0.0);
+  const int num = static_cast<int>(params.size());
+  for (int j = 0; j < num; ++j) {
+    if (mask >> j & 1u) out[j] = 0;
   }
-  return now;
+  if (n == 0 || num_sms <= 0) return;
+  const int per_sm = std::clamp(ctas_per_sm, 1, kMaxCtasPerSm);
+  // The list phase shares only if every SM starts full (else the first events run alone).
+  const bool share = per_sm > 1 && n >= static_cast<size_t>(num_sms) * per_sm;
+  unsigned left_to_do = mask & ((num >= 32 ? 0u : 1u << num) - 1u);
+  if (starts_of >= 0 && starts != nullptr) left_to_do |= 1u << starts_of;
+  while (left_to_do != 0) {
+    const int lead = std::countr_zero(left_to_do);
+    unsigned group = 1u << lead;
+    for (int j = lead + 1; share && j < num; ++j) {
+      if ((left_to_do >> j & 1u) && params[j][1] == params[lead][1]) group |= 1u << j;
+    }
+    left_to_do &= ~group;
+    const bool keep_starts = starts != nullptr && starts_of >= 0 && (group >> starts_of & 1u);
+    EventSim<false> listed(works, num_sms, per_sm, params[lead][0], params[lead][1], exit_cost,
+                           keep_starts ? starts : nullptr);
+    if (group == 1u << lead) {  // nothing to share: one run, as SimulateMakespan
+      listed.Run(/*list_phase_only=*/false);
+      out[lead] = listed.now();
+      continue;
+    }
+    listed.Run(/*list_phase_only=*/true);
+    for (int j = lead; j < num; ++j) {
+      if ((group >> j & 1u) == 0) continue;
+      EventSim<false> tail = listed;
+      tail.set_alone_rate(params[j][0]);
+      tail.Run(/*list_phase_only=*/false);
+      out[j] = tail.now();
+    }
+  }
 }
 
 namespace {
@@ -217,15 +319,20 @@ bool CalendarListPhase(const std::vector<double>& cost, int num_sms, int per_sm,
     bucket.assign(ring, -1);
     busy.assign(ring / 64, 0);
   }
+  thread_local std::vector<int32_t> order;
   next.resize(slots);
-  due.resize(slots);
-  // Buckets list their slots by id, so simultaneous frees go to the lower SM first.
+  order.resize(slots);
+  due.assign(slots, -1);
+  // Buckets list their slots in (rank, SM) order (SlotFree's): a slot whose SM's other slot is
+  // already due at the same time comes after every SM's first.
+  const int32_t num_slots = static_cast<int32_t>(slots);
   auto insert = [&](int32_t id, int64_t t) {
     due[id] = t;
+    const int32_t key = order[id] = (due[id ^ 1] == t ? num_slots : 0) + id;
     const size_t at = static_cast<size_t>(t) & mask;
     int32_t* link = &bucket[at];
     if (*link < 0) busy[at >> 6] |= uint64_t{1} << (at & 63);
-    while (*link >= 0 && *link < id) link = &next[*link];
+    while (*link >= 0 && order[*link] < key) link = &next[*link];
     next[id] = *link;
     *link = id;
   };
@@ -264,14 +371,17 @@ void SimulateMakespans(absl::Span<const double> works, int num_sms, int ctas_per
                        double exit_cost, double* out, int starts_of,
                        std::vector<double>* starts) {
   const size_t n = works.size();
-  if (starts != nullptr) starts->assign(n, 0.0);
+  const int per_sm = std::clamp(ctas_per_sm, 1, kMaxCtasPerSm);
+  const size_t slots = static_cast<size_t>(std::max(num_sms, 0)) * per_sm;
+  if (starts != nullptr) {  // the first wave starts at 0; the list phase writes the rest
+    starts->resize(n);
+    std::fill_n(starts->begin(), slots == 0 ? n : std::min(n, slots), 0.0);
+  }
   const int num = static_cast<int>(params.size());
   for (int j = 0; j < num; ++j) {
     if (mask >> j & 1u) out[j] = 0;
   }
   if (n == 0 || num_sms <= 0) return;
-  const int per_sm = std::clamp(ctas_per_sm, 1, kMaxCtasPerSm);
-  const size_t slots = static_cast<size_t>(num_sms) * per_sm;
   thread_local std::vector<double> cost;
   thread_local std::vector<SlotFree> heap;
   thread_local std::vector<double> free_at;
@@ -317,31 +427,48 @@ void SimulateMakespans(absl::Span<const double> works, int num_sms, int ctas_per
     if (!CalendarListPhase(cost, num_sms, per_sm, keep_starts ? starts->data() : nullptr,
                            free_at.data())) {
     heap.resize(slots);
+    std::fill(free_at.begin(), free_at.end(), -1.0);  // each slot's due time
+    // Slots of the SM of slot `id` already due at `t` (the rank of a slot due then).
+    auto rank_at = [&](int32_t id, double t) {
+      const int32_t first = id - id % per_sm;
+      int32_t r = 0;
+      for (int32_t o = first; o < first + per_sm; ++o) r += o != id && free_at[o] == t;
+      return r;
+    };
     for (size_t i = 0; i < slots; ++i) {
       const int32_t sm = static_cast<int32_t>(i % num_sms), k = static_cast<int32_t>(i / num_sms);
-      heap[i] = {cost[i] / rate, sm * per_sm + k};
+      const int32_t id = sm * per_sm + k;
+      const double t = cost[i] / rate;
+      heap[i] = {t, rank_at(id, t), id};
+      free_at[id] = t;
     }
-    // Min-heap by hand (replace-top is the hot operation).
+    // A 4-ary min-heap by hand (replace-top is the hot operation; (time, rank, id) is a total
+    // order, so any heap pops the same sequence).
     auto sift_down = [&](size_t h) {
       const SlotFree v = heap[h];
       for (;;) {
-        size_t c = 2 * h + 1;
-        if (c >= slots) break;
-        if (c + 1 < slots && heap[c + 1] < heap[c]) ++c;
+        const size_t c0 = 4 * h + 1;
+        if (c0 >= slots) break;
+        size_t c = c0;
+        const size_t end = std::min(c0 + 4, slots);
+        for (size_t k = c0 + 1; k < end; ++k) {
+          if (heap[k] < heap[c]) c = k;
+        }
         if (!(heap[c] < v)) break;
         heap[h] = heap[c];
         h = c;
       }
       heap[h] = v;
     };
-    for (size_t h = slots / 2; h-- > 0;) sift_down(h);
+    for (size_t h = (slots + 2) / 4; h-- > 0;) sift_down(h);
     for (size_t i = slots; i < n; ++i) {
       const double now = heap[0].time;
       if (keep_starts) (*starts)[i] = now;
-      heap[0].time = now + cost[i] / rate;
+      const double t = now + cost[i] / rate;
+      heap[0].time = free_at[heap[0].id] = t;
+      heap[0].rank = rank_at(heap[0].id, t);
       sift_down(0);
     }
-    for (const SlotFree& f : heap) free_at[f.id] = f.time;
     }
     // The tail: no CTA joins any more, so each SM drains on its own.
     for (int j = lead; j < num; ++j) {
@@ -502,7 +629,7 @@ void FillColdReads(const CtaList& ctas, const std::vector<double>& starts, GridT
 }  // namespace
 
 GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
-                       bool single_query_launch, unsigned terms) {
+                       bool single_query_launch, unsigned terms, GridSimulation sim) {
   GridTerms out{};
   if (!grid.enabled() || batch.empty()) return out;
   thread_local CtaList ctas;
@@ -518,9 +645,15 @@ GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> bat
   // The makespan whose start times the cold reads use is filled with them (as it always was).
   const unsigned makespans = (terms >> kGridMakespan0 & ((1u << kNumGridMakespans) - 1)) |
                              (cold_reads ? 1u << kColdReadsMakespan : 0u);
-  SimulateMakespans(works, grid.num_sms, grid.ctas_per_sm, kGridMakespanParams, makespans,
-                    kExitCost, &out[kGridMakespan0], cold_reads ? kColdReadsMakespan : -1,
-                    cold_reads ? &starts : nullptr);
+  if (sim == GridSimulation::kFast) {
+    SimulateMakespans(works, grid.num_sms, grid.ctas_per_sm, kGridMakespanParams, makespans,
+                      kExitCost, &out[kGridMakespan0], cold_reads ? kColdReadsMakespan : -1,
+                      cold_reads ? &starts : nullptr);
+  } else {
+    ReferenceMakespans(works, grid.num_sms, grid.ctas_per_sm, kGridMakespanParams, makespans,
+                       kExitCost, &out[kGridMakespan0], cold_reads ? kColdReadsMakespan : -1,
+                       cold_reads ? &starts : nullptr);
+  }
   if (cold_reads) FillColdReads(ctas, starts, &out);
   return out;
 }
