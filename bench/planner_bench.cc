@@ -90,9 +90,9 @@ void BM_PlanOneRankGridModel(benchmark::State& state, const char* model_file, bo
   PlanRankZero(state, in);
 }
 BENCHMARK_CAPTURE(BM_PlanOneRankGridModel, packed, "model_packed.json", false)
-    ->ArgNames({"dp", "reqs"})->Args({64, 32})->Unit(benchmark::kMicrosecond);
+    ->ArgNames({"dp", "reqs"})->Args({64, 32})->Args({256, 256})->Unit(benchmark::kMicrosecond);
 BENCHMARK_CAPTURE(BM_PlanOneRankGridModel, gqa, "model_gqa.json", false)
-    ->ArgNames({"dp", "reqs"})->Args({64, 32})->Unit(benchmark::kMicrosecond);
+    ->ArgNames({"dp", "reqs"})->Args({64, 32})->Args({256, 256})->Unit(benchmark::kMicrosecond);
 // One verify length per rank (granularity=rank): each level a rank may take is simulated.
 BENCHMARK_CAPTURE(BM_PlanOneRankGridModel, packed_per_rank, "model_packed.json", true)
     ->ArgNames({"dp", "reqs"})->Args({64, 32})->Unit(benchmark::kMicrosecond);

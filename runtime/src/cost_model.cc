@@ -165,31 +165,36 @@ double CostModel::AttentionUs(absl::Span<const RequestLoad> batch) const {
   return AttentionUs(Aggregate(batch));
 }
 
-BatchAggregates CostModel::Aggregate(absl::Span<const RequestLoad> batch) const {
+BatchAggregates CostModel::Aggregate(absl::Span<const RequestLoad> batch,
+                                     GridSimulation sim) const {
   BatchAggregates agg;
   for (const RequestLoad& r : batch) agg.Add(r);
-  FillGrid(batch, &agg, agg.multi_query ? 2u : 1u);  // only the launch this batch runs
+  FillGrid(batch, &agg, agg.multi_query ? 2u : 1u, sim);  // only the launch this batch runs
   return agg;
 }
 
 void CostModel::FillGrid(absl::Span<const RequestLoad> batch, BatchAggregates* agg,
-                         unsigned paths) const {
+                         unsigned paths, GridSimulation sim) const {
   if (!uses_grid()) return;
   // Each launch simulates only what its own path weighs (a makespan costs O(CTAs log SMs)).
-  FillGridState(grid_, batch, grid_mask_[0], grid_mask_[1], paths, agg);
+  FillGridState(grid_, batch, grid_mask_[0], grid_mask_[1], paths, agg, sim);
 }
 
 void FillGridState(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
                    unsigned single_mask, unsigned multi_mask, unsigned paths,
-                   BatchAggregates* agg) {
+                   BatchAggregates* agg, GridSimulation sim) {
   GridState& g = agg->grid;
   g = GridState{};
   if (!grid.enabled()) return;
   g.valid = true;
   g.ref_tokens = agg->query_tokens;
   g.ref_pairs = agg->query_key_pairs;
-  if (paths & 1u) g.at_ref[0] = SimulateGrid(grid, batch, /*single_query_launch=*/true, single_mask);
-  if (paths & 2u) g.at_ref[1] = SimulateGrid(grid, batch, /*single_query_launch=*/false, multi_mask);
+  if (paths & 1u) {
+    g.at_ref[0] = SimulateGrid(grid, batch, /*single_query_launch=*/true, single_mask, sim);
+  }
+  if (paths & 2u) {
+    g.at_ref[1] = SimulateGrid(grid, batch, /*single_query_launch=*/false, multi_mask, sim);
+  }
 }
 
 CostModel CostModel::Scaled(double factor) const {

@@ -1,6 +1,7 @@
 #include "dpbalance/kernel_grid.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -18,12 +19,58 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 constexpr int kMaxCtasPerSm = 8;
 
+// An event of the event-by-event simulation. Under TieRule::kSpread simultaneous events go
+// every SM's first before any SM's second, then the lower SM first: a launch whose CTAs free
+// slots at the same time spreads the next CTAs over SMs, breadth-first, as the first wave does.
+// `rank`: how many events of this SM come before it at the same time. Under kHeapOrder only
+// the time is compared, and ties fall as the binary heap leaves them.
 struct SmEvent {
   double time;
+  int rank;
   int sm;
   uint32_t version;
-  bool operator>(const SmEvent& o) const { return time > o.time; }
+  bool operator>(const SmEvent& o) const {
+    if (time != o.time) return time > o.time;
+    return rank != o.rank ? rank > o.rank : sm > o.sm;
+  }
 };
+
+// A slot of the list phase: when it frees, its rank (as SmEvent's: slots of its SM freeing at
+// the same time before it) and which slot it is (sm * ctas_per_sm + k). Slots free in
+// (time, rank, SM) order, SimulateMakespan's tie rule; an SM's slots never tie on both.
+struct SlotFree {
+  double time;
+  int32_t rank;
+  int32_t id;
+  bool operator<(const SlotFree& o) const {
+    if (time != o.time) return time < o.time;
+    return rank != o.rank ? rank < o.rank : id < o.id;
+  }
+};
+
+// Sorts the first k (<= kMaxCtasPerSm) entries of `v` ascending.
+void SortSmall(std::array<double, kMaxCtasPerSm>& v, int k) {
+  for (int i = 1; i < k; ++i) {
+    const double x = v[i];
+    int j = i;
+    for (; j > 0 && v[j - 1] > x; --j) v[j] = v[j - 1];
+    v[j] = x;
+  }
+}
+
+// Per-CTA rate with k CTAs resident on an SM.
+inline double ShareRate(int k, double alone_rate) { return k == 1 ? alone_rate : 1.0 / k; }
+
+// When an SM whose k resident CTAs (ascending `left`, work still to do at time `t`, all
+// running) is done if nothing joins it: processor sharing, the last at the alone rate.
+double DrainSm(double t, const double* left, int k, double alone_rate) {
+  double done = 0;
+  for (int m = 0; m < k; ++m) {
+    t += (left[m] - done) / ShareRate(k - m, alone_rate);
+    done = left[m];
+  }
+  return t;
+}
 
 }  // namespace
 
@@ -91,58 +138,355 @@ int SplitKvCount(int parallel_ctas, int num_slots, int num_key_blocks, int max_s
   return 1;
 }
 
+namespace {
+
+// SimulateMakespan's event-by-event simulation, resumable: RunListPhase stops once every CTA has
+// started, and a copy can then finish under another alone rate. Until then every SM holds
+// ctas_per_sm CTAs (when there are at least that many per SM), each at rate 1 / ctas_per_sm,
+// so the alone rate has not been read: the finish is the same as a run from the start.
+template <bool kSpread>
+class EventSim {
+ public:
+  EventSim(absl::Span<const double> works, int num_sms, int per_sm, double alone_rate,
+           double overhead, double exit_cost, std::vector<double>* starts)
+      : works_(works), n_(works.size()), num_sms_(num_sms), alone_rate_(alone_rate),
+        overhead_(overhead), exit_cost_(exit_cost), starts_(starts), rem_(num_sms), count_(num_sms, 0),
+        since_(num_sms, 0.0), version_(num_sms, 0) {
+    heap_.reserve(2 * static_cast<size_t>(num_sms));
+    for (int slot = 0; slot < per_sm; ++slot) {  // the first wave goes breadth-first over SMs
+      for (int s = 0; s < num_sms && next_ < n_; ++s) rem_[s][count_[s]++] = Cost(next_++);
+    }
+    for (int s = 0; s < num_sms; ++s) Schedule(s, 0.0, -1);
+  }
+  void set_alone_rate(double alone_rate) { alone_rate_ = alone_rate; }
+  // Handles events until every CTA has started (`list_phase_only`) or all have finished.
+  void Run(bool list_phase_only) {
+    while (!heap_.empty() && !(list_phase_only && next_ >= n_)) {
+      std::pop_heap(heap_.begin(), heap_.end(), Later());
+      const SmEvent e = heap_.back();
+      heap_.pop_back();
+      if (e.version != version_[e.sm]) continue;
+      const int s = e.sm;
+      const double done = (e.time - since_[s]) * Rate(count_[s]);
+      int finished = 0;
+      for (int k = 0; k < count_[s]; ++k) {
+        rem_[s][k] -= done;
+        if (rem_[s][k] < rem_[s][finished]) finished = k;
+      }
+      since_[s] = now_ = e.time;
+      rem_[s][finished] = rem_[s][--count_[s]];
+      if (next_ < n_) {
+        if (starts_ != nullptr) (*starts_)[next_] = now_;
+        rem_[s][count_[s]++] = Cost(next_++);
+      }
+      Schedule(s, now_, e.rank);
+    }
+  }
+  double now() const { return now_; }
+
+ private:
+  struct Later {
+    bool operator()(const SmEvent& a, const SmEvent& b) const {
+      if constexpr (kSpread) {
+        return a > b;
+      } else {
+        return a.time > b.time;
+      }
+    }
+  };
+  double Cost(size_t i) const { return works_[i] < 0 ? exit_cost_ : works_[i] + overhead_; }
+  double Rate(int k) const { return k == 1 ? alone_rate_ : 1.0 / k; }
+  // `rank`: the rank of the event of SM s just handled at `now` (-1: none).
+  void Schedule(int s, double now, int rank) {
+    ++version_[s];
+    if (count_[s] == 0) return;
+    double first = rem_[s][0];
+    for (int k = 1; k < count_[s]; ++k) first = std::min(first, rem_[s][k]);
+    const double t = now + first / Rate(count_[s]);
+    heap_.push_back({t, t == now ? rank + 1 : 0, s, version_[s]});
+    std::push_heap(heap_.begin(), heap_.end(), Later());
+  }
+
+  absl::Span<const double> works_;
+  size_t n_, next_ = 0;
+  int num_sms_;
+  double alone_rate_, overhead_, exit_cost_;
+  std::vector<double>* starts_;
+  // Per SM: the remaining work of its resident CTAs, when it was last brought up to date, and a
+  // version that invalidates its older entries in the event heap.
+  std::vector<std::array<double, kMaxCtasPerSm>> rem_;
+  std::vector<int> count_;
+  std::vector<double> since_;
+  std::vector<uint32_t> version_;
+  std::vector<SmEvent> heap_;
+  double now_ = 0;
+};
+
+}  // namespace
+
 double SimulateMakespan(absl::Span<const double> works, int num_sms, int ctas_per_sm,
                         double alone_rate, double overhead, double exit_cost,
-                        std::vector<double>* starts) {
+                        std::vector<double>* starts, TieRule ties) {
   const size_t n = works.size();
   if (starts != nullptr) starts->assign(n, 0.0);
   if (n == 0 || num_sms <= 0) return 0;
   const int per_sm = std::clamp(ctas_per_sm, 1, kMaxCtasPerSm);
-  auto cost = [&](size_t i) { return works[i] < 0 ? exit_cost : works[i] + overhead; };
-  auto rate = [&](int k) { return k == 1 ? alone_rate : 1.0 / k; };
-  // Per SM: the remaining work of its resident CTAs, when it was last brought up to date, and a
-  // version that invalidates its older entries in the event heap.
-  std::vector<std::array<double, kMaxCtasPerSm>> rem(num_sms);
-  std::vector<int> count(num_sms, 0);
-  std::vector<double> since(num_sms, 0.0);
-  std::vector<uint32_t> version(num_sms, 0);
-  std::vector<SmEvent> heap;
-  heap.reserve(2 * static_cast<size_t>(num_sms));
-  auto schedule = [&](int s, double now) {
-    ++version[s];
-    if (count[s] == 0) return;
-    double first = rem[s][0];
-    for (int k = 1; k < count[s]; ++k) first = std::min(first, rem[s][k]);
-    heap.push_back({now + first / rate(count[s]), s, version[s]});
-    std::push_heap(heap.begin(), heap.end(), std::greater<>());
+  if (ties == TieRule::kSpread) {
+    EventSim<true> sim(works, num_sms, per_sm, alone_rate, overhead, exit_cost, starts);
+    sim.Run(/*list_phase_only=*/false);
+    return sim.now();
+  }
+  EventSim<false> sim(works, num_sms, per_sm, alone_rate, overhead, exit_cost, starts);
+  sim.Run(/*list_phase_only=*/false);
+  return sim.now();
+}
+
+void ReferenceMakespans(absl::Span<const double> works, int num_sms, int ctas_per_sm,
+                        absl::Span<const std::array<double, 2>> params, unsigned mask,
+                        double exit_cost, double* out, int starts_of,
+                        std::vector<double>* starts) {
+  const size_t n = works.size();
+  if (starts != nullptr) starts->assign(n, 0.0);
+  const int num = static_cast<int>(params.size());
+  for (int j = 0; j < num; ++j) {
+    if (mask >> j & 1u) out[j] = 0;
+  }
+  if (n == 0 || num_sms <= 0) return;
+  const int per_sm = std::clamp(ctas_per_sm, 1, kMaxCtasPerSm);
+  // The list phase shares only if every SM starts full (else the first events run alone).
+  const bool share = per_sm > 1 && n >= static_cast<size_t>(num_sms) * per_sm;
+  unsigned left_to_do = mask & ((num >= 32 ? 0u : 1u << num) - 1u);
+  if (starts_of >= 0 && starts != nullptr) left_to_do |= 1u << starts_of;
+  while (left_to_do != 0) {
+    const int lead = std::countr_zero(left_to_do);
+    unsigned group = 1u << lead;
+    for (int j = lead + 1; share && j < num; ++j) {
+      if ((left_to_do >> j & 1u) && params[j][1] == params[lead][1]) group |= 1u << j;
+    }
+    left_to_do &= ~group;
+    const bool keep_starts = starts != nullptr && starts_of >= 0 && (group >> starts_of & 1u);
+    EventSim<false> listed(works, num_sms, per_sm, params[lead][0], params[lead][1], exit_cost,
+                           keep_starts ? starts : nullptr);
+    if (group == 1u << lead) {  // nothing to share: one run, as SimulateMakespan
+      listed.Run(/*list_phase_only=*/false);
+      out[lead] = listed.now();
+      continue;
+    }
+    listed.Run(/*list_phase_only=*/true);
+    for (int j = lead; j < num; ++j) {
+      if ((group >> j & 1u) == 0) continue;
+      EventSim<false> tail = listed;
+      tail.set_alone_rate(params[j][0]);
+      tail.Run(/*list_phase_only=*/false);
+      out[j] = tail.now();
+    }
+  }
+}
+
+namespace {
+
+// The list phase of SimulateMakespans with two CTAs per SM when every cost is a whole number of
+// quarter blocks (whole key blocks, the bank's overheads, no 0.2-block exits): each slot then
+// holds its CTA for a whole number of half-block time units, and a ring of per-unit buckets
+// (a calendar queue: O(1) per CTA plus one look per time unit) replaces the heap. Every time is
+// exact in double, so the result equals the heap's to the bit. Returns false (nothing written)
+// where it does not apply. `starts` (optional, size n) and `free_at` (size 2 x num_sms, by slot
+// id) as in SimulateMakespans.
+bool CalendarListPhase(const std::vector<double>& cost, int num_sms, int per_sm, double* starts,
+                       double* free_at) {
+  if (per_sm != 2) return false;
+  const size_t n = cost.size(), slots = 2 * static_cast<size_t>(num_sms);
+  thread_local std::vector<int64_t> units;
+  units.resize(n);
+  int64_t longest = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const double u = cost[i] * 4;  // time units (1/2 block) a slot is held: cost / (1/2) / (1/2)
+    if (!(u >= 1 && u < (1 << 22)) || u != std::floor(u)) return false;
+    units[i] = static_cast<int64_t>(u);
+    longest = std::max(longest, units[i]);
+  }
+  size_t ring = 64;
+  while (ring <= static_cast<size_t>(longest)) ring <<= 1;  // every pending time within a lap
+  if (ring > 8 * n + 4096) return false;  // a scan this long costs more than the heap
+  const size_t mask = ring - 1, word_mask = ring / 64 - 1;
+  // The ring's buckets are all empty between calls (only the slots' own buckets are cleared at
+  // the end), so a call costs no pass over the ring; a bitmap of the non-empty buckets lets the
+  // scan skip 64 empty time units at once.
+  thread_local std::vector<int32_t> bucket, next;
+  thread_local std::vector<uint64_t> busy;
+  thread_local std::vector<int64_t> due;
+  if (bucket.size() < ring) {
+    bucket.assign(ring, -1);
+    busy.assign(ring / 64, 0);
+  }
+  thread_local std::vector<int32_t> order;
+  next.resize(slots);
+  order.resize(slots);
+  due.assign(slots, -1);
+  // Buckets list their slots in (rank, SM) order (SlotFree's): a slot whose SM's other slot is
+  // already due at the same time comes after every SM's first.
+  const int32_t num_slots = static_cast<int32_t>(slots);
+  auto insert = [&](int32_t id, int64_t t) {
+    due[id] = t;
+    const int32_t key = order[id] = (due[id ^ 1] == t ? num_slots : 0) + id;
+    const size_t at = static_cast<size_t>(t) & mask;
+    int32_t* link = &bucket[at];
+    if (*link < 0) busy[at >> 6] |= uint64_t{1} << (at & 63);
+    while (*link >= 0 && order[*link] < key) link = &next[*link];
+    next[id] = *link;
+    *link = id;
   };
-  size_t next = 0;
-  for (int slot = 0; slot < per_sm; ++slot) {  // the first wave goes breadth-first over SMs
-    for (int s = 0; s < num_sms && next < n; ++s) rem[s][count[s]++] = cost(next++);
+  for (size_t i = 0; i < slots; ++i) {
+    insert(static_cast<int32_t>((i % num_sms) * 2 + i / num_sms), units[i]);
   }
-  for (int s = 0; s < num_sms; ++s) schedule(s, 0.0);
-  double now = 0;
-  while (!heap.empty()) {
-    std::pop_heap(heap.begin(), heap.end(), std::greater<>());
-    const SmEvent e = heap.back();
-    heap.pop_back();
-    if (e.version != version[e.sm]) continue;
-    const int s = e.sm;
-    const double done = (e.time - since[s]) * rate(count[s]);
-    int finished = 0;
-    for (int k = 0; k < count[s]; ++k) {
-      rem[s][k] -= done;
-      if (rem[s][k] < rem[s][finished]) finished = k;
+  int64_t now = 0;
+  for (size_t i = slots; i < n; ++i) {
+    // The earliest non-empty bucket at or after `now` (all pending times lie in one lap).
+    uint64_t bits = busy[(static_cast<size_t>(now) >> 6) & word_mask] & (~uint64_t{0} << (now & 63));
+    while (bits == 0) {
+      now = (now | 63) + 1;
+      bits = busy[(static_cast<size_t>(now) >> 6) & word_mask];
     }
-    since[s] = now = e.time;
-    rem[s][finished] = rem[s][--count[s]];
-    if (next < n) {
-      if (starts != nullptr) (*starts)[next] = now;
-      rem[s][count[s]++] = cost(next++);
-    }
-    schedule(s, now);
+    now = (now & ~int64_t{63}) + std::countr_zero(bits);
+    const size_t at = static_cast<size_t>(now) & mask;
+    const int32_t id = bucket[at];
+    bucket[at] = next[id];
+    if (bucket[at] < 0) busy[at >> 6] &= ~(uint64_t{1} << (at & 63));
+    if (starts != nullptr) starts[i] = 0.5 * static_cast<double>(now);
+    insert(id, now + units[i]);
   }
-  return now;
+  for (size_t id = 0; id < slots; ++id) {
+    free_at[id] = 0.5 * static_cast<double>(due[id]);
+    const size_t at = static_cast<size_t>(due[id]) & mask;
+    bucket[at] = -1;
+    busy[at >> 6] = 0;
+  }
+  return true;
+}
+
+}  // namespace
+
+void SimulateMakespans(absl::Span<const double> works, int num_sms, int ctas_per_sm,
+                       absl::Span<const std::array<double, 2>> params, unsigned mask,
+                       double exit_cost, double* out, int starts_of,
+                       std::vector<double>* starts) {
+  const size_t n = works.size();
+  const int per_sm = std::clamp(ctas_per_sm, 1, kMaxCtasPerSm);
+  const size_t slots = static_cast<size_t>(std::max(num_sms, 0)) * per_sm;
+  if (starts != nullptr) {  // the first wave starts at 0; the list phase writes the rest
+    starts->resize(n);
+    std::fill_n(starts->begin(), slots == 0 ? n : std::min(n, slots), 0.0);
+  }
+  const int num = static_cast<int>(params.size());
+  for (int j = 0; j < num; ++j) {
+    if (mask >> j & 1u) out[j] = 0;
+  }
+  if (n == 0 || num_sms <= 0) return;
+  thread_local std::vector<double> cost;
+  thread_local std::vector<SlotFree> heap;
+  thread_local std::vector<double> free_at;
+  unsigned left_to_do = mask & ((num >= 32 ? 0u : 1u << num) - 1u);
+  if (starts_of >= 0 && starts != nullptr) left_to_do |= 1u << starts_of;
+  while (left_to_do != 0) {
+    const int lead = std::countr_zero(left_to_do);
+    const double overhead = params[lead][1];
+    // The list phase (every SM full) depends on the overhead only, unless one CTA per SM runs
+    // alone all along: one pass serves every bank entry that shares it.
+    unsigned group = 0;
+    for (int j = lead; j < num; ++j) {
+      if ((left_to_do >> j & 1u) && params[j][1] == overhead &&
+          (per_sm > 1 || params[j][0] == params[lead][0])) {
+        group |= 1u << j;
+      }
+    }
+    left_to_do &= ~group;
+    cost.resize(n);
+    for (size_t i = 0; i < n; ++i) cost[i] = works[i] < 0 ? exit_cost : works[i] + overhead;
+    if (n <= slots) {
+      // One wave: CTA i on SM i % num_sms; every SM drains from time 0 (starts stay 0).
+      for (int j = lead; j < num; ++j) {
+        if ((group >> j & 1u) == 0 || (mask >> j & 1u) == 0) continue;
+        double makespan = 0;
+        for (size_t s = 0; s < std::min<size_t>(n, num_sms); ++s) {
+          std::array<double, kMaxCtasPerSm> left;
+          int k = 0;
+          for (size_t i = s; i < n; i += num_sms) left[k++] = cost[i];
+          SortSmall(left, k);
+          makespan = std::max(makespan, DrainSm(0.0, left.data(), k, params[j][0]));
+        }
+        out[j] = makespan;
+      }
+      continue;
+    }
+    // Several waves: until the queue empties every SM holds per_sm CTAs, so each slot runs its
+    // CTA at the full-SM share; list scheduling of the CTAs, in order, onto the slot that frees
+    // first (ties to the lower SM). The first wave goes breadth-first over SMs.
+    const double rate = ShareRate(per_sm, params[lead][0]);
+    const bool keep_starts = starts != nullptr && starts_of >= 0 && (group >> starts_of & 1u);
+    free_at.resize(slots);
+    if (!CalendarListPhase(cost, num_sms, per_sm, keep_starts ? starts->data() : nullptr,
+                           free_at.data())) {
+    heap.resize(slots);
+    std::fill(free_at.begin(), free_at.end(), -1.0);  // each slot's due time
+    // Slots of the SM of slot `id` already due at `t` (the rank of a slot due then).
+    auto rank_at = [&](int32_t id, double t) {
+      const int32_t first = id - id % per_sm;
+      int32_t r = 0;
+      for (int32_t o = first; o < first + per_sm; ++o) r += o != id && free_at[o] == t;
+      return r;
+    };
+    for (size_t i = 0; i < slots; ++i) {
+      const int32_t sm = static_cast<int32_t>(i % num_sms), k = static_cast<int32_t>(i / num_sms);
+      const int32_t id = sm * per_sm + k;
+      const double t = cost[i] / rate;
+      heap[i] = {t, rank_at(id, t), id};
+      free_at[id] = t;
+    }
+    // A 4-ary min-heap by hand (replace-top is the hot operation; (time, rank, id) is a total
+    // order, so any heap pops the same sequence).
+    auto sift_down = [&](size_t h) {
+      const SlotFree v = heap[h];
+      for (;;) {
+        const size_t c0 = 4 * h + 1;
+        if (c0 >= slots) break;
+        size_t c = c0;
+        const size_t end = std::min(c0 + 4, slots);
+        for (size_t k = c0 + 1; k < end; ++k) {
+          if (heap[k] < heap[c]) c = k;
+        }
+        if (!(heap[c] < v)) break;
+        heap[h] = heap[c];
+        h = c;
+      }
+      heap[h] = v;
+    };
+    for (size_t h = (slots + 2) / 4; h-- > 0;) sift_down(h);
+    for (size_t i = slots; i < n; ++i) {
+      const double now = heap[0].time;
+      if (keep_starts) (*starts)[i] = now;
+      const double t = now + cost[i] / rate;
+      heap[0].time = free_at[heap[0].id] = t;
+      heap[0].rank = rank_at(heap[0].id, t);
+      sift_down(0);
+    }
+    }
+    // The tail: no CTA joins any more, so each SM drains on its own.
+    for (int j = lead; j < num; ++j) {
+      if ((group >> j & 1u) == 0 || (mask >> j & 1u) == 0) continue;
+      double makespan = 0;
+      for (int s = 0; s < num_sms; ++s) {
+        std::array<double, kMaxCtasPerSm> left;
+        const double* f = &free_at[static_cast<size_t>(s) * per_sm];
+        std::copy(f, f + per_sm, left.begin());
+        SortSmall(left, per_sm);
+        const double first = left[0];
+        // Work left at the first finish, in the share it ran at.
+        for (int m = 0; m < per_sm; ++m) left[m] = (left[m] - first) * rate;
+        makespan = std::max(makespan, DrainSm(first, left.data() + 1, per_sm - 1, params[j][0]));
+      }
+      out[j] = makespan;
+    }
+  }
 }
 
 namespace {
@@ -163,9 +507,11 @@ double KeyBlocks(const KernelGrid& grid, const RequestLoad& r) {
 
 // Head-major launch with every q_i = 1: heads become rows; the keys of each request may be
 // split over several CTAs (`SplitKvCount`), followed by a combine kernel.
-CtaList SplitKvCtas(const KernelGrid& grid, absl::Span<const RequestLoad> batch, int64_t max_ctx) {
+void SplitKvCtas(const KernelGrid& grid, absl::Span<const RequestLoad> batch, int64_t max_ctx,
+                 CtaList& ctas) {
   const int64_t b = static_cast<int64_t>(batch.size());
-  CtaList ctas;
+  ctas.works.clear();
+  ctas.combine_work = 0;
   ctas.row_blocks = CeilDiv(grid.heads, grid.block_m);
   const int64_t max_blocks = CeilDiv(std::max<int64_t>(max_ctx, 1), grid.block_n);
   const int splits =
@@ -183,32 +529,37 @@ CtaList SplitKvCtas(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
     }
   }
   if (splits > 1) ctas.combine_work = static_cast<double>(b * splits);
-  return ctas;
 }
 
 // Head-major verify launch: one CTA per (head, request, row block); row blocks of the longest
 // request's queries.
-CtaList HeadMajorCtas(const KernelGrid& grid, absl::Span<const RequestLoad> batch, int32_t max_q) {
+void HeadMajorCtas(const KernelGrid& grid, absl::Span<const RequestLoad> batch, int32_t max_q,
+                   CtaList& ctas) {
   const int64_t b = static_cast<int64_t>(batch.size());
-  CtaList ctas;
+  ctas.works.clear();
+  ctas.combine_work = 0;
   ctas.row_blocks = CeilDiv(max_q, grid.block_m);
   ctas.num_ranges = b;
   ctas.works.reserve(static_cast<size_t>(grid.heads * b * ctas.row_blocks));
-  for (int h = 0; h < grid.heads; ++h) {
-    for (int64_t i = 0; i < b; ++i) {
-      for (int64_t m = 0; m < ctas.row_blocks; ++m) {
-        ctas.works.push_back(m * grid.block_m < batch[i].query_tokens ? KeyBlocks(grid, batch[i])
-                                                                      : -1.0);
-      }
+  for (int64_t i = 0; i < b; ++i) {  // the first head; every head repeats it
+    for (int64_t m = 0; m < ctas.row_blocks; ++m) {
+      ctas.works.push_back(m * grid.block_m < batch[i].query_tokens ? KeyBlocks(grid, batch[i])
+                                                                    : -1.0);
     }
   }
-  return ctas;
+  const size_t per_head = ctas.works.size();
+  ctas.works.resize(per_head * static_cast<size_t>(std::max(grid.heads, 1)));
+  for (size_t at = per_head; at < ctas.works.size(); at += per_head) {
+    std::copy_n(ctas.works.begin(), per_head, ctas.works.begin() + static_cast<ptrdiff_t>(at));
+  }
 }
 
 // Packed rows: heads x q_i rows per request, request by request.
-CtaList PackedRowCtas(const KernelGrid& grid, absl::Span<const RequestLoad> batch, int32_t max_q) {
+void PackedRowCtas(const KernelGrid& grid, absl::Span<const RequestLoad> batch, int32_t max_q,
+                   CtaList& ctas) {
   const int64_t b = static_cast<int64_t>(batch.size());
-  CtaList ctas;
+  ctas.works.clear();
+  ctas.combine_work = 0;
   ctas.row_blocks = CeilDiv(static_cast<int64_t>(grid.heads) * max_q, grid.block_m);
   ctas.num_ranges = b;
   ctas.works.reserve(static_cast<size_t>(b * ctas.row_blocks));
@@ -218,11 +569,11 @@ CtaList PackedRowCtas(const KernelGrid& grid, absl::Span<const RequestLoad> batc
       ctas.works.push_back(m * grid.block_m < rows ? KeyBlocks(grid, batch[i]) : -1.0);
     }
   }
-  return ctas;
 }
 
-CtaList BuildCtaList(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
-                     bool single_query_launch) {
+// Fills `ctas` (its buffers reused across calls).
+void BuildCtaList(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
+                  bool single_query_launch, CtaList& ctas) {
   int64_t max_ctx = 0;
   int32_t max_q = 1;
   for (const RequestLoad& r : batch) {
@@ -230,9 +581,14 @@ CtaList BuildCtaList(const KernelGrid& grid, absl::Span<const RequestLoad> batch
     max_q = std::max(max_q, r.query_tokens);
   }
   if (grid.layout == KernelGrid::Layout::kHeadMajor) {
-    return single_query_launch ? SplitKvCtas(grid, batch, max_ctx) : HeadMajorCtas(grid, batch, max_q);
+    if (single_query_launch) {
+      SplitKvCtas(grid, batch, max_ctx, ctas);
+    } else {
+      HeadMajorCtas(grid, batch, max_q, ctas);
+    }
+    return;
   }
-  return PackedRowCtas(grid, batch, max_q);
+  PackedRowCtas(grid, batch, max_q, ctas);
 }
 
 // Key blocks each reuse window's CTAs fetch from HBM, into out[kGridColdReads0 + w]. `starts`:
@@ -240,32 +596,44 @@ CtaList BuildCtaList(const KernelGrid& grid, absl::Span<const RequestLoad> batch
 // each key range's fetches: a CTA fetches when it starts more than the window after its range's
 // last fetch.
 void FillColdReads(const CtaList& ctas, const std::vector<double>& starts, GridTerms* out) {
-  std::vector<double> last_fetch(static_cast<size_t>(ctas.num_ranges));
-  auto range_of = [&](size_t cta) {
-    return (cta / static_cast<size_t>(ctas.row_blocks)) % static_cast<size_t>(ctas.num_ranges);
-  };
-  for (int w = 0; w < kNumGridReuseWindows; ++w) {
-    std::fill(last_fetch.begin(), last_fetch.end(), -std::numeric_limits<double>::infinity());
-    double cold = 0;
-    for (size_t c = 0; c < ctas.works.size(); ++c) {
-      if (ctas.works[c] <= 0) continue;
-      double& last = last_fetch[range_of(c)];
-      if (starts[c] - last > kGridReuseWindows[w]) {
-        cold += ctas.works[c];
-        last = starts[c];
+  thread_local std::vector<std::array<double, kNumGridReuseWindows>> last_fetch;
+  last_fetch.assign(static_cast<size_t>(ctas.num_ranges),
+                    [] {
+                      std::array<double, kNumGridReuseWindows> a;
+                      a.fill(-std::numeric_limits<double>::infinity());
+                      return a;
+                    }());
+  std::array<double, kNumGridReuseWindows> cold{};
+  const size_t row_blocks = static_cast<size_t>(ctas.row_blocks);
+  const size_t num_ranges = static_cast<size_t>(ctas.num_ranges);
+  size_t range = 0, in_range = 0;  // range_of(c) = (c / row_blocks) % num_ranges, kept by steps
+  for (size_t c = 0; c < ctas.works.size(); ++c) {
+    const double work = ctas.works[c];
+    if (work > 0) {
+      std::array<double, kNumGridReuseWindows>& last = last_fetch[range];
+      for (int w = 0; w < kNumGridReuseWindows; ++w) {
+        if (starts[c] - last[w] > kGridReuseWindows[w]) {
+          cold[w] += work;
+          last[w] = starts[c];
+        }
       }
     }
-    (*out)[kGridColdReads0 + w] = cold;
+    if (++in_range == row_blocks) {
+      in_range = 0;
+      if (++range == num_ranges) range = 0;
+    }
   }
+  for (int w = 0; w < kNumGridReuseWindows; ++w) (*out)[kGridColdReads0 + w] = cold[w];
 }
 
 }  // namespace
 
 GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
-                       bool single_query_launch, unsigned terms) {
+                       bool single_query_launch, unsigned terms, GridSimulation sim) {
   GridTerms out{};
   if (!grid.enabled() || batch.empty()) return out;
-  const CtaList ctas = BuildCtaList(grid, batch, single_query_launch);
+  thread_local CtaList ctas;
+  BuildCtaList(grid, batch, single_query_launch, ctas);
   const std::vector<double>& works = ctas.works;
   out[kGridCtas] = static_cast<double>(works.size());
   for (double w : works) out[kGridWork] += std::max(w, 0.0);
@@ -273,13 +641,18 @@ GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> bat
   constexpr double kExitCost = 0.2;  // key blocks' worth of a CTA that exits at once
   constexpr unsigned kColdReadBits = ((1u << kNumGridReuseWindows) - 1) << kGridColdReads0;
   const bool cold_reads = (terms & kColdReadBits) != 0;
-  std::vector<double> starts;
-  for (int j = 0; j < kNumGridMakespans; ++j) {
-    const bool keep_starts = cold_reads && j == kColdReadsMakespan;
-    if ((terms >> (kGridMakespan0 + j) & 1u) == 0 && !keep_starts) continue;
-    out[kGridMakespan0 + j] =
-        SimulateMakespan(works, grid.num_sms, grid.ctas_per_sm, kGridMakespanParams[j][0],
-                         kGridMakespanParams[j][1], kExitCost, keep_starts ? &starts : nullptr);
+  thread_local std::vector<double> starts;
+  // The makespan whose start times the cold reads use is filled with them (as it always was).
+  const unsigned makespans = (terms >> kGridMakespan0 & ((1u << kNumGridMakespans) - 1)) |
+                             (cold_reads ? 1u << kColdReadsMakespan : 0u);
+  if (sim == GridSimulation::kFast) {
+    SimulateMakespans(works, grid.num_sms, grid.ctas_per_sm, kGridMakespanParams, makespans,
+                      kExitCost, &out[kGridMakespan0], cold_reads ? kColdReadsMakespan : -1,
+                      cold_reads ? &starts : nullptr);
+  } else {
+    ReferenceMakespans(works, grid.num_sms, grid.ctas_per_sm, kGridMakespanParams, makespans,
+                       kExitCost, &out[kGridMakespan0], cold_reads ? kColdReadsMakespan : -1,
+                       cold_reads ? &starts : nullptr);
   }
   if (cold_reads) FillColdReads(ctas, starts, &out);
   return out;

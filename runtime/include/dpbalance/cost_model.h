@@ -174,12 +174,14 @@ class CostModel {
   // The aggregates of `batch`, with the grid terms simulated when the model uses them, for the
   // launch the batch runs only (what its cost and features read). A caller that then adds
   // query tokens to a batch of single-query requests needs `FillGrid` with both paths.
-  BatchAggregates Aggregate(absl::Span<const RequestLoad> batch) const;
+  // `sim`: how the grid is simulated (kernel_grid.h); the planner prices with kFast.
+  BatchAggregates Aggregate(absl::Span<const RequestLoad> batch,
+                            GridSimulation sim = GridSimulation::kReference) const;
   // Simulates the grid terms of `batch` (whose aggregates `agg` are) for the kernel paths in
   // `paths` (bit 0: every q_i = 1, bit 1: the verify launch; default both), each only the
   // simulated terms its path weighs; no-op unless `uses_grid()`.
-  void FillGrid(absl::Span<const RequestLoad> batch, BatchAggregates* agg,
-                unsigned paths = 3u) const;
+  void FillGrid(absl::Span<const RequestLoad> batch, BatchAggregates* agg, unsigned paths = 3u,
+                GridSimulation sim = GridSimulation::kReference) const;
 
   const std::string& name() const { return name_; }
   // The published formula this model is the per-rank form of: set by PublishedV1/V2 (flags "v1",
@@ -218,7 +220,7 @@ class CostModel {
 // always filled.
 void FillGridState(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
                    unsigned single_mask, unsigned multi_mask, unsigned paths,
-                   BatchAggregates* agg);
+                   BatchAggregates* agg, GridSimulation sim = GridSimulation::kReference);
 
 // The instance-wide part of a step (identical on every rank).
 struct GlobalCost {

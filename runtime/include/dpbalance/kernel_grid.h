@@ -20,7 +20,8 @@
 //   - kPackedRows: the heads of each query token are rows (heads * q_i rows per request); one
 //     CTA per (row block, request), row block fastest; row blocks past a request's rows exit
 //     at once.
-// - Costs: SimulateGrid is O(CTAs log SMs) per makespan; a DP rank of 64 requests at q = 8 is ~1k CTAs
+// - Costs: SimulateGrid is O(CTAs log SMs) per distinct overhead of the makespans asked for (the
+//   runs that share one share all but their tails); a DP rank of 64 requests at q = 8 is ~1k CTAs
 //   (packed) or 8k CTAs (head-major). The planner simulates once per step and kernel path, and
 //   moves the terms linearly with the batch's work in between (`GridState`); Assign then
 //   simulates each rank's filled plan a few times to keep it under the barrier (planner.cc).
@@ -99,19 +100,61 @@ std::string GridTermName(int term);
 // split.
 int SplitKvCount(int parallel_ctas, int num_slots, int num_key_blocks, int max_splits);
 
+// How SimulateGrid simulates the makespans.
+// - kReference: one event-by-event simulation per makespan (SimulateMakespan, TieRule::
+//   kHeapOrder): what the published fits were calibrated with, and what a truth evaluates.
+// - kFast: SimulateMakespans (TieRule::kSpread): the list phase once per overhead, closed-form
+//   drains, a calendar queue where costs allow; the planner's pricing. It equals kReference up
+//   to rounding wherever no two slots free at the same instant, and differs where they do (the
+//   heap's arbitrary order against a breadth-first one): see docs/cost-model.md.
+enum class GridSimulation { kReference, kFast };
+
 // Grid terms of `batch` launched on `grid`. `single_query_launch`: the launch the kernel uses
 // when every q_i = 1 (head-major: the swapped split-KV launch); otherwise the verify launch.
 // Counts and work are always filled; of the simulated terms only those flagged in `terms` (bit t:
 // grid term t) are computed, the others may be 0.
 GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
-                       bool single_query_launch, unsigned terms = (1u << kNumGridTerms) - 1);
+                       bool single_query_launch, unsigned terms = (1u << kNumGridTerms) - 1,
+                       GridSimulation sim = GridSimulation::kReference);
+
+// Which of several simultaneous events (two slots freeing at the same instant) goes first.
+// - kHeapOrder: whichever the binary heap of SM events leaves on top (only times are compared);
+//   the calibrated models' rule.
+// - kSpread: every SM's first before any SM's second, then the lower SM: simultaneous frees take
+//   the next CTAs breadth-first over SMs, as the first wave does. Defined by the order alone, so
+//   any data structure can reproduce it (SimulateMakespans does).
+enum class TieRule { kHeapOrder, kSpread };
 
 // Makespan of CTAs with the given work (key-block iterations; a negative entry is a CTA that
 // exits at once and costs `exit_cost`), launched in order, under the sharing model above.
 // `starts` (optional) receives each CTA's start time; they never decrease in launch order.
+// Event by event, O(CTAs log SMs).
 double SimulateMakespan(absl::Span<const double> works, int num_sms, int ctas_per_sm,
                         double alone_rate, double overhead, double exit_cost,
+                        std::vector<double>* starts = nullptr,
+                        TieRule ties = TieRule::kHeapOrder);
+
+// SimulateMakespan (TieRule::kHeapOrder) for every (alone_rate, overhead) pair of `params` whose
+// bit is set in `mask`, into out[j], equal to separate runs to the bit; `starts` (optional)
+// receives the start times under params[starts_of]. Runs that share an overhead share the part
+// of the simulation before every CTA has started (it does not read the alone rate) and only
+// finish separately. What SimulateGrid's kReference uses.
+void ReferenceMakespans(absl::Span<const double> works, int num_sms, int ctas_per_sm,
+                        absl::Span<const std::array<double, 2>> params, unsigned mask,
+                        double exit_cost, double* out, int starts_of = -1,
                         std::vector<double>* starts = nullptr);
+
+// The makespans of several (alone_rate, overhead) pairs of `params` at once: out[j] for every j
+// whose bit is set in `mask`, each equal to SimulateMakespan's with TieRule::kSpread (to the bit
+// where every time is a whole number of half blocks, else up to rounding). Until the queue
+// empties every SM is full, so that phase is list scheduling on num_sms x ctas_per_sm slots and
+// depends on the overhead alone: it runs once per distinct overhead. After it each SM drains on
+// its own (a closed form); a launch of one wave is only that. `starts` (optional) receives the start times
+// under params[starts_of]. O(CTAs log slots) per distinct overhead.
+void SimulateMakespans(absl::Span<const double> works, int num_sms, int ctas_per_sm,
+                       absl::Span<const std::array<double, 2>> params, unsigned mask,
+                       double exit_cost, double* out, int starts_of = -1,
+                       std::vector<double>* starts = nullptr);
 
 // Linear change of each grid term per extra query token and per extra query-key pair on the
 // verify launch (the planner's increments between simulations): packed rows add heads/block_m
