@@ -85,11 +85,14 @@ MODEL="$WORK/model"
 # cache (the default takes half the RAM per rank), no tcmalloc/iomp preload needed.
 export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0|1}"
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
+# vLLM 0.32.0's CPU communicator lacks the collectives of its DP MoE path: the package's platform
+# plugin adds them (dpbalance_vllm/cpu_platform.py).
+export DPBALANCE_VLLM_CPU_DP=1
 export VLLM_ENABLE_V1_MULTIPROCESSING=1 VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}"
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export DPB_LOG_EVERY="${DPB_LOG_EVERY:-0}"
 
-REQS=${LIVE_VLLM_REQUESTS:-60}; EPOCH=${LIVE_VLLM_AB_EPOCH:-40}
+REQS=${LIVE_VLLM_REQUESTS:-160}; EPOCH=${LIVE_VLLM_AB_EPOCH:-40}
 [ "$QUICK" = 1 ] && REQS=${LIVE_VLLM_REQUESTS:-16}
 COMMON=(--model "$MODEL" --trace "$ROOT/integration/replay/data/mooncake_conversation.jsonl"
         --dp 2 --requests "$REQS" ${LIVE_VLLM_ARGS:-})
@@ -110,12 +113,34 @@ run_arm() {  # NAME K_SPEC [ENV...]
   grep -E '^live_bench:|dpbalance_vllm: plugin entry point|dpbalance: enabled' "$WORK/$name.log" | sort | uniq -c | sed 's/^/  /'
 }
 
-# off: vLLM as shipped (DPB_PLUGIN unset: the classes are vLLM's own), its static draft length.
+# off: vLLM as shipped (DPB_PLUGIN=none: the classes behave as vLLM's own), its static draft
+# length DEFAULT_K for every request.
 run_arm off "$DEFAULT_K" DPB_PLUGIN=none
-# on: the plugin plans every request's verify length in 0..K_SPEC, the default DEFAULT_K.
-run_arm on "$K_SPEC" DPB_PLUGIN=dpbalance DPB_DEFAULT_K="$DEFAULT_K"
+
+# The plugin's cost model for this CPU: its attention from the off arm's measured steps
+# (dpbalance-calibrate, the project's tool: README "Calibrating the cost model"), and the
+# step's MoE and other time for the DPB_* step flags; ngram drafting costs no draft steps.
+CAL="$ROOT/build/release/integration/dpbalance-calibrate"
+if [ ! -x "$CAL" ]; then
+  (cd "$ROOT" && { [ -f build/release/CMakeCache.txt ] || cmake --preset release >/dev/null; } \
+     && cmake --build --preset release --target dpbalance-calibrate -j2 >/dev/null) \
+    || { echo "live_vllm.sh: cannot build dpbalance-calibrate (cmake --build --preset release)" >&2; exit 1; }
+fi
+# The off arm verifies DEFAULT_K drafts everywhere, so its rows cannot tell a query token's cost
+# from a key token's; integration/vllm/data/cpu_decode_rows.jsonl adds decode steps with 1..8
+# query tokens per request measured the same way on this machine type (docs/live_vllm.md).
+FLAGS=$("$PY" "$ROOT/integration/vllm/live_bench.py" calibrate --log-dir "$WORK/off" --rows "$WORK/cpu_rows.jsonl")
+cat "$ROOT/integration/vllm/data/cpu_decode_rows.jsonl" >> "$WORK/cpu_rows.jsonl"
+"$CAL" --train "$WORK/cpu_rows.jsonl" --out "$WORK/cpu_model.json" | sed 's/^/  calibrate: /'
+# shellcheck disable=SC2206
+PLUGIN_ENV=(DPB_PLUGIN=dpbalance DPB_DEFAULT_K="$DEFAULT_K" DPB_COST_MODEL="$WORK/cpu_model.json"
+            DPB_DRAFT_US=0 DPB_FFN_PER_TOKEN_US=20 $FLAGS)
+echo "live_vllm.sh: plugin flags: ${PLUGIN_ENV[*]}"
+
+# on: the plugin plans every request's verify length in 0..K_SPEC (DPB_MODE, default goodput).
+run_arm on "$K_SPEC" "${PLUGIN_ENV[@]}"
 # A/B: one instance, balancing on in even epochs of EPOCH steps and off (default lengths) in odd.
-run_arm ab "$K_SPEC" DPB_PLUGIN=dpbalance DPB_DEFAULT_K="$DEFAULT_K" DPB_AB_EPOCH="$EPOCH"
+run_arm ab "$K_SPEC" "${PLUGIN_ENV[@]}" DPB_AB_EPOCH="$EPOCH"
 
 "$PY" "$ROOT/integration/vllm/live_bench.py" summarize --json "$JSON" --dp 2 \
   --arm off="$WORK/off" --arm on="$WORK/on" --ab-dir "$WORK/ab" --ab-epoch "$EPOCH"

@@ -205,6 +205,14 @@ def step_rows(log_dir, dp):
     return [[p[i] for p in per] for i in common], per
 
 
+def is_decode_step(st) -> bool:
+    """Some rank ran requests, and every rank's batch was decode (at most 1 + 8 query tokens per
+    request) or a dummy batch: no prefill chunk, whose attention (seconds on a CPU, planned by
+    nobody) would swamp the decode steps' sums."""
+    return any(r["kind"] == "model" for r in st) and all(
+        r["kind"] == "dummy" or max(r.get("q") or [1]) <= 9 for r in st)
+
+
 def bubble_of(steps):
     s_mean = sum(sum(r["att_us"] for r in st) / len(st) for st in steps)
     s_max = sum(max(r["att_us"] for r in st) for st in steps)
@@ -213,9 +221,11 @@ def bubble_of(steps):
 
 def summarize_arm(log_dir, dp, name, warmup):
     client = json.load(open(os.path.join(log_dir, "client.json")))
-    steps, per = step_rows(log_dir, dp)
-    # Only steps in which some rank ran requests (the stream's steps, not the idle tail).
-    steps = [st for st in steps if any(r["kind"] == "model" for r in st)][warmup:]
+    all_steps, per = step_rows(log_dir, dp)
+    # Steps in which some rank ran requests (not the idle tail after the stream); the figures
+    # are over the decode steps among them (is_decode_step), the all-steps bubble is reported too.
+    busy = [st for st in all_steps if any(r["kind"] == "model" for r in st)][warmup:]
+    steps = [st for st in busy if is_decode_step(st)]
     wait = [r["moe_us"] - min(x["moe_us"] for x in st) for st in steps for r in st]
     idle_rank_steps = sum(1 for st in steps for r in st if r["kind"] == "dummy")
     drafted = sum(r["drafted"] for st in steps for r in st)
@@ -238,7 +248,8 @@ def summarize_arm(log_dir, dp, name, warmup):
              [read_jsonl(os.path.join(log_dir, f"worker_dp{k}.jsonl")) for k in range(dp)]]
     return {
         "name": name, "dp": dp, "steps": len(steps), "idle_rank_steps": idle_rank_steps,
-        "bubble_fraction": bubble_of(steps),
+        "forwards": len(all_steps), "steps_with_prefill": len(busy) - len(steps),
+        "bubble_fraction": bubble_of(steps), "bubble_fraction_all_steps": bubble_of(busy),
         "barrier_wait_ms": (statistics.mean(wait) / 1e3) if wait else None,
         "attention_ms_per_step": (statistics.mean(max(r["att_us"] for r in st)
                                                   for st in steps) / 1e3) if steps else None,
@@ -266,7 +277,7 @@ def ab_summary(log_dir, dp, epoch, warmup):
     by_epoch = {}
     for x in range(warmup, n):
         st = steps[x]
-        if not any(r["kind"] == "model" for r in st):
+        if not is_decode_step(st):
             continue
         by_epoch.setdefault(eng0[x]["x"] // epoch, []).append(st)
     arms = {"on": [], "off": []}
@@ -370,12 +381,12 @@ def main(argv=None):
     r.add_argument("--offset", type=int, default=0)
     r.add_argument("--seed", type=int, default=1)
     r.add_argument("--in-scale", type=float, default=0.05)
-    r.add_argument("--out-scale", type=float, default=0.5)
-    r.add_argument("--max-in", type=int, default=512)
-    r.add_argument("--max-out", type=int, default=160)
-    r.add_argument("--min-out", type=int, default=24)
-    r.add_argument("--long-every", type=int, default=6)
-    r.add_argument("--long-in", type=int, default=6000)
+    r.add_argument("--out-scale", type=float, default=1.0)
+    r.add_argument("--max-in", type=int, default=384)
+    r.add_argument("--max-out", type=int, default=320)
+    r.add_argument("--min-out", type=int, default=64)
+    r.add_argument("--long-every", type=int, default=8)
+    r.add_argument("--long-in", type=int, default=4000)
     r.add_argument("--max-model-len", type=int, default=8192)
     r.add_argument("--max-num-seqs", type=int, default=16)
     r.add_argument("--max-batched", type=int, default=8192)
