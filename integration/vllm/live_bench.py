@@ -237,6 +237,8 @@ def summarize_arm(log_dir, dp, name, warmup):
     eng = [read_jsonl(os.path.join(log_dir, f"engine_dp{k}.jsonl")) for k in range(dp)]
     plan_rows = [[r for r in e if "x" in r] for e in eng]
     finals = [next((r["final"] for r in reversed(e) if "final" in r), None) for e in eng]
+    # Exchanges whose index differed across ranks (counted by each rank, in every step's row).
+    desyncs = sum(max((r.get("desyncs", 0) for r in p), default=0) for p in plan_rows)
     n_plan = min((len(p) for p in plan_rows), default=0)
     changed = sum(1 for x in range(n_plan) if any(p[x]["changed"] for p in plan_rows))
     fallbacks = {}
@@ -261,7 +263,7 @@ def summarize_arm(log_dir, dp, name, warmup):
         "plans_changed": changed / n_plan if n_plan else (None if name == "off" else 0.0),
         "plan_steps": n_plan,
         "fallbacks": sum(fallbacks.values()), "fallback_results": fallbacks,
-        "hangs": int(client["hung"]) + sum(f.get("desyncs", 0) for f in finals if f),
+        "hangs": int(client["hung"]) + desyncs, "desyncs": desyncs,
         "requests_done": sum(1 for r in reqs if r["out"] > 0), "hooks": hooks,
         "plugin_stats": finals,
     }
@@ -287,7 +289,8 @@ def ab_summary(log_dir, dp, epoch, warmup):
             continue  # a cut epoch (the end of the stream)
         arm = "on" if e % 2 == 0 else "off"
         arms[arm].append(bubble_of(sts))
-        t = sum(sum(r["tokens"] for r in st) for st in sts)
+        # Emitted tokens: each request's accepted drafts plus its one sampled token.
+        t = sum(sum(r["accepted"] + len(r.get("q") or []) for r in st) for st in sts)
         us = sum(max(r["fwd_us"] for r in st) for st in sts)
         tok[arm].append(t / (us / 1e6) if us else 0.0)
     out = {"epoch_steps": epoch}
@@ -295,12 +298,12 @@ def ab_summary(log_dir, dp, epoch, warmup):
         xs = [b for b in arms[arm] if b is not None]
         out[arm] = {"epochs": len(xs), "bubble": statistics.mean(xs) if xs else None,
                     "bubble_ci95": ci95(xs),
-                    "tokens_per_s": statistics.mean(tok[arm]) if tok[arm] else None,
-                    "tokens_per_s_ci95": ci95(tok[arm])}
+                    "goodput_tok_per_s": statistics.mean(tok[arm]) if tok[arm] else None,
+                    "goodput_tok_per_s_ci95": ci95(tok[arm])}
     if out["on"]["bubble"] is not None and out["off"]["bubble"]:
         out["bubble_reduction"] = 1 - out["on"]["bubble"] / out["off"]["bubble"]
-    if out["on"]["tokens_per_s"] and out["off"]["tokens_per_s"]:
-        out["throughput_ratio"] = out["on"]["tokens_per_s"] / out["off"]["tokens_per_s"]
+    if out["on"]["goodput_tok_per_s"] and out["off"]["goodput_tok_per_s"]:
+        out["goodput_ratio"] = out["on"]["goodput_tok_per_s"] / out["off"]["goodput_tok_per_s"]
     return out
 
 

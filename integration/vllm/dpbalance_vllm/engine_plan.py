@@ -113,6 +113,8 @@ class EnginePlan:
                         self.dp_size, self.lib, self.k_spec)
 
     # --- the exchange ---------------------------------------------------------------------
+    _find_group = staticmethod(_find_dp_group)  # a test replaces it and _collective
+
     def _collective(self, send: bytes) -> bytes:
         """All-gather of equal-size byte strings over the engine core's DP group: a
         (dp_size, n) uint8 all-reduce in which each rank fills its own row."""
@@ -130,7 +132,7 @@ class EnginePlan:
         if self.pb is not None:
             return True
         if self.dp_size > 1:
-            self._group = _find_dp_group()
+            self._group = self._find_group()
             if self._group is None:
                 # Cannot happen inside DPEngineCoreProc; outside it (an offline engine with DP>1
                 # and no engine-core DP group) there is nothing to exchange over. Every rank hits
@@ -224,7 +226,7 @@ class EnginePlan:
                 "changed": any(a != b for a, b in zip(lens, defaults)),
                 "accepted": sum(int(a[2]) for a in accepted),
                 "drafted": sum(int(a[1]) for a in accepted), "tokens": scheduled_tokens,
-                "att_us": att}) + "\n")
+                "att_us": att, "desyncs": self.desyncs}) + "\n")
 
     def stats(self) -> dict:
         s = self.dpb.stats() if self.dpb is not None else {}
