@@ -22,7 +22,7 @@ while [ $# -gt 0 ]; do
     --json=*) JSON="${1#--json=}"; shift ;;
     --quick) QUICK=1; shift ;;
     --keep-logs) KEEP="${2:?--keep-logs needs a directory}"; shift 2 ;;
-    -h|--help) sed -n 2,14p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,13p "$0"; exit 0 ;;
     *) echo "live_vllm.sh: unknown flag '$1' (see --help)" >&2; exit 2 ;;
   esac
 done

@@ -139,6 +139,27 @@ class EnginePlanTest(unittest.TestCase):
         run_ranks([rank0, rank1])
         self.assertEqual(group.calls[0], group.calls[1])
         self.assertEqual([p.exchanges for p in plans], [2, 2])
+
+    def test_a_stale_flag_does_not_skip_the_next_scheduled_exchange(self):
+        group = ThreadGroup(2)
+        plans = [make_plan(r, 2, group) for r in range(2)]
+
+        def rank0():
+            plans[0].begin_step()
+            plans[0].exchange([("w", 10, 0)])   # nothing scheduled, and no dummy batch ran
+            plans[0].begin_step()               # the next step's schedule()
+            plans[0].exchange([("w", 10, 3)])
+            plans[0].after_step(1.0, 1.0, [], 1)
+
+        def rank1():
+            for _ in range(2):
+                plans[1].join_idle()
+                plans[1].after_step(1.0, 1.0, [], 0)
+
+        run_ranks([rank0, rank1])
+        self.assertEqual([p.exchanges for p in plans], [2, 2])
+        self.assertEqual(plans[0].stale_steps, 1)
+        self.assertEqual([p.desyncs for p in plans], [0, 0])
         self.assertEqual([p.desyncs for p in plans], [0, 0])
 
     def test_refused_flags_keep_defaults_and_the_exchange(self):

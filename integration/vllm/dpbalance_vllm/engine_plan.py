@@ -97,6 +97,7 @@ class EnginePlan:
         self.exchanged_this_step = False
         self.fallbacks = {}                # plugin result name -> steps
         self.desyncs = 0                   # steps whose exchange indices differed across ranks
+        self.stale_steps = 0               # see begin_step
         self.disabled_reason = ""
         self.ab_epoch = int(os.environ.get("DPB_AB_EPOCH", "0") or 0)
         self.default_k = int(os.environ.get("DPB_DEFAULT_K", "3") or 3)
@@ -194,6 +195,14 @@ class EnginePlan:
         self._last = (requests, lens, ids, result)
         return lens
 
+    def begin_step(self) -> None:
+        """schedule() starts a new engine step: a flag left set by an earlier step (one whose
+        schedule() joined, scheduled nothing, and saw no dummy batch) must not make this step
+        skip its exchange. Counted as `stale_steps`."""
+        if self.exchanged_this_step:
+            self.stale_steps += 1
+            self.exchanged_this_step = False
+
     def join_idle(self) -> None:
         """An idle rank's step (vLLM runs a dummy batch): join the exchange with no requests,
         unless this step's schedule() already did (it scheduled nothing)."""
@@ -231,7 +240,8 @@ class EnginePlan:
     def stats(self) -> dict:
         s = self.dpb.stats() if self.dpb is not None else {}
         s.update({"exchanges": self.exchanges, "fallback_results": dict(self.fallbacks),
-                  "desyncs": self.desyncs, "disabled_reason": self.disabled_reason})
+                  "desyncs": self.desyncs, "stale_steps": self.stale_steps,
+                  "disabled_reason": self.disabled_reason})
         return s
 
     def close(self) -> None:

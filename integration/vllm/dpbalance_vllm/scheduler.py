@@ -51,6 +51,8 @@ class _DpbMixin:
         # Join only while this rank has work: a call that only flushes finished ids can come
         # after the DP wave ended, when the other ranks are not stepping. An idle rank joins
         # from the executor's dummy batch instead (engine_plan.EnginePlan.join_idle).
+        if plan is not None and plan.enabled:
+            plan.begin_step()
         if plan is not None and plan.enabled and self.has_unfinished_requests():
             rows, reqs = self._dpb_requests()
             lens = plan.exchange(rows)
