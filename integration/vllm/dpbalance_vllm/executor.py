@@ -1,0 +1,43 @@
+"""vLLM's executors with the idle rank's dpbalance exchange in the dummy batch.
+
+`--distributed-executor-backend dpbalance_vllm.executor.DpbExecutor` (vLLM resolves a qualified
+class name there; vllm/v1/executor/abstract.py `Executor.get_class`). A DP rank with no requests
+does not reach the scheduler (`EngineCore.step()` returns before `schedule()`); vLLM's DP busy
+loop (`DPEngineCoreProc.run_busy_loop`) runs `execute_dummy_batch` instead, so that the rank
+still joins every MoE collective. The rank joins dpbalance's exchange there, with no requests,
+before the dummy forward: the same place in the step as the active ranks' exchange in
+`schedule()`, before their forward. With DPB_PLUGIN unset the executors are vLLM's.
+
+`DpbExecutor` is vLLM's `MultiprocExecutor` (what vLLM's CPU platform and multi-GPU workers
+use); `DpbUniProcExecutor` is its `UniProcExecutor` (one GPU per DP rank, in-process worker).
+"""
+from __future__ import annotations
+
+from vllm import envs
+from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+from . import engine_plan
+
+
+def _idle_step(run_dummy):
+    plan = engine_plan.get()
+    if plan is None or not plan.enabled:
+        return run_dummy()
+    plan.join_idle()
+    timing = run_dummy()
+    timing = timing if isinstance(timing, dict) else {}
+    plan.after_step(timing.get("att_us"), timing.get("fwd_us"), [], 0)
+    return timing
+
+
+class DpbExecutor(MultiprocExecutor):
+    def execute_dummy_batch(self) -> None:
+        _idle_step(lambda: self.collective_rpc(
+            "execute_dummy_batch", unique_reply_rank=self.output_rank,
+            timeout=envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS))
+
+
+class DpbUniProcExecutor(UniProcExecutor):
+    def execute_dummy_batch(self) -> None:
+        _idle_step(lambda: (self.collective_rpc("execute_dummy_batch") or [None])[0])

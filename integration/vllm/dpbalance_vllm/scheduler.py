@@ -1,0 +1,106 @@
+"""vLLM's V1 scheduler with per-request draft lengths planned by dpbalance.
+
+`--scheduler-cls dpbalance_vllm.scheduler.DpbScheduler`. With DPB_PLUGIN unset (or `none`) it
+is vLLM's `Scheduler` unchanged. With it set, before vLLM schedules a step it plans the rank's
+running decode requests with every other DP rank (engine_plan.EnginePlan.exchange) and cuts each
+request's draft tokens (`request.spec_token_ids`, proposed after the previous step) to the
+planned verify length, so vLLM schedules and verifies only those (`scheduled_spec_decode_tokens`).
+After the forward it reports the accepted drafts and the measured attention time.
+
+Hooked in vLLM 0.32.0 (vllm/v1/core/sched/scheduler.py): `Scheduler.schedule` (its running-request
+loop schedules `num_tokens_with_spec - num_computed_tokens`, which includes the drafts) and
+`Scheduler.update_from_output` (accepted = generated tokens - 1 per request with drafts).
+vLLM on CPU always runs the synchronous scheduler (vllm/platforms/cpu.py turns async scheduling
+off); under async scheduling a GPU deployment uses `DpbAsyncScheduler` (same logic on
+`AsyncScheduler`, whose drafts are placeholders of the same count).
+"""
+from __future__ import annotations
+
+import logging
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from . import engine_plan
+
+log = logging.getLogger("dpbalance.vllm")
+
+
+class _DpbMixin:
+    def _dpb_init(self):
+        spec = self.vllm_config.speculative_config
+        k_spec = int(spec.num_speculative_tokens) if spec is not None else 0
+        self._dpb = engine_plan.get(self.vllm_config, k_spec)
+        self._dpb_planned = {}
+
+    def _dpb_requests(self):
+        """This rank's running decode requests: (id, context, draft cap) in running order."""
+        out, reqs = [], []
+        for r in self.running:
+            if r.num_computed_tokens < r.num_prompt_tokens or r.is_finished():
+                continue  # a prefill (chunk): no drafts to verify this step
+            left = r.max_tokens - r.num_output_tokens if r.max_tokens is not None else 1 << 30
+            cap = min(len(r.spec_token_ids), self._dpb.k_spec, max(0, left - 1))
+            out.append((r.request_id, int(r.num_computed_tokens), int(cap)))
+            reqs.append(r)
+        return out, reqs
+
+    def schedule(self, *args, **kwargs):
+        plan = self._dpb
+        self._dpb_planned = {}
+        # Join only while this rank has work: a call that only flushes finished ids can come
+        # after the DP wave ended, when the other ranks are not stepping. An idle rank joins
+        # from the executor's dummy batch instead (engine_plan.EnginePlan.join_idle).
+        if plan is not None and plan.enabled:
+            plan.begin_step()
+        if plan is not None and plan.enabled and self.has_unfinished_requests():
+            rows, reqs = self._dpb_requests()
+            lens = plan.exchange(rows)
+            if lens is not None:
+                for r, row, n in zip(reqs, rows, lens):
+                    n = max(0, min(int(n), row[2]))
+                    if len(r.spec_token_ids) > n:
+                        r.spec_token_ids = list(r.spec_token_ids[:n])
+                    self._dpb_planned[r.request_id] = n
+        return super().schedule(*args, **kwargs)
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        plan = self._dpb
+        accepted = []
+        if plan is not None and plan.enabled and scheduler_output.total_num_scheduled_tokens > 0:
+            sampled = model_runner_output.sampled_token_ids or []
+            index = model_runner_output.req_id_to_index or {}
+            spec = scheduler_output.scheduled_spec_decode_tokens
+            for rid in self._dpb_planned:
+                i = index.get(rid)
+                drafts = spec.get(rid) or []
+                if i is None or i >= len(sampled):
+                    continue
+                acc = max(0, min(len(sampled[i]) - 1, len(drafts)))
+                accepted.append([rid, len(drafts), acc, False])
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if plan is not None and plan.enabled and scheduler_output.total_num_scheduled_tokens > 0:
+            for a in accepted:
+                r = self.requests.get(a[0])
+                a[3] = r is None or r.is_finished()
+            timing = getattr(model_runner_output, "dpb_timing", None) or {}
+            plan.after_step(timing.get("att_us"), timing.get("fwd_us"), accepted,
+                            scheduler_output.total_num_scheduled_tokens)
+        return outputs
+
+    def shutdown(self):
+        if self._dpb is not None:
+            self._dpb.close()
+        super().shutdown()
+
+
+class DpbScheduler(_DpbMixin, Scheduler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._dpb_init()
+
+
+class DpbAsyncScheduler(_DpbMixin, AsyncScheduler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._dpb_init()
