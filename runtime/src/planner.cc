@@ -249,15 +249,33 @@ KnotChoice KnotAtDepth(const RankSummary& s, const GlobalDecision& d, const Plan
   const int dd = std::min(depth, static_cast<int>(s.max_depth));
   if (dd < std::max(1, static_cast<int>(s.min_depth))) return k;
   const double barrier = FillBarrierUs(d);
-  const int begin = s.knot_begin[dd - 1], end = begin + s.num_knots[dd - 1];
-  for (int i = begin; i < end && i < kKnotPool; ++i) {
+  const int begin = s.knot_begin[dd - 1], end = std::min<int>(begin + s.num_knots[dd - 1], kKnotPool);
+  double cost = s.base_attention_us;
+  int i = begin;
+  for (; i < end; ++i) {
     if (s.knot_attention_us[i] > barrier) break;  // knot costs never fall
     if (c.global.padded_tokens && d.padded_rank_tokens > 0 &&
         int64_t{s.base_tokens} + s.knot_tokens[i] > d.padded_rank_tokens) {
-      break;
+      return k;
     }
     k.extra_tokens = s.knot_tokens[i];
     k.gain = s.knot_gain[i];
+    cost = s.knot_attention_us[i];
+  }
+  // Between this knot and the next one, which costs more than the barrier: as far along the
+  // chord as the barrier allows (Decide placed the rank there), rounded down to whole tokens.
+  // The items there cost what the chord says only on average, so the rank's attention may pass
+  // the barrier by what the chord underestimates (the planner tests bound it at 1%); without
+  // it, a rank would stop at its last knot (4.7% of the goodput on Mooncake, V2 truth).
+  if (i < end) {
+    const double span = s.knot_attention_us[i] - cost;
+    const double frac = span > 0 ? std::clamp((barrier - cost) / span, 0.0, 1.0) : 0.0;
+    int64_t more = static_cast<int64_t>(std::floor(frac * (s.knot_tokens[i] - k.extra_tokens)));
+    if (c.global.padded_tokens && d.padded_rank_tokens > 0) {  // and never past the tier
+      more = std::clamp<int64_t>(d.padded_rank_tokens - s.base_tokens - k.extra_tokens, 0, more);
+    }
+    k.gain += frac * (s.knot_gain[i] - k.gain);
+    k.extra_tokens += more;
   }
   return k;
 }
