@@ -163,19 +163,26 @@ dpbResult_t InitWith(const InitCommon& a, void** context, Adjust adjust) {
   }
 }
 
+// The fields both ABIs' init arguments share, by name.
+template <typename InitArgs>
+InitCommon CommonFields(const InitArgs& args) {
+  InitCommon a;
+  a.config = args.config;
+  a.backend = RawEnum(args.backend);
+  a.allgather_user = args.allgather_user;
+  a.nccl_comm = args.nccl_comm;
+  a.cuda_stream = args.cuda_stream;
+  a.nccl_unique_id = args.nccl_unique_id;
+  a.cuda_device = args.cuda_device;
+  return a;
+}
+
 dpbResult_t Init(const dpbInitArgs_v1_t* args, void** context) {
   if (args == nullptr) return dpbInvalidArgument;
-  InitCommon a;
+  InitCommon a = CommonFields(*args);
   a.dp_size = args->num_ranks;
   a.dp_rank = args->rank;
-  a.config = args->config;
-  a.backend = RawEnum(args->backend);
   a.allgather_v1 = args->allgather_fn;
-  a.allgather_user = args->allgather_user;
-  a.nccl_comm = args->nccl_comm;
-  a.cuda_stream = args->cuda_stream;
-  a.nccl_unique_id = args->nccl_unique_id;
-  a.cuda_device = args->cuda_device;
   return InitWith(a, context, [](PluginFlags&) { return absl::OkStatus(); });
 }
 
@@ -187,19 +194,12 @@ dpbResult_t InitV2(const dpbInitArgs_v2_t* args, void** context) {
                     sizeof(dpbInitArgs_v2_t));
     return dpbInvalidArgument;
   }
-  InitCommon a;
+  InitCommon a = CommonFields(*args);
   a.dp_size = args->dp_size;
   a.dp_rank = args->dp_rank;
   a.attn_tp_size = args->attn_tp_size;
   a.attn_tp_rank = args->attn_tp_rank;
-  a.config = args->config;
-  a.backend = RawEnum(args->backend);
   a.allgather_v2 = args->allgather_fn;
-  a.allgather_user = args->allgather_user;
-  a.nccl_comm = args->nccl_comm;
-  a.cuda_stream = args->cuda_stream;
-  a.nccl_unique_id = args->nccl_unique_id;
-  a.cuda_device = args->cuda_device;
   a.abi_version = DPB_PLUGIN_ABI_VERSION_2;
   return InitWith(a, context, [args](PluginFlags& f) -> absl::Status {
     f.balancer.planner.exact_rank_tokens = true;  // every rank's total from the one exchange

@@ -19,6 +19,13 @@ namespace {
 constexpr uint32_t kHelloMagic = 0x4f4c4548;  // "HELO"
 constexpr int64_t kWarnEverySteps = 1000;     // rate limit for step-path warnings
 constexpr int64_t kMaxExtraTokens = 1 << 30;  // a step's prefill tokens on one rank, at most
+
+// Query tokens of a rank's verify forward with these lengths: each request's token plus its drafts.
+int64_t QueryTokens(absl::Span<const int32_t> lens) {
+  int64_t tokens = 0;
+  for (int32_t v : lens) tokens += 1 + v;
+  return tokens;
+}
 constexpr int64_t kBarrierWarnSteps = 200;    // balanced steps before judging barrier/plan
 constexpr double kBarrierWarnRatio = 1.10;    // warn above this mean measured/planned barrier
 
@@ -253,9 +260,7 @@ uint32_t Balancer::InputDigest(const StepInput& in) const {
 // What this rank runs: its lengths plus its extra tokens (a bad extra_tokens, which fails the
 // step, counts as its nearest valid value).
 int64_t Balancer::OwnTokens(const StepInput& in, absl::Span<const int32_t> lens) {
-  int64_t own = std::clamp<int64_t>(in.extra_tokens, 0, kMaxExtraTokens);
-  for (int32_t v : lens) own += 1 + v;
-  return own;
+  return std::clamp<int64_t>(in.extra_tokens, 0, kMaxExtraTokens) + QueryTokens(lens);
 }
 
 void Balancer::FillTotals(const GlobalDecision* decision, bool balanced, const StepInput& in,
@@ -440,9 +445,8 @@ void Balancer::StampOwnSummary(const absl::Status& local, uint64_t step, const S
     own_summary_.version = kSummaryVersion;
     own_summary_.config_hash = planner_.config_hash();
     own_summary_.rank_idx = static_cast<uint32_t>(rank_);
-    int64_t tokens = 0;  // what its default lengths run, so every rank knows its total
-    for (int32_t v : fallback_len) tokens += 1 + v;
-    own_summary_.default_tokens = static_cast<uint32_t>(std::min<int64_t>(tokens, UINT32_MAX));
+    // What its default lengths run, so every rank knows its total.
+    own_summary_.default_tokens = static_cast<uint32_t>(std::min<int64_t>(QueryTokens(fallback_len), UINT32_MAX));
   }
   own_summary_.flags |= in.kind;
   own_summary_.extra_tokens = static_cast<uint32_t>(std::clamp<int64_t>(in.extra_tokens, 0, kMaxExtraTokens));
