@@ -79,6 +79,10 @@ ABSL_FLAG(std::string, planner_model, "truth",
           "planner's model: truth, v2, v1, v2+GRID (V2 with a kernel grid's makespans seeded, e.g. "
           "v2+fa2-packed-h200), a JSON file, or online[:START] (refit online from the measured "
           "attention, starting from START = v2 by default)");
+ABSL_FLAG(std::string, planner_grid_sim, "default",
+          "how the planner simulates a grid model's launch: 'reference' (as the fits were "
+          "calibrated and the truth is evaluated), 'fast' (SimulateMakespans: closed-form drains, "
+          "another tie rule; docs/cost-model.md) or 'default' (the planner's default)");
 ABSL_FLAG(int, truth_layers, 1,
           "attention layers per step: the truth model (e.g. a per-layer fit from "
           "dpbalance-calibrate) is multiplied by this");
@@ -356,6 +360,14 @@ absl::StatusOr<SimConfig> BaseConfigFromFlags(const TruthModel& truth) {
   base.token_tiers = *std::move(tiers);
   base.routing.split_percentile = absl::GetFlag(FLAGS_split_percentile);
   base.routing.split_window = absl::GetFlag(FLAGS_split_window);
+  if (const std::string sim = absl::GetFlag(FLAGS_planner_grid_sim); sim == "fast") {
+    base.planner_grid_simulation = GridSimulation::kFast;
+  } else if (sim == "reference") {
+    base.planner_grid_simulation = GridSimulation::kReference;
+  } else if (sim != "default") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--planner_grid_sim: '", sim, "' is not one of reference, fast, default"));
+  }
   std::string planner_model = absl::GetFlag(FLAGS_planner_model);
   if (planner_model.rfind("online", 0) == 0) {  // online[:START]
     base.planner_online = true;

@@ -193,6 +193,7 @@ absl::StatusOr<Simulation> Simulation::Create(const SimConfig& cfg, const TruthM
   pc.max_step_slack = cfg.max_step_slack;
   pc.agreed_draft_depth = !truth.per_rank_draft;
   pc.uniform_per_rank = cfg.uniform_per_rank;
+  if (cfg.verify != VerifyMode::kOracle) pc.grid_simulation = cfg.planner_grid_simulation;
   if (cfg.padded && cfg.verify != VerifyMode::kDspark) {  // the planner's padded mode (v2)
     pc.token_tiers = cfg.token_tiers;
     pc.global.padded_tokens = true;
@@ -227,7 +228,9 @@ Simulation::Simulation(const SimConfig& cfg, const TruthModel& truth,
       kv_free_(num_ranks_, -1),
       aggs_(num_ranks_),
       padded_(cfg.padded || cfg.verify == VerifyMode::kDspark) {
-  if (cfg.planner_online && cfg.verify != VerifyMode::kOracle) online_.emplace(cfg.planner_model);
+  if (cfg.planner_online && cfg.verify != VerifyMode::kOracle) {
+    online_.emplace(cfg.planner_model.WithGridSimulation(cfg.planner_grid_simulation));
+  }
 }
 
 // The rank's load as the router sees it; E's aggregates price every request at the typical q.

@@ -168,7 +168,7 @@ void OnlineCostModel::Publish() {
   const double level = std::exp(log_level_);
   for (int f = 0; f < kF; ++f) w[f] = level * (scale_(f) > 0 ? theta_(f) / scale_(f) : start_(f));
   absl::StatusOr<CostModel> m = CostModel::Create(w, model_.name(), model_.kernel_grid());
-  if (m.ok()) model_ = *m;
+  if (m.ok()) model_ = m->WithGridSimulation(model_.grid_simulation());
 }
 
 bool OnlineCostModel::Observe(const BatchAggregates& agg, double measured_us) {

@@ -165,19 +165,24 @@ double CostModel::AttentionUs(absl::Span<const RequestLoad> batch) const {
   return AttentionUs(Aggregate(batch));
 }
 
-BatchAggregates CostModel::Aggregate(absl::Span<const RequestLoad> batch,
-                                     GridSimulation sim) const {
+BatchAggregates CostModel::Aggregate(absl::Span<const RequestLoad> batch) const {
   BatchAggregates agg;
   for (const RequestLoad& r : batch) agg.Add(r);
-  FillGrid(batch, &agg, agg.multi_query ? 2u : 1u, sim);  // only the launch this batch runs
+  FillGrid(batch, &agg, agg.multi_query ? 2u : 1u);  // only the launch this batch runs
   return agg;
 }
 
 void CostModel::FillGrid(absl::Span<const RequestLoad> batch, BatchAggregates* agg,
-                         unsigned paths, GridSimulation sim) const {
+                         unsigned paths) const {
   if (!uses_grid()) return;
   // Each launch simulates only what its own path weighs (a makespan costs O(CTAs log SMs)).
-  FillGridState(grid_, batch, grid_mask_[0], grid_mask_[1], paths, agg, sim);
+  FillGridState(grid_, batch, grid_mask_[0], grid_mask_[1], paths, agg, grid_sim_);
+}
+
+CostModel CostModel::WithGridSimulation(GridSimulation sim) const {
+  CostModel m = *this;
+  m.grid_sim_ = sim;
+  return m;
 }
 
 void FillGridState(const KernelGrid& grid, absl::Span<const RequestLoad> batch,

@@ -154,6 +154,36 @@ TEST(CostModel, SpecsNameTheFormsGridsAndFiles) {
   EXPECT_NE(missing.status().message().find("/nonexistent/model.json"), std::string::npos);
 }
 
+// A model's grid simulation: files and specs load with the reference one (the fits' and the
+// truths'); a copy set to kFast simulates with SimulateMakespans, the rest of the model equal.
+TEST(CostModel, GridSimulationIsTheModelsOwnAndCopiesKeepTheRest) {
+  absl::StatusOr<CostModel> ref = CostModel::FromSpec("v2+fa2-packed-h200");
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  EXPECT_EQ(ref->grid_simulation(), GridSimulation::kReference);
+  const CostModel fast = ref->WithGridSimulation(GridSimulation::kFast);
+  EXPECT_EQ(fast.grid_simulation(), GridSimulation::kFast);
+  EXPECT_EQ(ref->grid_simulation(), GridSimulation::kReference);  // the original is untouched
+  EXPECT_EQ(fast.weights_us(), ref->weights_us());
+  EXPECT_EQ(fast.kernel_grid(), ref->kernel_grid());
+  // A batch whose launch has simultaneous frees (equal CTAs): the two tie rules may differ, but
+  // each model's terms are exactly its own simulation's.
+  std::vector<RequestLoad> batch;
+  std::mt19937_64 rng(3);
+  for (int i = 0; i < 24; ++i) batch.push_back({static_cast<int64_t>(200 + rng() % 9000), 1 + static_cast<int32_t>(rng() % 6)});
+  const CostModel& reference = *ref;
+  for (const CostModel* m : {&reference, &fast}) {
+    const BatchAggregates agg = m->Aggregate(batch);
+    const GridTerms want = SimulateGrid(m->kernel_grid(), batch, /*single_query_launch=*/false,
+                                        ~0u, m->grid_simulation());
+    for (int t = kGridMakespan0; t < kGridMakespan0 + kNumGridMakespans; ++t) {
+      // Aggregate simulates only the weighed terms; the seeded model weighs every makespan.
+      EXPECT_EQ(agg.grid.at_ref[1][t], want[t]) << GridTermName(t);
+    }
+  }
+  EXPECT_EQ(CostModel::PublishedV2().WithGridSimulation(GridSimulation::kFast).AttentionUs(batch),
+            CostModel::PublishedV2().AttentionUs(batch));  // no grid: nothing to simulate
+}
+
 // Which models price an instance with the published formula's two max() terms (routing E):
 // the published forms, also scaled (--truth_layers); not a copy of their weights, a grid-seeded
 // form, or a model file.

@@ -382,7 +382,8 @@ CostModel PackedGridModel() {
 // With a kernel-grid model the planner moves simulated terms linearly between simulations; the
 // barrier is a max over ranks, so a rank whose plan the line underestimates would raise it. Every
 // rank's plan, simulated, must fit under the planned barrier (Assign re-simulates each rank's
-// filled plan to keep it there), in both draft-depth modes and on both grids.
+// filled plan to keep it there), in both draft-depth modes, on both grids and with both grid
+// simulations (priced as the planner simulates).
 TEST(PlannerProperties, WithAKernelGridEveryRankFitsUnderThePlannedBarrier) {
   std::mt19937_64 rng(7);
   CostModel::Weights gw{};
@@ -392,10 +393,11 @@ TEST(PlannerProperties, WithAKernelGridEveryRankFitsUnderThePlannedBarrier) {
   const CostModel models[] = {PackedGridModel(),
                               *CostModel::Create(gw, "gqa-grid", *KernelGrid::Named("fa2-gqa-h200"))};
   int planned_extra = 0;
-  for (int trial = 0; trial < 12; ++trial) {
-    const CostModel& m = models[trial % 2];
+  for (int trial = 0; trial < 16; ++trial) {
     const int ranks = 4 + static_cast<int>(rng() % 13);
     PlannerConfig c = RandomConfig(rng, ranks);
+    c.grid_simulation = trial >= 12 ? GridSimulation::kFast : GridSimulation::kReference;
+    const CostModel m = models[trial % 2].WithGridSimulation(c.grid_simulation);
     c.k_max = kMaxDraftLen;
     c.global.ffn_per_token_us = 0.5;
     c.agreed_draft_depth = trial % 4 < 2;
@@ -431,6 +433,38 @@ TEST(PlannerProperties, WithAKernelGridEveryRankFitsUnderThePlannedBarrier) {
     }
   }
   EXPECT_GT(planned_extra, 0) << "no instance planned any extra verify work: the test is void";
+}
+
+// The planner prices with its own copy of the model, simulated as PlannerConfig::grid_simulation
+// says, also after set_model (the online refit hands it a reference-simulated model).
+TEST(Planner, PricesWithItsConfiguredGridSimulation) {
+  PlannerConfig c;
+  c.grid_simulation = GridSimulation::kFast;
+  const CostModel given = PackedGridModel();
+  absl::StatusOr<Planner> p = Planner::Create(c, given);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->model().grid_simulation(), GridSimulation::kFast);
+  EXPECT_EQ(given.grid_simulation(), GridSimulation::kReference);
+  p->set_model(given);
+  EXPECT_EQ(p->model().grid_simulation(), GridSimulation::kFast);
+  // Its summary's base price is the fast simulation's.
+  // Mooncake-like contexts, 378 CTAs: a batch whose tail the two tie rules price 30% apart.
+  std::vector<PlanRequest> batch(63);
+  std::vector<RequestLoad> loads;
+  std::mt19937_64 rng(43);
+  std::lognormal_distribution<double> ctx(std::log(7000), 1.2);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    batch[i].ctx_tokens = std::min<int64_t>(131072, 1 + static_cast<int64_t>(ctx(rng)));
+    batch[i].k_min = batch[i].k_cap = 2;
+    batch[i].acceptance = *AcceptanceCurve::FromConditional(MtpK8ConditionalProfile());
+    loads.push_back({batch[i].ctx_tokens, 3});
+  }
+  RankSummary s;
+  ASSERT_TRUE(p->Summarize(0, batch, -1, &s).ok());
+  const CostModel fast = given.WithGridSimulation(GridSimulation::kFast);
+  EXPECT_FLOAT_EQ(s.base_attention_us, static_cast<float>(fast.AttentionUs(loads)));
+  // (and the batch is one the two simulations price apart, so the check can fail)
+  EXPECT_NE(fast.AttentionUs(loads), given.AttentionUs(loads));
 }
 
 // The planner's goodput at a barrier T of depth d, recomputed from the summaries alone: every rank

@@ -174,14 +174,18 @@ class CostModel {
   // The aggregates of `batch`, with the grid terms simulated when the model uses them, for the
   // launch the batch runs only (what its cost and features read). A caller that then adds
   // query tokens to a batch of single-query requests needs `FillGrid` with both paths.
-  // `sim`: how the grid is simulated (kernel_grid.h); the planner prices with kFast.
-  BatchAggregates Aggregate(absl::Span<const RequestLoad> batch,
-                            GridSimulation sim = GridSimulation::kReference) const;
+  // The grid is simulated as `grid_simulation()` says.
+  BatchAggregates Aggregate(absl::Span<const RequestLoad> batch) const;
   // Simulates the grid terms of `batch` (whose aggregates `agg` are) for the kernel paths in
   // `paths` (bit 0: every q_i = 1, bit 1: the verify launch; default both), each only the
   // simulated terms its path weighs; no-op unless `uses_grid()`.
-  void FillGrid(absl::Span<const RequestLoad> batch, BatchAggregates* agg, unsigned paths = 3u,
-                GridSimulation sim = GridSimulation::kReference) const;
+  void FillGrid(absl::Span<const RequestLoad> batch, BatchAggregates* agg, unsigned paths = 3u) const;
+  // How this model simulates its grid (kernel_grid.h). Models load with kReference, what the
+  // fits were calibrated with and what a truth evaluates; a planner may price with a copy that
+  // simulates kFast (`WithGridSimulation`): the same weights, a faster simulation whose tie rule
+  // differs (docs/cost-model.md).
+  GridSimulation grid_simulation() const { return grid_sim_; }
+  CostModel WithGridSimulation(GridSimulation sim) const;
 
   const std::string& name() const { return name_; }
   // The published formula this model is the per-rank form of: set by PublishedV1/V2 (flags "v1",
@@ -201,6 +205,7 @@ class CostModel {
   std::optional<PublishedForm> published_form_;
   KernelGrid grid_;
   GridSlopes grid_slopes_;
+  GridSimulation grid_sim_ = GridSimulation::kReference;
   std::array<unsigned, 2> grid_mask_{};  // per path: bit t - kGrid0 set if grid term t is weighed
   // Evaluation form, per kernel path (0: single query, 1: multi query): the base weights plus
   // the path's extras. The seven plain terms are one dot product; of the hinge banks only the

@@ -104,9 +104,12 @@ int SplitKvCount(int parallel_ctas, int num_slots, int num_key_blocks, int max_s
 // - kReference: one event-by-event simulation per makespan (SimulateMakespan, TieRule::
 //   kHeapOrder): what the published fits were calibrated with, and what a truth evaluates.
 // - kFast: SimulateMakespans (TieRule::kSpread): the list phase once per overhead, closed-form
-//   drains, a calendar queue where costs allow; the planner's pricing. It equals kReference up
-//   to rounding wherever no two slots free at the same instant, and differs where they do (the
-//   heap's arbitrary order against a breadth-first one): see docs/cost-model.md.
+//   drains, a calendar queue where costs allow. It equals kReference up to rounding wherever no
+//   two slots free at the same instant, and differs where they do (the heap's arbitrary order
+//   against a breadth-first one), by up to 30% on real batches: a model fitted under one rule
+//   must be priced under it (docs/cost-model.md measures what pricing the published fits with
+//   kFast costs). A model's own rule: CostModel::grid_simulation; the planner's copy:
+//   PlannerConfig::grid_simulation (default kReference).
 enum class GridSimulation { kReference, kFast };
 
 // Grid terms of `batch` launched on `grid`. `single_query_launch`: the launch the kernel uses

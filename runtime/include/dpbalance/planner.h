@@ -81,6 +81,10 @@ struct PlannerConfig {
   // order an engine that spreads a verify-token budget by its draft confidence uses
   // (granularity "budget"), so the plan is priced for the lengths the engine will really run.
   bool order_by_gain = false;
+  // How the planner simulates a grid model's launch (kernel_grid.h): the planner's copy of the
+  // model simulates this way; the model as given (a truth, a fit) is not changed. Each rank
+  // prices its own batch, so ranks need not agree on it (not in Hash).
+  GridSimulation grid_simulation = GridSimulation::kReference;
 
   absl::Status Validate() const;
   // Hash over everything that must agree across ranks. The cost model is not in it: each rank
@@ -160,7 +164,8 @@ class Planner {
 
   const PlannerConfig& config() const { return config_; }
   const CostModel& model() const { return model_; }
-  void set_model(CostModel model) { model_ = std::move(model); }
+  // The planner's model from now on, simulating its grid as config().grid_simulation says.
+  void set_model(const CostModel& model) { model_ = model.WithGridSimulation(config_.grid_simulation); }
   uint64_t config_hash() const { return config_hash_; }
 
  private:
