@@ -96,7 +96,11 @@ Balancer::Balancer(BalancerConfig config, int rank, std::unique_ptr<AllGather> c
       slo_(config_.tpot_slo_us) {
   gathered_.resize(static_cast<size_t>(config_.planner.num_ranks) * config_.attn_tp_size);
   if (config_.attn_tp_size > 1) leaders_.resize(config_.planner.num_ranks);
-  if (config_.online_calibration) online_ = std::make_unique<OnlineCostModel>(config_.model);
+  if (config_.online_calibration) {
+    // The refit learns the weights of the terms the planner prices: simulated its way.
+    online_ = std::make_unique<OnlineCostModel>(
+        config_.model.WithGridSimulation(config_.planner.grid_simulation));
+  }
 }
 
 Balancer::~Balancer() {
@@ -391,7 +395,7 @@ PlanOutcome Balancer::PlanStep(const StepInput& in, absl::Span<int32_t> verify_l
   }
   // Step 3: everyone agrees on the step and so on the A/B arm.
   const bool arm_on = AgreeOnStep(step, measured);
-  planned_[step % planned_.size()] = Planned{step, arm_on, -1, -1, {}};
+  planned_[step % planned_.size()] = Planned{step, arm_on, -1, -1, false, {}};
   if (!local.ok()) {
     // This rank runs its defaults, but must draft as deep as every other rank agrees to.
     absl::StatusOr<GlobalDecision> d = absl::UnavailableError("off arm");
@@ -508,6 +512,7 @@ const GlobalDecision* Balancer::DecideAndAssign(absl::Span<const BalancerRequest
   Planned& p = planned_[(step_ - 1) % planned_.size()];
   p.agg = planner_.model().Aggregate(planned_loads_);
   p.predicted_us = planner_.model().AttentionUs(p.agg);
+  p.extra_work = own_summary_.extra_tokens > 0 || (own_summary_.flags & kSummaryExtend) != 0;
   consecutive_failures_ = 0;
   ++balanced_steps_;
   out.balanced = true;
@@ -603,9 +608,10 @@ absl::Status Balancer::Report(uint64_t step, double attention_us, double step_us
   measured_.attention_us = attention_us;
   measured_.step_us = step_us;
   measured_.tokens = tokens;
-  if (plan != nullptr && plan->predicted_us > 0 && attention_us > 0) {
+  if (plan != nullptr && !plan->extra_work && plan->predicted_us > 0 && attention_us > 0) {
     predicted_error_.Add(std::abs(plan->predicted_us - attention_us) / attention_us);
-    // The online refit learns only from balanced steps, whose batch it knows exactly.
+    // The online refit learns only from balanced steps, whose batch it knows exactly: not from
+    // one that also ran prefill (its attention was measured over work the plan never saw).
     if (config_.attn_tp_size > 1) {  // with member 0's time, from the next exchange
       pending_refit_ = online_ != nullptr;
       pending_agg_ = plan->agg;

@@ -560,4 +560,38 @@ TEST(BalancerReports, OneStepLateReportsArePairedWithTheirOwnPlans) {
   EXPECT_LT(b->Stats().predicted_error, 1e-5);
 }
 
+// A step that also ran prefill (extend) was measured over work its plan never priced: 100x the
+// prediction there must neither refit the model nor count as model error. The same report on a
+// decode step does both, so the test can fail.
+TEST(BalancerReports, ExtendStepsNeitherRefitNorCountAsModelError) {
+  auto group = *InProcessGroup::Create(1, sizeof(RankSummary));
+  BalancerConfig c = Config(1);
+  c.online_calibration = true;
+  auto b = *Balancer::Create(c, 0, *group->Join(0));
+  std::mt19937_64 rng(9);
+  auto run = [&](bool extend) {
+    const std::vector<BalancerRequest> batch = Batch(rng, 8, 4000);
+    std::vector<int32_t> v(batch.size());
+    StepInput in;
+    in.batch = batch;
+    if (extend) {
+      in.kind = kSummaryExtend;
+      in.extra_tokens = 2048;
+    }
+    const PlanOutcome o = b->Plan(in, absl::MakeSpan(v), nullptr);
+    EXPECT_TRUE(o.balanced);
+    std::vector<RequestLoad> loads;
+    for (size_t i = 0; i < batch.size(); ++i) loads.push_back({batch[i].ctx_tokens, 1 + v[i]});
+    const double predicted = b->model().AttentionUs(b->model().Aggregate(loads));
+    EXPECT_TRUE(b->Report(o.step, 100 * predicted, 100 * predicted + 1000, {}).ok());
+  };
+  const CostModel::Weights before = b->model().weights_us();
+  for (int step = 0; step < 20; ++step) run(/*extend=*/true);
+  EXPECT_EQ(b->Stats().predicted_error, 0);
+  EXPECT_EQ(b->model().weights_us(), before);
+  run(/*extend=*/false);
+  EXPECT_GT(b->Stats().predicted_error, 0.9);  // |p - 100 p| / 100 p
+  EXPECT_NE(b->model().weights_us(), before);
+}
+
 }  // namespace dpbalance

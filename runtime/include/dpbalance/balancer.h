@@ -167,6 +167,8 @@ class Balancer {
   absl::Status Report(uint64_t step, double attention_us, double step_us,
                       absl::Span<const BalancerAccepted> accepted);
   BalancerStats Stats() const;
+  // The model this rank prices with now (the online refit's latest, when it runs).
+  const CostModel& model() const { return planner_.model(); }
   bool enabled() const { return enabled_; }
 
  private:
@@ -247,6 +249,10 @@ class Balancer {
     bool arm_on = true;              // the agreed A/B arm
     double barrier_us = -1;          // the agreed barrier (< 0: not balanced)
     double predicted_us = -1;        // this rank's predicted attention (< 0: not balanced)
+    // The rank ran tokens beside the planned batch (an extend step: prefill chunks): its
+    // measured attention includes work the plan did not price, so it neither refits the model
+    // nor counts in the predicted error.
+    bool extra_work = false;
     BatchAggregates agg;             // the batch as planned, for the online refit
   };
   std::array<Planned, 2> planned_;
