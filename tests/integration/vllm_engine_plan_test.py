@@ -5,7 +5,7 @@ The module's engine-facing contract: every rank joins exactly one exchange per e
 (from schedule() with requests, or from the idle rank's dummy batch), a step whose schedule()
 already joined does not join again from the dummy batch, the verify lengths come back within
 each request's cap, the ranks' exchange indices agree, and refused flags leave vLLM's defaults
-with the exchange still running. vLLM's string ids map to int64 deterministically.
+with the exchange still running. vLLM's string ids go to the plugin (ABI v2) as they are.
 
   vllm_engine_plan_test.py LIBDPBALANCE_SO
 """
@@ -80,12 +80,57 @@ class EnginePlanTest(unittest.TestCase):
         os.environ.clear()
         os.environ.update(self.env)
 
-    def test_ids_map_to_int64_deterministically(self):
-        ids = [f"cmpl-{i}-0" for i in range(1000)]
-        vals = [engine_plan.request_id_to_int(s) for s in ids]
-        self.assertEqual(vals, [engine_plan.request_id_to_int(s) for s in ids])
-        self.assertEqual(len(set(vals)), len(vals))
-        self.assertTrue(all(-(1 << 63) <= v < (1 << 63) for v in vals))
+    def test_vllm_string_ids_reach_the_plugin_as_they_are(self):
+        # ABI v2 keys each request's acceptance history by vLLM's own id: ids that differ only
+        # late in a long string, or in non-ASCII characters, are distinct requests.
+        group = ThreadGroup(2)
+        plans = [make_plan(r, 2, group) for r in range(2)]
+        long_id = "cmpl-" + "x" * 300
+        reqs = [(long_id + "-0", 900, 7), (long_id + "-1", 900, 7), ("cmpl-ü-0", 300, 7)]
+
+        def rank(r):
+            def go():
+                out = []
+                for _ in range(12):
+                    lens = plans[r].exchange(reqs if r == 0 else [])
+                    if r == 0:
+                        out.append(lens)
+                        plans[r].after_step(1000.0, 5000.0, [(q[0], n, n, False) for q, n in
+                                                             zip(reqs, lens)], sum(1 + n for n in lens))
+                    else:
+                        plans[r].after_step(200.0, 5000.0, [], 0)
+                return out
+            return go
+
+        got = run_ranks([rank(0), rank(1)])[0]
+        self.assertFalse(plans[0].fallbacks, plans[0].fallbacks)
+        self.assertEqual([p.desyncs for p in plans], [0, 0])
+        self.assertEqual(plans[0].dpb.last_result, 0)  # dpbSuccess: the ids were accepted
+        self.assertTrue(all(len(lens) == 3 for lens in got))
+        self.assertIsInstance(plans[0].dpb, engine_plan.adapter.DpBalanceV2)
+        stats = plans[0].dpb.stats()
+        self.assertEqual(stats["missing_reports"], 0, stats)
+        self.assertGreater(stats["balanced_steps"], 0, stats)
+
+    def test_prefill_beside_the_decodes_is_an_extend_step_on_every_rank(self):
+        group = ThreadGroup(2)
+        plans = [make_plan(r, 2, group) for r in range(2)]
+        reqs = [("req-a", 3000, 7), ("req-b", 200, 7)]
+
+        def rank(r):
+            def go():
+                plans[r].exchange(reqs if r == 0 else [], extra_tokens=512 if r == 0 else 0)
+                plans[r].after_step(1000.0, 5000.0, [], 0)
+                return plans[r].last_plan
+            return go
+
+        got = run_ranks([rank(0), rank(1)])
+        a = engine_plan.adapter
+        for res in got:  # both ranks see rank 0 extend and rank 1 idle, from the one exchange
+            self.assertIsNotNone(res)
+            self.assertTrue(res.rank_flags[0] & a.RANK_EXTEND, res.rank_flags)
+            self.assertTrue(res.rank_flags[1] & a.RANK_IDLE, res.rank_flags)
+            self.assertGreaterEqual(res.rank_tokens[0], 512 + 2)
 
     def test_active_and_idle_rank_join_one_exchange_per_step(self):
         group = ThreadGroup(2)

@@ -48,7 +48,7 @@ def register() -> None:
 
     try:
         lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
-        getattr(lib, engine_plan.adapter.SYMBOL)
+        getattr(lib, engine_plan.adapter.SYMBOL_V2)
     except (OSError, AttributeError) as e:
         raise RuntimeError(f"dpbalance_vllm: DPB_PLUGIN={os.environ.get('DPB_PLUGIN')!r} "
                            f"resolves to '{path}', which cannot be used: {e}") from e

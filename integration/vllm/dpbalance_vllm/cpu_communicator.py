@@ -4,9 +4,24 @@ Its own module: vLLM imports it by name once its platform is chosen (importing
 vllm.distributed from the platform's module would be circular)."""
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
+
+
+# Seconds this process spent inside the MoE dispatch's all-gathers since the worker last took
+# them (DpbWorker logs them per forward as `coll_us`): a rank that reaches the collective first
+# waits there for the last one, so over a step the wait at the barrier is this time minus the
+# last-arriving rank's (the transfer alone).
+GATHER_WAIT_S = [0.0]
+
+
+def take_gather_wait_us() -> float:
+    us = GATHER_WAIT_S[0] * 1e6
+    GATHER_WAIT_S[0] = 0.0
+    return us
 
 
 class DpbCpuCommunicator(CpuCommunicator):
@@ -26,7 +41,9 @@ class DpbCpuCommunicator(CpuCommunicator):
             pad = torch.zeros((m,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
             pad[: x.shape[0]] = x
         parts = [torch.empty_like(pad) for _ in range(self.world_size)]
+        t0 = time.perf_counter()
         dist.all_gather(parts, pad.contiguous(), group=self.device_group)
+        GATHER_WAIT_S[0] += time.perf_counter() - t0
         return torch.cat([p[:s] for p, s in zip(parts, sizes)], dim=0)
 
     def all_gatherv(self, input_, dim: int = 0, sizes=None):

@@ -1,10 +1,11 @@
-"""The one place where vLLM's engine core meets dpbalance's plugin ABI (v1, Python adapter).
+"""The one place where vLLM's engine core meets dpbalance's plugin ABI (v2, Python adapter).
 
-Everything that depends on the ABI version lives here: the mapping of vLLM's string request ids
-to the ABI's int64 ids, the exchange over vLLM's DP group, and the plan/report calls. The
+Everything that depends on the ABI lives here: the exchange over vLLM's DP group and the
+plan/report calls, with vLLM's own string request ids (dpbalance_plugin_v2.h takes them as they
+are) and the step's kind (`decode`; `extend` when prompt tokens run beside the decodes, whose
+attention the plugin then does not learn from; `idle` on a rank without work). The
 scheduler (scheduler.py) and the executor (executor.py) call only `EnginePlan.exchange`,
-`EnginePlan.join_idle` and `EnginePlan.after_step`, so moving to the ABI v2 (string ids, idle
-and prefill steps in the exchange) changes this file only.
+`EnginePlan.join_idle` and `EnginePlan.after_step`.
 
 One `EnginePlan` per engine-core process (one per DP rank), created by the scheduler. It does
 nothing unless DPB_PLUGIN names the library (`dpbalance`, a file or a path). Every step of a
@@ -17,7 +18,6 @@ the plugin has disabled itself on some rank (a zero record: every rank then fall
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -38,17 +38,6 @@ except ImportError:  # the source tree: integration/adapters/python
 # What each rank adds to the exchange besides the plugin's record: its exchange index (the ranks
 # must agree, else the exchange is out of step), its number of planned requests and its tokens.
 _PAYLOAD = struct.Struct("<qii")
-
-
-def request_id_to_int(req_id: str) -> int:
-    """vLLM's string request id as the ABI v1's int64: the first 8 bytes of its BLAKE2b hash.
-
-    Used by the plugin only to key a request's acceptance history on this rank. Two live requests
-    of one rank that hash alike (about n^2 / 2^65 for n live requests) would share one history:
-    their verify lengths would be planned from a mixed acceptance estimate, nothing worse. The
-    ABI v2 takes the string itself."""
-    digest = hashlib.blake2b(req_id.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-    return struct.unpack("<q", digest)[0]
 
 
 def library_path() -> Optional[str]:
@@ -101,7 +90,8 @@ class EnginePlan:
         self.disabled_reason = ""
         self.ab_epoch = int(os.environ.get("DPB_AB_EPOCH", "0") or 0)
         self.default_k = int(os.environ.get("DPB_DEFAULT_K", "3") or 3)
-        self._last = None                  # (requests, lens, ids) of this step's plan
+        self._last = None                  # (requests, lens, ids, result, extra) of this step
+        self.last_plan = None
         self._t_step = None
         log_dir = os.environ.get("DPBALANCE_VLLM_STEP_LOG", "")
         self._log = None
@@ -152,7 +142,7 @@ class EnginePlan:
         # init's handshake runs through the same collective, on every rank's first step.
         try:
             self.dpb = adapter.DpBalance.load(self.dp_size, self.dp_rank, ";".join(config),
-                                              allgather=self.pb, library=self.lib)
+                                              allgather=self.pb, library=self.lib, abi=2)
         except adapter.DpBalanceError as e:
             # Refused flags (the plugin logs which): the same environment reaches every rank,
             # so every rank refuses them here, before init's handshake, and all go on with
@@ -163,10 +153,12 @@ class EnginePlan:
             log.error("%s; vLLM's own draft lengths from now on", e)
         return True
 
-    def exchange(self, requests: Sequence[tuple]) -> Optional[list]:
+    def exchange(self, requests: Sequence[tuple], extra_tokens: int = 0) -> Optional[list]:
         """Plans this rank's decode requests [(req_id: str, ctx_tokens, k_cap), ...] with every
         other rank; returns their verify lengths (None when the plugin is off). Joins the
-        exchange exactly once per engine step, also with no requests."""
+        exchange exactly once per engine step, also with no requests. `extra_tokens`: prompt
+        tokens the step runs beside them (an `extend` step: the plugin charges them to the
+        instance's tokens and does not learn its cost model from the step's attention time)."""
         if not self.enabled:
             return None
         if self.exchanged_this_step:  # schedule() already joined this step
@@ -174,11 +166,14 @@ class EnginePlan:
         self._t_step = time.perf_counter()
         if not self._ensure_loaded():
             return None
-        ids = [request_id_to_int(r[0]) for r in requests]
+        ids = [str(r[0]) for r in requests]
         reqs = [adapter.Request(i, int(r[1]), 0, max(0, min(int(r[2]), 8)))
                 for i, r in zip(ids, requests)]
         payload = _PAYLOAD.pack(self.exchanges, len(reqs), sum(1 + q.k_cap for q in reqs))
-        res = self.pb.step(self.dpb, reqs, payload)
+        extra = max(0, int(extra_tokens))
+        kind = "extend" if extra > 0 else ("decode" if reqs else "idle")
+        res = self.pb.step(self.dpb, reqs, payload, kind=kind, extra_tokens=extra)
+        self.last_plan = res.plan  # the ABI v2 PlanResult (every rank's tokens and flags), or None
         self.exchanged_this_step = True
         idx = {_PAYLOAD.unpack(p)[0] for p in res.payloads}
         if len(idx) != 1:
@@ -192,7 +187,7 @@ class EnginePlan:
             self.fallbacks[result] = self.fallbacks.get(result, 0) + 1
         lens = list(res.verify_len) if res.verify_len is not None else \
             [min(self.default_k, q.k_cap) for q in reqs]
-        self._last = (requests, lens, ids, result)
+        self._last = (requests, lens, ids, result, extra)
         return lens
 
     def begin_step(self) -> None:
@@ -222,15 +217,16 @@ class EnginePlan:
             step_us = (time.perf_counter() - self._t_step) * 1e6
         att = float(attention_us) if attention_us is not None else 0.0
         if self.dpb is not None:
-            acc = [adapter.Accepted(request_id_to_int(a[0]), int(a[1]), int(a[2]), bool(a[3]))
+            acc = [adapter.Accepted(str(a[0]), int(a[1]), int(a[2]), bool(a[3]))
                    for a in accepted]
             self.dpb.report(att, float(step_us or 0.0), acc)
         if self._log is not None and planned is not None:
-            requests, lens, _, result = planned
+            requests, lens, _, result, extra = planned
             defaults = [min(self.default_k, int(r[2])) for r in requests]
             arm_on = self.ab_epoch <= 0 or ((self.exchanges - 1) // self.ab_epoch) % 2 == 0
             self._log.write(json.dumps({
                 "x": self.exchanges - 1, "n": len(requests), "result": result, "arm_on": arm_on,
+                "extra": extra,
                 "lens": lens, "defaults": defaults, "ctx": [int(r[1]) for r in requests],
                 "changed": any(a != b for a, b in zip(lens, defaults)),
                 "accepted": sum(int(a[2]) for a in accepted),

@@ -5,7 +5,9 @@ is vLLM's `Scheduler` unchanged. With it set, before vLLM schedules a step it pl
 running decode requests with every other DP rank (engine_plan.EnginePlan.exchange) and cuts each
 request's draft tokens (`request.spec_token_ids`, proposed after the previous step) to the
 planned verify length, so vLLM schedules and verifies only those (`scheduled_spec_decode_tokens`).
-After the forward it reports the accepted drafts and the measured attention time.
+A step that will also run prompt tokens (the rest of a running request's prompt, or waiting
+requests') is planned as an `extend` step with that many extra tokens. After the forward it
+reports the accepted drafts and the measured attention time.
 
 Hooked in vLLM 0.32.0 (vllm/v1/core/sched/scheduler.py): `Scheduler.schedule` (its running-request
 loop schedules `num_tokens_with_spec - num_computed_tokens`, which includes the drafts) and
@@ -45,6 +47,26 @@ class _DpbMixin:
             reqs.append(r)
         return out, reqs
 
+    def _dpb_prefill_tokens(self, decode_tokens: int) -> int:
+        """Prompt tokens this step will run beside the decodes, as schedule() will take them:
+        the rest of each running request's prompt, then the waiting requests' (FCFS, up to the
+        free sequence slots), within the step's token budget. An upper bound when KV space
+        holds a waiting request back; the plugin then prices and learns nothing from the step
+        it did not plan (ABI v2 `extend`)."""
+        budget = max(0, int(self.max_num_scheduled_tokens) - decode_tokens)
+        need, running = 0, 0
+        for r in self.running:
+            running += 1
+            if r.num_computed_tokens < r.num_prompt_tokens:
+                need += r.num_prompt_tokens - r.num_computed_tokens
+        slots = max(0, int(self.max_num_running_reqs) - running)
+        for r in self.waiting:
+            if slots == 0 or need >= budget:
+                break
+            need += max(0, r.num_prompt_tokens - r.num_computed_tokens)
+            slots -= 1
+        return min(need, budget)
+
     def schedule(self, *args, **kwargs):
         plan = self._dpb
         self._dpb_planned = {}
@@ -55,7 +77,8 @@ class _DpbMixin:
             plan.begin_step()
         if plan is not None and plan.enabled and self.has_unfinished_requests():
             rows, reqs = self._dpb_requests()
-            lens = plan.exchange(rows)
+            extra = self._dpb_prefill_tokens(sum(1 + row[2] for row in rows))
+            lens = plan.exchange(rows, extra_tokens=extra)
             if lens is not None:
                 for r, row, n in zip(reqs, rows, lens):
                     n = max(0, min(int(n), row[2]))

@@ -13,7 +13,8 @@ an idle rank's dummy batch as that call's return value. With DPBALANCE_VLLM_STEP
 also appends one JSON line per forward to `worker_dp{rank}.jsonl`: the forward's index (every
 forward of a DP instance meets every other rank's forward of the same index at its MoE
 collectives), its kind (`model` or `dummy`), tokens, drafts verified and accepted, and the
-attention, MoE and forward times in microseconds.
+attention, MoE and forward times in microseconds, and (CPU data parallel) the time inside the MoE
+dispatch all-gathers, `coll_us`.
 """
 from __future__ import annotations
 
@@ -29,6 +30,15 @@ if current_platform.is_cpu():
     from vllm.v1.worker.cpu_worker import CPUWorker as _Base
 else:
     from vllm.v1.worker.gpu_worker import Worker as _Base
+
+
+def _take_gather_wait_us():
+    """Time in the MoE dispatch's all-gathers since the last call (µs), where the package's CPU
+    communicator runs them (DPBALANCE_VLLM_CPU_DP=1); None elsewhere."""
+    if os.environ.get("DPBALANCE_VLLM_CPU_DP") != "1":
+        return None
+    from . import cpu_communicator
+    return round(cpu_communicator.take_gather_wait_us(), 1)
 
 
 def _measuring() -> bool:
@@ -107,6 +117,7 @@ class DpbWorker(_Base):
     def _dpb_start(self):
         self._dpb_att.take_us()
         self._dpb_moe.take_us()
+        _take_gather_wait_us()
         return time.perf_counter()
 
     def _dpb_finish(self, kind: str, t0: float, tokens: int, drafted: int = 0,
@@ -114,6 +125,7 @@ class DpbWorker(_Base):
         timing = {"i": self._dpb_fwd, "kind": kind, "tokens": tokens,
                   "att_us": round(self._dpb_att.take_us(), 1),
                   "moe_us": round(self._dpb_moe.take_us(), 1),
+                  "coll_us": _take_gather_wait_us(),
                   "fwd_us": round((time.perf_counter() - t0) * 1e6, 1),
                   "drafted": drafted, "accepted": accepted, "t": time.time()}
         self._dpb_fwd += 1
