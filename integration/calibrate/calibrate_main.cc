@@ -72,6 +72,7 @@ ABSL_FLAG(std::string, dump, "", "write each training row's aggregates, measured
 ABSL_FLAG(std::string, gemm, "", "fit the projection GEMMs of a sweep");
 ABSL_FLAG(std::string, target, "attn", "attn, gemm or step");
 ABSL_FLAG(std::string, kernel, "none", "none, fa2-gqa-h200 or fa2-packed-h200");
+ABSL_FLAG(std::string, grid_sim, "reference", "reference or fast: the grid simulation the fit uses");
 ABSL_FLAG(int, cv, 5, "K-fold cross-validation (0: none; else 2..training rows)");
 ABSL_FLAG(uint64_t, seed, 1, "fold shuffle seed");
 
@@ -123,7 +124,7 @@ nlohmann::json ToJson(const ErrorStats& e) {
 constexpr char kUsage[] =
     "usage: dpbalance-calibrate --train FILE [--train FILE ...] [--test FILE ...] [--json OUT] "
     "[--out MODEL] [--target attn|gemm|step] [--cv K] [--seed N] [--dump FILE] [--gemm SWEEP] "
-    "[--kernel none|fa2-gqa-h200|fa2-packed-h200]\n";
+    "[--kernel none|fa2-gqa-h200|fa2-packed-h200] [--grid_sim reference|fast]\n";
 
 // --help: what the tool does and every flag, on stdout.
 void PrintHelp() {
@@ -138,6 +139,9 @@ void PrintHelp() {
       "                 step (attn_ms + gemm_ms)\n"
       "  --kernel K     the measured kernel's launch (none, fa2-gqa-h200, fa2-packed-h200): its\n"
       "                 simulated grid terms join the features and the model carries its name\n"
+      "  --grid_sim S   how the grid is simulated: reference (default; the published fits) or\n"
+      "                 fast (another tie rule, docs/cost-model.md); the model file says which,\n"
+      "                 and a planner prices it that way\n"
       "  --cv K         K-fold cross-validation on the training rows, ours and the published\n"
       "                 form refit (0: none; default 5)\n"
       "  --seed N       fold shuffle seed (default 1)\n"
@@ -159,7 +163,8 @@ int Fail(const absl::Status& s, cli::ExitCode code) { return cli::Fail("dpbalanc
 
 struct Options {
   std::vector<std::string> train_files, test_files;
-  std::string json_out, model_out, dump_out, gemm_file, target_name = "attn", kernel_name = "none";
+  std::string json_out, model_out, dump_out, gemm_file, target_name = "attn", kernel_name = "none",
+      grid_sim_name = "reference";
   int folds = 5;
   uint64_t seed = 1;
 
@@ -173,6 +178,7 @@ struct Options {
     o.gemm_file = absl::GetFlag(FLAGS_gemm);
     o.target_name = absl::GetFlag(FLAGS_target);
     o.kernel_name = absl::GetFlag(FLAGS_kernel);
+    o.grid_sim_name = absl::GetFlag(FLAGS_grid_sim);
     o.folds = absl::GetFlag(FLAGS_cv);
     o.seed = absl::GetFlag(FLAGS_seed);
     return o;
@@ -188,6 +194,10 @@ absl::Status CheckFlags(const Options& options) {
   if (absl::StatusOr<Target> t = ParseTarget(options.target_name); !t.ok()) return t.status();
   if (absl::StatusOr<KernelGrid> g = KernelGrid::Named(options.kernel_name); !g.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("--kernel = '", options.kernel_name, "': ", g.status().message()));
+  }
+  if (options.grid_sim_name != "reference" && options.grid_sim_name != "fast") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--grid_sim = '", options.grid_sim_name, "' is not reference or fast"));
   }
   for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--json", options.json_out},
                                    {"--out", options.model_out},
@@ -223,10 +233,11 @@ absl::Status FitGemmSweep(const std::string& path) {
 
 // The samples of every row of `files`, in order.
 absl::StatusOr<std::vector<TimingSample>> LoadSamples(const std::vector<std::string>& files,
-                                                      Target target, const KernelGrid& grid) {
+                                                      Target target, const KernelGrid& grid,
+                                                      GridSimulation sim) {
   std::vector<TimingSample> samples;
   for (const std::string& f : files) {
-    absl::StatusOr<std::vector<TimingRow>> rows = LoadTimingRows(f, target, grid);
+    absl::StatusOr<std::vector<TimingRow>> rows = LoadTimingRows(f, target, grid, sim);
     if (!rows.ok()) return rows.status();
     for (const TimingRow& r : *rows) samples.push_back(r.sample);
   }
@@ -273,9 +284,11 @@ int FitAttention(const Options& options) {
   const Fitter fit_ours = [&](absl::Span<const TimingSample> rows) {
     return FitCostModel(rows, fit_options);
   };
-  absl::StatusOr<std::vector<TimingSample>> train = LoadSamples(options.train_files, *target, *grid);
+  const GridSimulation sim =
+      options.grid_sim_name == "fast" ? GridSimulation::kFast : GridSimulation::kReference;
+  absl::StatusOr<std::vector<TimingSample>> train = LoadSamples(options.train_files, *target, *grid, sim);
   if (!train.ok()) return Fail(train.status(), cli::kBadData);
-  absl::StatusOr<std::vector<TimingSample>> test = LoadSamples(options.test_files, *target, *grid);
+  absl::StatusOr<std::vector<TimingSample>> test = LoadSamples(options.test_files, *target, *grid, sim);
   if (!test.ok()) return Fail(test.status(), cli::kBadData);
   // K folds of a fit each: more folds than rows leaves empty folds and costs K fits for nothing.
   if (options.folds > static_cast<int64_t>(train->size())) {
@@ -309,7 +322,7 @@ int FitAttention(const Options& options) {
   if (!options.model_out.empty()) {
     std::ofstream f(options.model_out);
     if (!f) return Usage(absl::StrFormat("cannot write --out '%s'", options.model_out));
-    f << model->ToJson() << "\n";
+    f << model->WithGridSimulation(sim).ToJson() << "\n";  // its rows' rule: priced the same way
   }
   return 0;
 }

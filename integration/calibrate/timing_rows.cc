@@ -41,7 +41,7 @@ absl::StatusOr<Target> ParseTarget(const std::string& name) {
 }
 
 absl::StatusOr<std::vector<TimingRow>> LoadTimingRows(const std::string& path, Target target,
-                                                      const KernelGrid& grid) {
+                                                      const KernelGrid& grid, GridSimulation sim) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat("timing file '", path, "' cannot be opened"));
   std::vector<TimingRow> rows;
@@ -71,7 +71,7 @@ absl::StatusOr<std::vector<TimingRow>> LoadTimingRows(const std::string& path, T
       batch.push_back({*ctx, static_cast<int32_t>(*q)});
       r.sample.agg.Add(batch.back());
     }
-    FillGridState(grid, batch, ~0u, ~0u, r.sample.agg.multi_query ? 2u : 1u, &r.sample.agg);
+    FillGridState(grid, batch, ~0u, ~0u, r.sample.agg.multi_query ? 2u : 1u, &r.sample.agg, sim);
     auto ms = [&](const char* key) -> absl::StatusOr<double> {
       if (!j.contains(key) || !j[key].is_number()) return err(absl::StrCat("missing number '", key, "'"));
       const double v = j[key].get<double>();

@@ -21,9 +21,10 @@ struct TimingRow {
 };
 
 // With a `grid`, each row's aggregates carry its simulated grid terms for its own kernel path
-// (the only path its features read).
+// (the only path its features read), simulated as `sim` says.
 absl::StatusOr<std::vector<TimingRow>> LoadTimingRows(const std::string& path, Target target,
-                                                      const KernelGrid& grid = KernelGrid{});
+                                                      const KernelGrid& grid = KernelGrid{},
+                                                      GridSimulation sim = GridSimulation::kReference);
 
 // The projection-GEMM sweep (`{"ntok": N, "ms": t}` per line): one sample per token count, as
 // a batch of `ntok` query tokens (the GEMMs see tokens, not requests or contexts).

@@ -82,7 +82,8 @@ ABSL_FLAG(std::string, planner_model, "truth",
 ABSL_FLAG(std::string, planner_grid_sim, "default",
           "how the planner simulates a grid model's launch: 'reference' (as the fits were "
           "calibrated and the truth is evaluated), 'fast' (SimulateMakespans: closed-form drains, "
-          "another tie rule; docs/cost-model.md) or 'default' (the planner's default)");
+          "another tie rule; docs/cost-model.md) or 'default' (the rule the model carries: "
+          "reference unless its file says \"grid_simulation\": \"fast\")");
 ABSL_FLAG(int, truth_layers, 1,
           "attention layers per step: the truth model (e.g. a per-layer fit from "
           "dpbalance-calibrate) is multiplied by this");

@@ -229,7 +229,8 @@ Simulation::Simulation(const SimConfig& cfg, const TruthModel& truth,
       aggs_(num_ranks_),
       padded_(cfg.padded || cfg.verify == VerifyMode::kDspark) {
   if (cfg.planner_online && cfg.verify != VerifyMode::kOracle) {
-    online_.emplace(cfg.planner_model.WithGridSimulation(cfg.planner_grid_simulation));
+    online_.emplace(cfg.planner_model.WithGridSimulation(
+        cfg.planner_grid_simulation.value_or(cfg.planner_model.grid_simulation())));
   }
 }
 

@@ -99,7 +99,8 @@ Balancer::Balancer(BalancerConfig config, int rank, std::unique_ptr<AllGather> c
   if (config_.online_calibration) {
     // The refit learns the weights of the terms the planner prices: simulated its way.
     online_ = std::make_unique<OnlineCostModel>(
-        config_.model.WithGridSimulation(config_.planner.grid_simulation));
+        config_.model.WithGridSimulation(
+            config_.planner.grid_simulation.value_or(config_.model.grid_simulation())));
   }
 }
 

@@ -216,6 +216,7 @@ std::string CostModel::ToJson() const {
   j["name"] = name_;
   j["units"] = "us";
   if (grid_.enabled()) j["kernel_grid"] = grid_.Name();
+  if (grid_.enabled() && grid_sim_ == GridSimulation::kFast) j["grid_simulation"] = "fast";
   for (int f = 0; f < kNumCostFeatures; ++f) j["weights_us"][FeatureName(f)] = weights_us_[f];
   return j.dump(2);
 }
@@ -243,6 +244,15 @@ absl::StatusOr<CostModel> CostModel::FromJson(std::string_view text, std::string
     if (!g.ok()) return absl::InvalidArgumentError(absl::StrCat(source, ": ", g.status().message()));
     grid = *g;
   }
+  GridSimulation sim = GridSimulation::kReference;  // what every fit before the option used
+  if (j.contains("grid_simulation")) {
+    const nlohmann::json& v = j["grid_simulation"];
+    if (!v.is_string() || (v.get<std::string>() != "reference" && v.get<std::string>() != "fast")) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          source, ": grid_simulation is ", v.dump(), ", expected \"reference\" or \"fast\""));
+    }
+    if (v.get<std::string>() == "fast") sim = GridSimulation::kFast;
+  }
   Weights w{};
   for (auto it = j["weights_us"].begin(); it != j["weights_us"].end(); ++it) {
     int pos = -1;
@@ -259,7 +269,9 @@ absl::StatusOr<CostModel> CostModel::FromJson(std::string_view text, std::string
     }
     w[pos] = it.value().get<double>();
   }
-  return Create(w, absl::StrCat(j.value("name", "fitted"), "(", source, ")"), grid);
+  absl::StatusOr<CostModel> m = Create(w, absl::StrCat(j.value("name", "fitted"), "(", source, ")"), grid);
+  if (!m.ok()) return m.status();
+  return m->WithGridSimulation(sim);
 }
 
 absl::StatusOr<CostModel> CostModel::FromFile(const std::string& path) {

@@ -182,6 +182,20 @@ TEST(CostModel, GridSimulationIsTheModelsOwnAndCopiesKeepTheRest) {
   }
   EXPECT_EQ(CostModel::PublishedV2().WithGridSimulation(GridSimulation::kFast).AttentionUs(batch),
             CostModel::PublishedV2().AttentionUs(batch));  // no grid: nothing to simulate
+  // The rule goes into the file (a fit under kFast must be priced under it) and comes back;
+  // files without it are reference (every fit before the option), and a bad value names the file.
+  absl::StatusOr<CostModel> back = CostModel::FromJson(fast.ToJson(), "fast.json");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->grid_simulation(), GridSimulation::kFast);
+  EXPECT_EQ(back->weights_us(), fast.weights_us());
+  EXPECT_EQ(ref->ToJson().find("grid_simulation"), std::string::npos);
+  EXPECT_EQ(CostModel::FromJson(ref->ToJson(), "ref.json")->grid_simulation(), GridSimulation::kReference);
+  std::string bad = fast.ToJson();
+  bad.replace(bad.find("\"fast\""), 6, "\"slow\"");
+  absl::StatusOr<CostModel> refused = CostModel::FromJson(bad, "bad.json");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("bad.json: grid_simulation is \"slow\""), std::string::npos)
+      << refused.status();
 }
 
 // Which models price an instance with the published formula's two max() terms (routing E):

@@ -397,7 +397,7 @@ TEST(PlannerProperties, WithAKernelGridEveryRankFitsUnderThePlannedBarrier) {
     const int ranks = 4 + static_cast<int>(rng() % 13);
     PlannerConfig c = RandomConfig(rng, ranks);
     c.grid_simulation = trial >= 12 ? GridSimulation::kFast : GridSimulation::kReference;
-    const CostModel m = models[trial % 2].WithGridSimulation(c.grid_simulation);
+    const CostModel m = models[trial % 2].WithGridSimulation(*c.grid_simulation);
     c.k_max = kMaxDraftLen;
     c.global.ffn_per_token_us = 0.5;
     c.agreed_draft_depth = trial % 4 < 2;
@@ -447,6 +447,12 @@ TEST(Planner, PricesWithItsConfiguredGridSimulation) {
   EXPECT_EQ(given.grid_simulation(), GridSimulation::kReference);
   p->set_model(given);
   EXPECT_EQ(p->model().grid_simulation(), GridSimulation::kFast);
+  // Unset, the planner prices a model the way it carries (a fit under kFast says so in its file).
+  absl::StatusOr<Planner> own = Planner::Create(PlannerConfig{}, given.WithGridSimulation(GridSimulation::kFast));
+  ASSERT_TRUE(own.ok());
+  EXPECT_EQ(own->model().grid_simulation(), GridSimulation::kFast);
+  own->set_model(given);
+  EXPECT_EQ(own->model().grid_simulation(), GridSimulation::kReference);
   // Its summary's base price is the fast simulation's.
   // Mooncake-like contexts, 378 CTAs: a batch whose tail the two tie rules price 30% apart.
   std::vector<PlanRequest> batch(63);

@@ -180,10 +180,10 @@ class CostModel {
   // `paths` (bit 0: every q_i = 1, bit 1: the verify launch; default both), each only the
   // simulated terms its path weighs; no-op unless `uses_grid()`.
   void FillGrid(absl::Span<const RequestLoad> batch, BatchAggregates* agg, unsigned paths = 3u) const;
-  // How this model simulates its grid (kernel_grid.h). Models load with kReference, what the
-  // fits were calibrated with and what a truth evaluates; a planner may price with a copy that
-  // simulates kFast (`WithGridSimulation`): the same weights, a faster simulation whose tie rule
-  // differs (docs/cost-model.md).
+  // How this model simulates its grid (kernel_grid.h): the rule it was fitted under. kReference
+  // unless its file says "grid_simulation": "fast" (`dpbalance-calibrate --grid_sim fast`); a
+  // planner may price with a copy under another rule (`WithGridSimulation`, PlannerConfig::
+  // grid_simulation): the same weights, priced differently (docs/cost-model.md measures it).
   GridSimulation grid_simulation() const { return grid_sim_; }
   CostModel WithGridSimulation(GridSimulation sim) const;
 

@@ -20,6 +20,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <string_view>
 #include <vector>
 
@@ -81,10 +82,11 @@ struct PlannerConfig {
   // order an engine that spreads a verify-token budget by its draft confidence uses
   // (granularity "budget"), so the plan is priced for the lengths the engine will really run.
   bool order_by_gain = false;
-  // How the planner simulates a grid model's launch (kernel_grid.h): the planner's copy of the
-  // model simulates this way; the model as given (a truth, a fit) is not changed. Each rank
-  // prices its own batch, so ranks need not agree on it (not in Hash).
-  GridSimulation grid_simulation = GridSimulation::kReference;
+  // How the planner simulates a grid model's launch (kernel_grid.h), when set: the planner's
+  // copy of the model simulates this way, whatever rule the model carries; the model as given
+  // (a truth, a fit) is not changed. Unset: the model's own rule (CostModel::grid_simulation,
+  // from its file). Each rank prices its own batch, so ranks need not agree (not in Hash).
+  std::optional<GridSimulation> grid_simulation;
 
   absl::Status Validate() const;
   // Hash over everything that must agree across ranks. The cost model is not in it: each rank
@@ -164,8 +166,11 @@ class Planner {
 
   const PlannerConfig& config() const { return config_; }
   const CostModel& model() const { return model_; }
-  // The planner's model from now on, simulating its grid as config().grid_simulation says.
-  void set_model(const CostModel& model) { model_ = model.WithGridSimulation(config_.grid_simulation); }
+  // The planner's model from now on, simulating its grid as config().grid_simulation says (when
+  // set).
+  void set_model(const CostModel& model) {
+    model_ = model.WithGridSimulation(config_.grid_simulation.value_or(model.grid_simulation()));
+  }
   uint64_t config_hash() const { return config_hash_; }
 
  private:
