@@ -195,9 +195,8 @@ absl::Status CheckFlags(const Options& options) {
   if (absl::StatusOr<KernelGrid> g = KernelGrid::Named(options.kernel_name); !g.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("--kernel = '", options.kernel_name, "': ", g.status().message()));
   }
-  if (options.grid_sim_name != "reference" && options.grid_sim_name != "fast") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--grid_sim = '", options.grid_sim_name, "' is not reference or fast"));
+  if (absl::StatusOr<GridSimulation> s = GridSimulationNamed(options.grid_sim_name); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--grid_sim: ", s.status().message()));
   }
   for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--json", options.json_out},
                                    {"--out", options.model_out},
@@ -284,8 +283,7 @@ int FitAttention(const Options& options) {
   const Fitter fit_ours = [&](absl::Span<const TimingSample> rows) {
     return FitCostModel(rows, fit_options);
   };
-  const GridSimulation sim =
-      options.grid_sim_name == "fast" ? GridSimulation::kFast : GridSimulation::kReference;
+  const GridSimulation sim = *GridSimulationNamed(options.grid_sim_name);  // checked in CheckFlags
   absl::StatusOr<std::vector<TimingSample>> train = LoadSamples(options.train_files, *target, *grid, sim);
   if (!train.ok()) return Fail(train.status(), cli::kBadData);
   absl::StatusOr<std::vector<TimingSample>> test = LoadSamples(options.test_files, *target, *grid, sim);

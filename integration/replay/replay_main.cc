@@ -361,13 +361,13 @@ absl::StatusOr<SimConfig> BaseConfigFromFlags(const TruthModel& truth) {
   base.token_tiers = *std::move(tiers);
   base.routing.split_percentile = absl::GetFlag(FLAGS_split_percentile);
   base.routing.split_window = absl::GetFlag(FLAGS_split_window);
-  if (const std::string sim = absl::GetFlag(FLAGS_planner_grid_sim); sim == "fast") {
-    base.planner_grid_simulation = GridSimulation::kFast;
-  } else if (sim == "reference") {
-    base.planner_grid_simulation = GridSimulation::kReference;
-  } else if (sim != "default") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--planner_grid_sim: '", sim, "' is not one of reference, fast, default"));
+  if (const std::string sim = absl::GetFlag(FLAGS_planner_grid_sim); sim != "default") {
+    absl::StatusOr<GridSimulation> named = GridSimulationNamed(sim);
+    if (!named.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--planner_grid_sim: '", sim, "' is not one of reference, fast, default"));
+    }
+    base.planner_grid_simulation = *named;
   }
   std::string planner_model = absl::GetFlag(FLAGS_planner_model);
   if (planner_model.rfind("online", 0) == 0) {  // online[:START]

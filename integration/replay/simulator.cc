@@ -228,10 +228,8 @@ Simulation::Simulation(const SimConfig& cfg, const TruthModel& truth,
       kv_free_(num_ranks_, -1),
       aggs_(num_ranks_),
       padded_(cfg.padded || cfg.verify == VerifyMode::kDspark) {
-  if (cfg.planner_online && cfg.verify != VerifyMode::kOracle) {
-    online_.emplace(cfg.planner_model.WithGridSimulation(
-        cfg.planner_grid_simulation.value_or(cfg.planner_model.grid_simulation())));
-  }
+  // Not the oracle: its planner holds planner_model, priced as planner_grid_simulation says.
+  if (cfg.planner_online && cfg.verify != VerifyMode::kOracle) online_.emplace(planner_.model());
 }
 
 // The rank's load as the router sees it; E's aggregates price every request at the typical q.

@@ -96,12 +96,8 @@ Balancer::Balancer(BalancerConfig config, int rank, std::unique_ptr<AllGather> c
       slo_(config_.tpot_slo_us) {
   gathered_.resize(static_cast<size_t>(config_.planner.num_ranks) * config_.attn_tp_size);
   if (config_.attn_tp_size > 1) leaders_.resize(config_.planner.num_ranks);
-  if (config_.online_calibration) {
-    // The refit learns the weights of the terms the planner prices: simulated its way.
-    online_ = std::make_unique<OnlineCostModel>(
-        config_.model.WithGridSimulation(
-            config_.planner.grid_simulation.value_or(config_.model.grid_simulation())));
-  }
+  // The refit learns the weights of the terms the planner prices: from the planner's copy.
+  if (config_.online_calibration) online_ = std::make_unique<OnlineCostModel>(planner_.model());
 }
 
 Balancer::~Balancer() {

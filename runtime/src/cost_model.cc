@@ -216,7 +216,9 @@ std::string CostModel::ToJson() const {
   j["name"] = name_;
   j["units"] = "us";
   if (grid_.enabled()) j["kernel_grid"] = grid_.Name();
-  if (grid_.enabled() && grid_sim_ == GridSimulation::kFast) j["grid_simulation"] = "fast";
+  if (grid_.enabled() && grid_sim_ != GridSimulation::kReference) {
+    j["grid_simulation"] = std::string(GridSimulationName(grid_sim_));
+  }
   for (int f = 0; f < kNumCostFeatures; ++f) j["weights_us"][FeatureName(f)] = weights_us_[f];
   return j.dump(2);
 }
@@ -247,11 +249,13 @@ absl::StatusOr<CostModel> CostModel::FromJson(std::string_view text, std::string
   GridSimulation sim = GridSimulation::kReference;  // what every fit before the option used
   if (j.contains("grid_simulation")) {
     const nlohmann::json& v = j["grid_simulation"];
-    if (!v.is_string() || (v.get<std::string>() != "reference" && v.get<std::string>() != "fast")) {
+    absl::StatusOr<GridSimulation> named = absl::InvalidArgumentError("not a string");
+    if (v.is_string()) named = GridSimulationNamed(v.get<std::string>());
+    if (!named.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(
           source, ": grid_simulation is ", v.dump(), ", expected \"reference\" or \"fast\""));
     }
-    if (v.get<std::string>() == "fast") sim = GridSimulation::kFast;
+    sim = *named;
   }
   Weights w{};
   for (auto it = j["weights_us"].begin(); it != j["weights_us"].end(); ++it) {

@@ -104,6 +104,17 @@ std::string KernelGrid::Name() const {
   return "none";
 }
 
+absl::StatusOr<GridSimulation> GridSimulationNamed(std::string_view name) {
+  if (name == "reference") return GridSimulation::kReference;
+  if (name == "fast") return GridSimulation::kFast;
+  return absl::InvalidArgumentError(
+      absl::StrCat("grid simulation '", std::string(name), "' is not reference or fast"));
+}
+
+std::string_view GridSimulationName(GridSimulation sim) {
+  return sim == GridSimulation::kFast ? "fast" : "reference";
+}
+
 std::string GridTermName(int term) {
   if (term == kGridCtas) return "grid_ctas";
   if (term == kGridWork) return "grid_work";

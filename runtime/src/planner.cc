@@ -755,7 +755,7 @@ uint64_t PlannerConfig::Hash() const {
 
 Planner::Planner(PlannerConfig config, CostModel model)
     : config_(std::move(config)),
-      model_(model.WithGridSimulation(config_.grid_simulation.value_or(model.grid_simulation()))),
+      model_(PricedCopy(model)),
       config_hash_(config_.Hash()),
       focus_depth_(config_.default_k) {}
 

@@ -372,5 +372,19 @@ TEST(GridModel, EvaluatesRoundTripsAndNamesBadGrids) {
   EXPECT_NE(bad.status().message().find("'fa9'"), std::string_view::npos);
 }
 
+// The grid simulations' names, as model files and flags spell them, both ways; an unknown one
+// says what it got.
+TEST(GridSimulation, NamesRoundTripAndUnknownNamesSayWhatTheyGot) {
+  for (GridSimulation sim : {GridSimulation::kReference, GridSimulation::kFast}) {
+    absl::StatusOr<GridSimulation> back = GridSimulationNamed(GridSimulationName(sim));
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(*back, sim);
+  }
+  EXPECT_EQ(GridSimulationName(GridSimulation::kFast), "fast");
+  absl::StatusOr<GridSimulation> bad = GridSimulationNamed("spread");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("'spread'"), std::string_view::npos) << bad.status();
+}
+
 }  // namespace
 }  // namespace dpbalance

@@ -108,9 +108,13 @@ int SplitKvCount(int parallel_ctas, int num_slots, int num_key_blocks, int max_s
 //   two slots free at the same instant, and differs where they do (the heap's arbitrary order
 //   against a breadth-first one), by up to 30% on real batches: a model fitted under one rule
 //   must be priced under it (docs/cost-model.md measures what pricing the published fits with
-//   kFast costs). A model's own rule: CostModel::grid_simulation; the planner's copy:
-//   PlannerConfig::grid_simulation (default kReference).
+//   kFast costs). A model's own rule: CostModel::grid_simulation (from its file); the
+//   planner's copy: PlannerConfig::grid_simulation when set, else the model's.
 enum class GridSimulation { kReference, kFast };
+// Their names in model files and flags: "reference", "fast". An unknown name is an error that
+// says what it got and what is known.
+absl::StatusOr<GridSimulation> GridSimulationNamed(std::string_view name);
+std::string_view GridSimulationName(GridSimulation sim);
 
 // Grid terms of `batch` launched on `grid`. `single_query_launch`: the launch the kernel uses
 // when every q_i = 1 (head-major: the swapped split-KV launch); otherwise the verify launch.

@@ -168,13 +168,15 @@ class Planner {
   const CostModel& model() const { return model_; }
   // The planner's model from now on, simulating its grid as config().grid_simulation says (when
   // set).
-  void set_model(const CostModel& model) {
-    model_ = model.WithGridSimulation(config_.grid_simulation.value_or(model.grid_simulation()));
-  }
+  void set_model(const CostModel& model) { model_ = PricedCopy(model); }
   uint64_t config_hash() const { return config_hash_; }
 
  private:
   Planner(PlannerConfig config, CostModel model);
+  // `model` simulating its grid as config_.grid_simulation says, or as it carries when unset.
+  CostModel PricedCopy(const CostModel& model) const {
+    return model.WithGridSimulation(config_.grid_simulation.value_or(model.grid_simulation()));
+  }
   struct Item {
     // Sort key: ~bits(gain per marginal us) << 32 | req_idx << 8 | pos, so ascending keys are
     // descending ratios with ties broken by request then position.
