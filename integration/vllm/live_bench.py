@@ -216,8 +216,7 @@ def is_decode_step(st) -> bool:
 
 
 def bubble_of(steps):
-    s_mean = sum(sum(r["att_us"] for r in st) / len(st) for st in steps)
-    s_max = sum(max(r["att_us"] for r in st) for st in steps)
+    s_mean, s_max = epoch_sums(steps)[:2]
     return 1.0 - s_mean / s_max if s_max > 0 else None
 
 
@@ -278,6 +277,21 @@ def summarize_arm(log_dir, dp, name, warmup):
     }
 
 
+def epoch_sums(sts):
+    """Over steps `sts`: (sum of the steps' mean attention, sum of their max attention, tokens
+    emitted (each request's accepted drafts plus its one sampled token), sum of the steps'
+    longest forward). The A/B's bubble is 1 - [0] / [1], its goodput [2] / [3]."""
+    return (sum(sum(r["att_us"] for r in st) / len(st) for st in sts),
+            sum(max(r["att_us"] for r in st) for st in sts),
+            sum(sum(r["accepted"] + len(r.get("q") or []) for r in st) for st in sts),
+            sum(max(r["fwd_us"] for r in st) for st in sts))
+
+
+def past_default(st, default_k) -> bool:
+    """Some request of the step verified more than `default_k` drafts."""
+    return any(max(r.get("q") or [1]) > 1 + default_k for r in st)
+
+
 def ab_summary(log_dir, dp, epoch, warmup, default_k=3):
     """Bubble per A/B epoch (the plugin's arms: even epochs balanced, odd ones at the default
     lengths) from the step logs; mean and 95% CI per arm. Epochs count exchanges, which are
@@ -298,9 +312,7 @@ def ab_summary(log_dir, dp, epoch, warmup, default_k=3):
             continue  # a cut epoch (the end of the stream)
         arm = "on" if e % 2 == 0 else "off"
         arms[arm].append(bubble_of(sts))
-        # Emitted tokens: each request's accepted drafts plus its one sampled token.
-        t = sum(sum(r["accepted"] + len(r.get("q") or []) for r in st) for st in sts)
-        us = sum(max(r["fwd_us"] for r in st) for st in sts)
+        t, us = epoch_sums(sts)[2:]
         tok[arm].append(t / (us / 1e6) if us else 0.0)
     out = {"epoch_steps": epoch}
     for arm in ("on", "off"):
@@ -330,27 +342,20 @@ def paired_summary(by_epoch, epoch, default_k, block_pairs=10):
     for e, sts in sorted(by_epoch.items()):
         if e % 2 == 0 and len(sts) == epoch and len(by_epoch.get(e + 1, [])) == epoch:
             pairs.append((sts, by_epoch[e + 1]))
-    above = sum(1 for _, off in pairs for st in off
-                if any(max(r.get("q") or [1]) > 1 + default_k for r in st))
-    on_above = sum(1 for on, _ in pairs for st in on
-                   if any(max(r.get("q") or [1]) > 1 + default_k for r in st))
+    above = sum(1 for _, off in pairs for st in off if past_default(st, default_k))
+    on_above = sum(1 for on, _ in pairs for st in on if past_default(st, default_k))
 
-    def sums(sts):
-        return (sum(sum(r["att_us"] for r in st) / len(st) for st in sts),
-                sum(max(r["att_us"] for r in st) for st in sts),
-                sum(sum(r["accepted"] + len(r.get("q") or []) for r in st) for st in sts),
-                sum(max(r["fwd_us"] for r in st) for st in sts))
+    def total(rows):  # element-wise sum of epoch_sums-shaped rows
+        return [sum(x[i] for x in rows) for i in range(4)]
 
-    blocks = []
+    blocks = []  # per block of pairs: (the balanced epochs' sums, the default epochs' sums)
     for b in range(0, len(pairs) - len(pairs) % block_pairs, block_pairs):
-        on = [sums(sts) for p in pairs[b:b + block_pairs] for sts in p[:1]]
-        off = [sums(sts) for p in pairs[b:b + block_pairs] for sts in p[1:]]
-        blocks.append(([sum(x[i] for x in on) for i in range(4)],
-                       [sum(x[i] for x in off) for i in range(4)]))
+        chunk = pairs[b:b + block_pairs]
+        blocks.append((total([epoch_sums(on) for on, _ in chunk]),
+                       total([epoch_sums(off) for _, off in chunk])))
 
     def stats(bl):
-        on = [sum(b[0][i] for b in bl) for i in range(4)]
-        off = [sum(b[1][i] for b in bl) for i in range(4)]
+        on, off = total([b[0] for b in bl]), total([b[1] for b in bl])
         b_on, b_off = 1 - on[0] / on[1], 1 - off[0] / off[1]
         return b_on, b_off, 1 - b_on / b_off, (on[2] / on[3]) / (off[2] / off[3])
 

@@ -205,7 +205,6 @@ class EnginePlanTest(unittest.TestCase):
         self.assertEqual([p.exchanges for p in plans], [2, 2])
         self.assertEqual(plans[0].stale_steps, 1)
         self.assertEqual([p.desyncs for p in plans], [0, 0])
-        self.assertEqual([p.desyncs for p in plans], [0, 0])
 
     def test_refused_flags_keep_defaults_and_the_exchange(self):
         os.environ["DPB_MODE"] = "sideways"

@@ -90,7 +90,7 @@ class EnginePlan:
         self.disabled_reason = ""
         self.ab_epoch = int(os.environ.get("DPB_AB_EPOCH", "0") or 0)
         self.default_k = int(os.environ.get("DPB_DEFAULT_K", "3") or 3)
-        self._last = None                  # (requests, lens, ids, result, extra) of this step
+        self._last = None                  # (requests, lens, result, extra) of this step
         self.last_plan = None
         self._t_step = None
         log_dir = os.environ.get("DPBALANCE_VLLM_STEP_LOG", "")
@@ -166,9 +166,8 @@ class EnginePlan:
         self._t_step = time.perf_counter()
         if not self._ensure_loaded():
             return None
-        ids = [str(r[0]) for r in requests]
-        reqs = [adapter.Request(i, int(r[1]), 0, max(0, min(int(r[2]), 8)))
-                for i, r in zip(ids, requests)]
+        reqs = [adapter.Request(str(r[0]), int(r[1]), 0, max(0, min(int(r[2]), 8)))
+                for r in requests]
         payload = _PAYLOAD.pack(self.exchanges, len(reqs), sum(1 + q.k_cap for q in reqs))
         extra = max(0, int(extra_tokens))
         kind = "extend" if extra > 0 else ("decode" if reqs else "idle")
@@ -187,7 +186,7 @@ class EnginePlan:
             self.fallbacks[result] = self.fallbacks.get(result, 0) + 1
         lens = list(res.verify_len) if res.verify_len is not None else \
             [min(self.default_k, q.k_cap) for q in reqs]
-        self._last = (requests, lens, ids, result, extra)
+        self._last = (requests, lens, result, extra)
         return lens
 
     def begin_step(self) -> None:
@@ -221,7 +220,7 @@ class EnginePlan:
                    for a in accepted]
             self.dpb.report(att, float(step_us or 0.0), acc)
         if self._log is not None and planned is not None:
-            requests, lens, _, result, extra = planned
+            requests, lens, result, extra = planned
             defaults = [min(self.default_k, int(r[2])) for r in requests]
             arm_on = self.ab_epoch <= 0 or ((self.exchanges - 1) // self.ab_epoch) % 2 == 0
             self._log.write(json.dumps({
