@@ -19,20 +19,79 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 constexpr int kMaxCtasPerSm = 8;
 
-// An event of the event-by-event simulation. Under TieRule::kSpread simultaneous events go
-// every SM's first before any SM's second, then the lower SM first: a launch whose CTAs free
-// slots at the same time spreads the next CTAs over SMs, breadth-first, as the first wave does.
-// `rank`: how many events of this SM come before it at the same time. Under kHeapOrder only
-// the time is compared, and ties fall as the binary heap leaves them.
+// An event of the event-by-event simulation: SM `sm` frees a slot at `time`. Under
+// TieRule::kSpread simultaneous events go every SM's first before any SM's second, then the
+// lower SM first: a launch whose CTAs free slots at the same time spreads the next CTAs over
+// SMs, breadth-first, as the first wave does. `rank`: how many events of this SM come before it
+// at the same time. Under kHeapOrder only the time is compared, and ties fall as EventHeap
+// leaves them.
 struct SmEvent {
   double time;
-  int rank;
-  int sm;
-  uint32_t version;
-  bool operator>(const SmEvent& o) const {
-    if (time != o.time) return time > o.time;
-    return rank != o.rank ? rank > o.rank : sm > o.sm;
+  int32_t rank;
+  int32_t sm;
+};
+
+// The event queue of the simulation: a binary min-heap in an array, in a fixed order of
+// operations that decides which of several events of one time comes out first (TieRule::
+// kHeapOrder; under kSpread the order is total and this is just a heap).
+// - Pop: the last entry leaves its place; a hole runs from the root down to a leaf, each step
+//   into the child that comes first (the right one when neither does), then the last entry goes
+//   into the hole and up while its parent comes after it.
+// - Push: a new entry goes at the end and up while its parent comes after it.
+// This is the order the published fits were calibrated with: it is what libstdc++'s
+// std::pop_heap / std::push_heap did when the simulation used them (to 2026-12), so a build with
+// another standard library (whose heap breaks ties otherwise) prices those models the same;
+// kernel_grid_test checks it against std::pop_heap / std::push_heap where those are libstdc++'s.
+template <bool kSpread>
+class EventHeap {
+ public:
+  void Reserve(size_t n) { a_.reserve(n); }
+  bool empty() const { return a_.empty(); }
+  const SmEvent& top() const { return a_[0]; }
+  void Push(const SmEvent& e) {
+    a_.push_back(e);
+    SiftUp(a_.size() - 1, e);
   }
+  void Pop() {
+    const size_t len = a_.size() - 1;  // entries left
+    if (len > 0) {
+      const SmEvent last = a_[len];
+      size_t hole = 0, child = 0;
+      while (child < (len - 1) / 2) {
+        child = 2 * child + 2;
+        child -= After(a_[child], a_[child - 1]);
+        a_[hole] = a_[child];
+        hole = child;
+      }
+      if ((len & 1) == 0 && child == (len - 2) / 2) {  // a last parent with one child
+        child = 2 * child + 1;
+        a_[hole] = a_[child];
+        hole = child;
+      }
+      SiftUp(hole, last);
+    }
+    a_.pop_back();
+  }
+
+ private:
+  static bool After(const SmEvent& a, const SmEvent& b) {
+    if constexpr (kSpread) {
+      if (a.time != b.time) return a.time > b.time;
+      return a.rank != b.rank ? a.rank > b.rank : a.sm > b.sm;
+    } else {
+      return a.time > b.time;
+    }
+  }
+  void SiftUp(size_t hole, const SmEvent& e) {
+    while (hole > 0) {
+      const size_t parent = (hole - 1) / 2;
+      if (!After(a_[parent], e)) break;
+      a_[hole] = a_[parent];
+      hole = parent;
+    }
+    a_[hole] = e;
+  }
+  std::vector<SmEvent> a_;
 };
 
 // A slot of the list phase: when it frees, its rank (as SmEvent's: slots of its SM freeing at
@@ -152,7 +211,7 @@ int SplitKvCount(int parallel_ctas, int num_slots, int num_key_blocks, int max_s
 namespace {
 
 // SimulateMakespan's event-by-event simulation, resumable: RunListPhase stops once every CTA has
-// started, and a copy can then finish under another alone rate. Until then every SM holds
+// started, and Drain then finishes it under any alone rate. Until then every SM holds
 // ctas_per_sm CTAs (when there are at least that many per SM), each at rate 1 / ctas_per_sm,
 // so the alone rate has not been read: the finish is the same as a run from the start.
 template <bool kSpread>
@@ -160,23 +219,23 @@ class EventSim {
  public:
   EventSim(absl::Span<const double> works, int num_sms, int per_sm, double alone_rate,
            double overhead, double exit_cost, std::vector<double>* starts)
-      : works_(works), n_(works.size()), num_sms_(num_sms), alone_rate_(alone_rate),
-        overhead_(overhead), exit_cost_(exit_cost), starts_(starts), rem_(num_sms), count_(num_sms, 0),
-        since_(num_sms, 0.0), version_(num_sms, 0) {
-    heap_.reserve(2 * static_cast<size_t>(num_sms));
+      : works_(works), n_(works.size()), alone_rate_(alone_rate), overhead_(overhead),
+        exit_cost_(exit_cost), starts_(starts), rem_(num_sms), count_(num_sms, 0),
+        since_(num_sms, 0.0) {
+    heap_.Reserve(static_cast<size_t>(num_sms));
     for (int slot = 0; slot < per_sm; ++slot) {  // the first wave goes breadth-first over SMs
       for (int s = 0; s < num_sms && next_ < n_; ++s) rem_[s][count_[s]++] = Cost(next_++);
     }
-    for (int s = 0; s < num_sms; ++s) Schedule(s, 0.0, -1);
+    if (next_ < n_) {  // the events matter only while CTAs wait to start
+      for (int s = 0; s < num_sms; ++s) Schedule(s, 0.0, -1);
+    }
   }
-  void set_alone_rate(double alone_rate) { alone_rate_ = alone_rate; }
-  // Handles events until every CTA has started (`list_phase_only`) or all have finished.
-  void Run(bool list_phase_only) {
-    while (!heap_.empty() && !(list_phase_only && next_ >= n_)) {
-      std::pop_heap(heap_.begin(), heap_.end(), Later());
-      const SmEvent e = heap_.back();
-      heap_.pop_back();
-      if (e.version != version_[e.sm]) continue;
+  // Handles events until every CTA has started. Each SM has one event in the heap: when its
+  // next CTA finishes.
+  void RunListPhase() {
+    while (next_ < n_) {
+      const SmEvent e = heap_.top();
+      heap_.Pop();
       const int s = e.sm;
       const double done = (e.time - since_[s]) * Rate(count_[s]);
       int finished = 0;
@@ -186,50 +245,60 @@ class EventSim {
       }
       since_[s] = now_ = e.time;
       rem_[s][finished] = rem_[s][--count_[s]];
-      if (next_ < n_) {
-        if (starts_ != nullptr) (*starts_)[next_] = now_;
-        rem_[s][count_[s]++] = Cost(next_++);
-      }
+      if (starts_ != nullptr) (*starts_)[next_] = now_;
+      rem_[s][count_[s]++] = Cost(next_++);
       Schedule(s, now_, e.rank);
     }
   }
-  double now() const { return now_; }
+  // The makespan, once every CTA has started, with `alone_rate` from here on: no CTA joins any
+  // SM any more, so each drains on its own, by the arithmetic RunListPhase would use (so the
+  // result is the same to the bit as running the events in time order to the end).
+  double Drain(double alone_rate) {
+    alone_rate_ = alone_rate;
+    double end = now_;
+    for (size_t s = 0; s < rem_.size(); ++s) {
+      std::array<double, kMaxCtasPerSm> rem = rem_[s];
+      double since = since_[s];
+      for (int count = count_[s]; count > 0;) {
+        int finished = 0;
+        for (int k = 1; k < count; ++k) {
+          if (rem[k] < rem[finished]) finished = k;
+        }
+        const double t = since + rem[finished] / Rate(count);
+        const double done = (t - since) * Rate(count);
+        finished = 0;
+        for (int k = 0; k < count; ++k) {
+          rem[k] -= done;
+          if (rem[k] < rem[finished]) finished = k;
+        }
+        since = t;
+        rem[finished] = rem[--count];
+      }
+      end = std::max(end, since);
+    }
+    return end;
+  }
 
  private:
-  struct Later {
-    bool operator()(const SmEvent& a, const SmEvent& b) const {
-      if constexpr (kSpread) {
-        return a > b;
-      } else {
-        return a.time > b.time;
-      }
-    }
-  };
   double Cost(size_t i) const { return works_[i] < 0 ? exit_cost_ : works_[i] + overhead_; }
   double Rate(int k) const { return k == 1 ? alone_rate_ : 1.0 / k; }
   // `rank`: the rank of the event of SM s just handled at `now` (-1: none).
   void Schedule(int s, double now, int rank) {
-    ++version_[s];
-    if (count_[s] == 0) return;
     double first = rem_[s][0];
     for (int k = 1; k < count_[s]; ++k) first = std::min(first, rem_[s][k]);
     const double t = now + first / Rate(count_[s]);
-    heap_.push_back({t, t == now ? rank + 1 : 0, s, version_[s]});
-    std::push_heap(heap_.begin(), heap_.end(), Later());
+    heap_.Push({t, t == now ? rank + 1 : 0, s});
   }
 
   absl::Span<const double> works_;
   size_t n_, next_ = 0;
-  int num_sms_;
   double alone_rate_, overhead_, exit_cost_;
   std::vector<double>* starts_;
-  // Per SM: the remaining work of its resident CTAs, when it was last brought up to date, and a
-  // version that invalidates its older entries in the event heap.
+  // Per SM: the remaining work of its resident CTAs, and when it was last brought up to date.
   std::vector<std::array<double, kMaxCtasPerSm>> rem_;
   std::vector<int> count_;
   std::vector<double> since_;
-  std::vector<uint32_t> version_;
-  std::vector<SmEvent> heap_;
+  EventHeap<kSpread> heap_;
   double now_ = 0;
 };
 
@@ -244,12 +313,12 @@ double SimulateMakespan(absl::Span<const double> works, int num_sms, int ctas_pe
   const int per_sm = std::clamp(ctas_per_sm, 1, kMaxCtasPerSm);
   if (ties == TieRule::kSpread) {
     EventSim<true> sim(works, num_sms, per_sm, alone_rate, overhead, exit_cost, starts);
-    sim.Run(/*list_phase_only=*/false);
-    return sim.now();
+    sim.RunListPhase();
+    return sim.Drain(alone_rate);
   }
   EventSim<false> sim(works, num_sms, per_sm, alone_rate, overhead, exit_cost, starts);
-  sim.Run(/*list_phase_only=*/false);
-  return sim.now();
+  sim.RunListPhase();
+  return sim.Drain(alone_rate);
 }
 
 void ReferenceMakespans(absl::Span<const double> works, int num_sms, int ctas_per_sm,
@@ -264,8 +333,9 @@ void ReferenceMakespans(absl::Span<const double> works, int num_sms, int ctas_pe
   }
   if (n == 0 || num_sms <= 0) return;
   const int per_sm = std::clamp(ctas_per_sm, 1, kMaxCtasPerSm);
-  // The list phase shares only if every SM starts full (else the first events run alone).
-  const bool share = per_sm > 1 && n >= static_cast<size_t>(num_sms) * per_sm;
+  // The list phase does not read the alone rate if there is none (one wave) or every SM stays
+  // full in it; then every bank entry of one overhead shares it and only drains on its own.
+  const bool share = per_sm > 1 || n <= static_cast<size_t>(num_sms) * per_sm;
   unsigned left_to_do = mask & ((num >= 32 ? 0u : 1u << num) - 1u);
   if (starts_of >= 0 && starts != nullptr) left_to_do |= 1u << starts_of;
   while (left_to_do != 0) {
@@ -278,18 +348,9 @@ void ReferenceMakespans(absl::Span<const double> works, int num_sms, int ctas_pe
     const bool keep_starts = starts != nullptr && starts_of >= 0 && (group >> starts_of & 1u);
     EventSim<false> listed(works, num_sms, per_sm, params[lead][0], params[lead][1], exit_cost,
                            keep_starts ? starts : nullptr);
-    if (group == 1u << lead) {  // nothing to share: one run, as SimulateMakespan
-      listed.Run(/*list_phase_only=*/false);
-      out[lead] = listed.now();
-      continue;
-    }
-    listed.Run(/*list_phase_only=*/true);
+    listed.RunListPhase();
     for (int j = lead; j < num; ++j) {
-      if ((group >> j & 1u) == 0) continue;
-      EventSim<false> tail = listed;
-      tail.set_alone_rate(params[j][0]);
-      tail.Run(/*list_phase_only=*/false);
-      out[j] = tail.now();
+      if (group >> j & 1u) out[j] = listed.Drain(params[j][0]);
     }
   }
 }

@@ -119,6 +119,84 @@ TEST(GridMakespan, ReferenceBankEqualsSeparateRunsToTheBit) {
   }
 }
 
+// The calibrated tie rule (TieRule::kHeapOrder) is EventHeap's fixed order, which is what
+// libstdc++'s std::pop_heap / std::push_heap do. The simulation as first written, with those:
+// each SM's resident CTAs, one event per SM (when its first CTA ends) in a std heap by time.
+double StdHeapMakespan(const std::vector<double>& works, int sms, int per_sm, double alone,
+                       double overhead, std::vector<double>* starts) {
+  struct Event {
+    double time;
+    int sm;
+  };
+  const auto later = [](const Event& a, const Event& b) { return a.time > b.time; };
+  const auto cost = [&](size_t i) { return works[i] < 0 ? 0.2 : works[i] + overhead; };
+  const auto rate = [&](size_t k) { return k == 1 ? alone : 1.0 / static_cast<double>(k); };
+  std::vector<std::vector<double>> rem(sms);
+  std::vector<double> since(sms, 0.0);
+  std::vector<Event> heap;
+  starts->assign(works.size(), 0.0);
+  size_t next = 0;
+  for (int slot = 0; slot < per_sm; ++slot) {
+    for (int s = 0; s < sms && next < works.size(); ++s) rem[s].push_back(cost(next++));
+  }
+  const auto schedule = [&](int s, double now) {
+    if (rem[s].empty()) return;
+    const double first = *std::min_element(rem[s].begin(), rem[s].end());
+    heap.push_back({now + first / rate(rem[s].size()), s});
+    std::push_heap(heap.begin(), heap.end(), later);
+  };
+  for (int s = 0; s < sms; ++s) schedule(s, 0.0);
+  double now = 0;
+  while (!heap.empty()) {
+    std::pop_heap(heap.begin(), heap.end(), later);
+    const Event e = heap.back();
+    heap.pop_back();
+    std::vector<double>& r = rem[e.sm];
+    const double done = (e.time - since[e.sm]) * rate(r.size());
+    size_t finished = 0;
+    for (size_t k = 0; k < r.size(); ++k) {
+      r[k] -= done;
+      if (r[k] < r[finished]) finished = k;
+    }
+    since[e.sm] = now = e.time;
+    r[finished] = r.back();
+    r.pop_back();
+    if (next < works.size()) {
+      (*starts)[next] = now;
+      r.push_back(cost(next++));
+    }
+    schedule(e.sm, now);
+  }
+  return now;
+}
+
+TEST(GridMakespan, HeapOrderIsLibstdcxxHeapOrderToTheBit) {
+#if !defined(__GLIBCXX__)
+  GTEST_SKIP() << "the oracle is libstdc++'s std::pop_heap / std::push_heap";
+#endif
+  std::mt19937_64 rng(41);
+  int differs_from_spread = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    const int sms = 1 + static_cast<int>(rng() % (trial % 2 ? 140 : 9));
+    const int per_sm = 1 + static_cast<int>(rng() % 3);
+    const int distinct = 1 + static_cast<int>(rng() % 5);  // few distinct works: many ties
+    std::vector<double> pool(distinct);
+    for (double& w : pool) w = static_cast<double>(1 + rng() % 30);
+    std::vector<double> works(rng() % (sms * per_sm * 8 + 2));
+    for (double& w : works) w = rng() % 6 == 0 ? -1.0 : pool[rng() % distinct];
+    const double alone = kGridMakespanParams[trial % kNumGridMakespans][0];
+    const double overhead = kGridMakespanParams[trial % kNumGridMakespans][1];
+    std::vector<double> starts, oracle_starts;
+    const double ours = SimulateMakespan(works, sms, per_sm, alone, overhead, 0.2, &starts);
+    EXPECT_EQ(ours, StdHeapMakespan(works, sms, per_sm, alone, overhead, &oracle_starts))
+        << "trial " << trial;
+    EXPECT_EQ(starts, oracle_starts) << "trial " << trial;
+    differs_from_spread +=
+        ours != SimulateMakespan(works, sms, per_sm, alone, overhead, 0.2, nullptr, TieRule::kSpread);
+  }
+  EXPECT_GT(differs_from_spread, 20);  // the launches do exercise the tie order
+}
+
 // SimulateMakespans (list phase once per overhead, then closed-form drains) against the
 // event-by-event reference under the same tie rule (kSpread). Whole-block works with dyadic overheads and exit costs keep every
 // time exact in double, so the two must agree to the bit, ties (many equal works) included.

@@ -125,8 +125,10 @@ GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> bat
                        GridSimulation sim = GridSimulation::kReference);
 
 // Which of several simultaneous events (two slots freeing at the same instant) goes first.
-// - kHeapOrder: whichever the binary heap of SM events leaves on top (only times are compared);
-//   the calibrated models' rule.
+// - kHeapOrder: whichever the binary heap of SM events leaves on top, only times compared, in
+//   one fixed order of heap operations (kernel_grid.cc, EventHeap): libstdc++'s std::pop_heap /
+//   std::push_heap order, which the published fits were calibrated with. It is our code, not the
+//   standard library's, so every build prices a model alike (libc++'s heap breaks ties otherwise).
 // - kSpread: every SM's first before any SM's second, then the lower SM: simultaneous frees take
 //   the next CTAs breadth-first over SMs, as the first wave does. Defined by the order alone, so
 //   any data structure can reproduce it (SimulateMakespans does).
@@ -135,7 +137,8 @@ enum class TieRule { kHeapOrder, kSpread };
 // Makespan of CTAs with the given work (key-block iterations; a negative entry is a CTA that
 // exits at once and costs `exit_cost`), launched in order, under the sharing model above.
 // `starts` (optional) receives each CTA's start time; they never decrease in launch order.
-// Event by event, O(CTAs log SMs).
+// Event by event while CTAs wait to start, O(CTAs log SMs); then each SM drains on its own by the
+// same arithmetic (so the result is what events in time order to the end give, to the bit).
 double SimulateMakespan(absl::Span<const double> works, int num_sms, int ctas_per_sm,
                         double alone_rate, double overhead, double exit_cost,
                         std::vector<double>* starts = nullptr,
@@ -145,7 +148,8 @@ double SimulateMakespan(absl::Span<const double> works, int num_sms, int ctas_pe
 // bit is set in `mask`, into out[j], equal to separate runs to the bit; `starts` (optional)
 // receives the start times under params[starts_of]. Runs that share an overhead share the part
 // of the simulation before every CTA has started (it does not read the alone rate) and only
-// finish separately. What SimulateGrid's kReference uses.
+// finish separately (a launch of one wave has no such part: only the drains). What SimulateGrid's
+// kReference uses.
 void ReferenceMakespans(absl::Span<const double> works, int num_sms, int ctas_per_sm,
                         absl::Span<const std::array<double, 2>> params, unsigned mask,
                         double exit_cost, double* out, int starts_of = -1,
