@@ -45,15 +45,12 @@ struct SmEvent {
 template <bool kSpread>
 class EventHeap {
  public:
-  void Reserve(size_t n) { a_.reserve(n); }
-  bool empty() const { return a_.empty(); }
+  explicit EventHeap(size_t capacity) : a_(capacity) {}
+  bool empty() const { return size_ == 0; }
   const SmEvent& top() const { return a_[0]; }
-  void Push(const SmEvent& e) {
-    a_.push_back(e);
-    SiftUp(a_.size() - 1, e);
-  }
+  void Push(const SmEvent& e) { SiftUp(size_++, e); }  // at most `capacity` entries
   void Pop() {
-    const size_t len = a_.size() - 1;  // entries left
+    const size_t len = --size_;  // entries left
     if (len > 0) {
       const SmEvent last = a_[len];
       size_t hole = 0, child = 0;
@@ -84,7 +81,6 @@ class EventHeap {
       }
       SiftUp(hole, last);
     }
-    a_.pop_back();
   }
 
  private:
@@ -106,6 +102,7 @@ class EventHeap {
     a_[hole] = e;
   }
   std::vector<SmEvent> a_;
+  size_t size_ = 0;
 };
 
 // A slot of the list phase: when it frees, its rank (as SmEvent's: slots of its SM freeing at
@@ -235,8 +232,7 @@ class EventSim {
            double overhead, double exit_cost, std::vector<double>* starts)
       : works_(works), n_(works.size()), per_sm_(per_sm), alone_rate_(alone_rate), overhead_(overhead),
         exit_cost_(exit_cost), starts_(starts), rem_(num_sms), count_(num_sms, 0),
-        since_(num_sms, 0.0) {
-    heap_.Reserve(static_cast<size_t>(num_sms));
+        since_(num_sms, 0.0), heap_(static_cast<size_t>(num_sms)) {
     for (int slot = 0; slot < per_sm; ++slot) {  // the first wave goes breadth-first over SMs
       for (int s = 0; s < num_sms && next_ < n_; ++s) rem_[s][count_[s]++] = Cost(next_++);
     }
