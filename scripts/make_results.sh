@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates every figure in docs/results.md and docs/cost-model.md (about 15 minutes on the
+# Regenerates every figure in docs/results.md and docs/cost-model.md (about 35 minutes on the
 # 2-core dev machine): the replay comparisons on both bundled traces, the calibration figures,
 # the reference engine and the planner benchmark. The plots need Debian's python3-matplotlib.
 set -euo pipefail
@@ -30,6 +30,9 @@ $B/integration/dpbalance-calibrate --gemm integration/calibrate/data/projection_
 # Truth from the real H200 kernel: the packed-attention fit, 61 attention layers per step.
 $B/integration/dpbalance-replay --truth docs/generated/model_packed.json --truth_layers 61 \
   --json docs/generated/replay_h200truth.json | tee docs/generated/replay_h200truth.txt
+# The gqa (head-major) fit as the truth (results.md 3d; about 16 minutes).
+$B/integration/dpbalance-replay --truth docs/generated/model_gqa.json --truth_layers 61 \
+  --json docs/generated/replay_h200truth_gqa.json | tee docs/generated/replay_h200truth_gqa.txt
 $B/integration/dpbalance-replay --truth docs/generated/model_packed.json --truth_layers 61 \
   --planner_model online --json docs/generated/replay_h200truth_online.json \
   | tee docs/generated/replay_h200truth_online.txt
