@@ -54,8 +54,8 @@ class EventHeap {
     if (len > 0) {
       const SmEvent last = a_[len];
       size_t hole = 0, child = 0;
-      // Two levels at a time while the hole's grandchildren are all parents' children too: both
-      // candidate grandchildren are picked before the child is known (the same moves as one
+      // Two levels at a time while both of the hole's children have two children: the
+      // grandchild under each child is picked before the child is known (the same moves as one
       // level at a time, with half the chain of dependent loads).
       while (2 * child + 2 < (len - 1) / 2) {
         const size_t right = 2 * child + 2;
