@@ -46,7 +46,6 @@ template <bool kSpread>
 class EventHeap {
  public:
   explicit EventHeap(size_t capacity) : a_(capacity) {}
-  bool empty() const { return size_ == 0; }
   const SmEvent& top() const { return a_[0]; }
   void Push(const SmEvent& e) { SiftUp(size_++, e); }  // at most `capacity` entries
   void Pop() {
@@ -251,14 +250,8 @@ class EventSim {
       const SmEvent e = heap_.top();
       heap_.Pop();
       const int s = e.sm;
-      const double done = (e.time - since_[s]) * Rate(count_[s]);
-      int finished = 0;
-      for (int k = 0; k < count_[s]; ++k) {
-        rem_[s][k] -= done;
-        if (rem_[s][k] < rem_[s][finished]) finished = k;
-      }
-      since_[s] = now_ = e.time;
-      rem_[s][finished] = rem_[s][--count_[s]];
+      FinishFirst(rem_[s], count_[s], since_[s], e.time);
+      now_ = e.time;
       if (starts_ != nullptr) (*starts_)[next_] = now_;
       rem_[s][count_[s]++] = Cost(next_++);
       Schedule(s, now_, e.rank);
@@ -292,19 +285,7 @@ class EventSim {
       std::array<double, kMaxCtasPerSm> rem = rem_[s];
       double since = since_[s];
       for (int count = count_[s]; count > 0;) {
-        int finished = 0;
-        for (int k = 1; k < count; ++k) {
-          if (rem[k] < rem[finished]) finished = k;
-        }
-        const double t = since + rem[finished] / Rate(count);
-        const double done = (t - since) * Rate(count);
-        finished = 0;
-        for (int k = 0; k < count; ++k) {
-          rem[k] -= done;
-          if (rem[k] < rem[finished]) finished = k;
-        }
-        since = t;
-        rem[finished] = rem[--count];
+        FinishFirst(rem, count, since, NextFinish(rem, count, since));
       }
       end = std::max(end, since);
     }
@@ -314,11 +295,28 @@ class EventSim {
  private:
   double Cost(size_t i) const { return works_[i] < 0 ? exit_cost_ : works_[i] + overhead_; }
   double Rate(int k) const { return k == 1 ? alone_rate_ : 1.0 / k; }
-  // `rank`: the rank of the event of SM s just handled at `now` (-1: none).
+  // When the first of an SM's `count` resident CTAs (work `rem` left at `since`) finishes.
+  double NextFinish(const std::array<double, kMaxCtasPerSm>& rem, int count, double since) const {
+    double first = rem[0];
+    for (int k = 1; k < count; ++k) first = std::min(first, rem[k]);
+    return since + first / Rate(count);
+  }
+  // Brings the SM up to `t`, when its first CTA finishes, and removes that CTA.
+  void FinishFirst(std::array<double, kMaxCtasPerSm>& rem, int& count, double& since,
+                   double t) const {
+    const double done = (t - since) * Rate(count);
+    int finished = 0;
+    for (int k = 0; k < count; ++k) {
+      rem[k] -= done;
+      if (rem[k] < rem[finished]) finished = k;
+    }
+    since = t;
+    rem[finished] = rem[--count];
+  }
+  // `rank`: the rank of the event of SM s just handled at `now` (-1: none); `now` is the SM's
+  // `since`.
   void Schedule(int s, double now, int rank) {
-    double first = rem_[s][0];
-    for (int k = 1; k < count_[s]; ++k) first = std::min(first, rem_[s][k]);
-    const double t = now + first / Rate(count_[s]);
+    const double t = NextFinish(rem_[s], count_[s], now);
     heap_.Push({t, t == now ? rank + 1 : 0, s});
   }
 
