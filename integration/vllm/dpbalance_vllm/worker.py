@@ -32,15 +32,6 @@ else:
     from vllm.v1.worker.gpu_worker import Worker as _Base
 
 
-def _take_gather_wait_us():
-    """Time in the MoE dispatch's all-gathers since the last call (µs), where the package's CPU
-    communicator runs them (DPBALANCE_VLLM_CPU_DP=1); None elsewhere."""
-    if os.environ.get("DPBALANCE_VLLM_CPU_DP") != "1":
-        return None
-    from . import cpu_communicator
-    return round(cpu_communicator.take_gather_wait_us(), 1)
-
-
 def _measuring() -> bool:
     plugin = os.environ.get("DPB_PLUGIN", "")
     return bool(os.environ.get("DPBALANCE_VLLM_STEP_LOG")) or (bool(plugin) and plugin != "none")
@@ -93,6 +84,12 @@ class DpbWorker(_Base):
             return out
         cuda = not current_platform.is_cpu()
         self._dpb_att, self._dpb_moe = _Timer(cuda), _Timer(cuda)
+        # Time in the MoE dispatch's all-gathers (µs), where the package's CPU communicator runs
+        # them (DPBALANCE_VLLM_CPU_DP=1); looked up once here, not per forward.
+        self._dpb_gather = None
+        if os.environ.get("DPBALANCE_VLLM_CPU_DP") == "1":
+            from . import cpu_communicator
+            self._dpb_gather = cpu_communicator.take_gather_wait_us
         n_att = n_moe = 0
         for name, mod in self.model_runner.get_model().named_modules():
             cls = type(mod).__name__.lower()
@@ -117,7 +114,8 @@ class DpbWorker(_Base):
     def _dpb_start(self):
         self._dpb_att.take_us()
         self._dpb_moe.take_us()
-        _take_gather_wait_us()
+        if self._dpb_gather is not None:
+            self._dpb_gather()
         return time.perf_counter()
 
     def _dpb_finish(self, kind: str, t0: float, tokens: int, drafted: int = 0,
@@ -125,7 +123,7 @@ class DpbWorker(_Base):
         timing = {"i": self._dpb_fwd, "kind": kind, "tokens": tokens,
                   "att_us": round(self._dpb_att.take_us(), 1),
                   "moe_us": round(self._dpb_moe.take_us(), 1),
-                  "coll_us": _take_gather_wait_us(),
+                  "coll_us": None if self._dpb_gather is None else round(self._dpb_gather(), 1),
                   "fwd_us": round((time.perf_counter() - t0) * 1e6, 1),
                   "drafted": drafted, "accepted": accepted, "t": time.time()}
         self._dpb_fwd += 1
