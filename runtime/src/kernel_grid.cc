@@ -45,62 +45,89 @@ struct SmEvent {
 template <bool kSpread>
 class EventHeap {
  public:
-  explicit EventHeap(size_t capacity) : a_(capacity) {}
-  const SmEvent& top() const { return a_[0]; }
-  void Push(const SmEvent& e) { SiftUp(size_++, e); }  // at most `capacity` entries
+  explicit EventHeap(size_t capacity) : time_(capacity), tag_(capacity) {}
+  SmEvent top() const {
+    if constexpr (kSpread) {
+      return {time_[0], static_cast<int32_t>(tag_[0] >> 32), static_cast<int32_t>(tag_[0] & 0xffffffffu)};
+    } else {
+      return {time_[0], 0, static_cast<int32_t>(tag_[0])};
+    }
+  }
+  void Push(const SmEvent& e) { SiftUp(size_++, e.time, TagOf(e)); }  // at most `capacity` entries
   void Pop() {
     const size_t len = --size_;  // entries left
     if (len > 0) {
-      const SmEvent last = a_[len];
+      const double last_time = time_[len];
+      const Tag last_tag = tag_[len];
       size_t hole = 0, child = 0;
       // Two levels at a time while both of the hole's children have two children: the
       // grandchild under each child is picked before the child is known (the same moves as one
       // level at a time, with half the chain of dependent loads).
       while (2 * child + 2 < (len - 1) / 2) {
         const size_t right = 2 * child + 2;
-        const bool left = After(a_[right], a_[right - 1]);
-        const size_t under_left = 2 * right - (After(a_[2 * right], a_[2 * right - 1]) ? 1 : 0);
-        const size_t under_right = 2 * right + 2 - (After(a_[2 * right + 2], a_[2 * right + 1]) ? 1 : 0);
+        const bool left = After(right, right - 1);
+        const size_t under_left = 2 * right - (After(2 * right, 2 * right - 1) ? 1 : 0);
+        const size_t under_right = 2 * right + 2 - (After(2 * right + 2, 2 * right + 1) ? 1 : 0);
         const size_t c = left ? right - 1 : right;
         const size_t g = left ? under_left : under_right;
-        a_[hole] = a_[c];
-        a_[c] = a_[g];
+        Move(hole, c);
+        Move(c, g);
         hole = child = g;
       }
       while (child < (len - 1) / 2) {
         child = 2 * child + 2;
-        child -= After(a_[child], a_[child - 1]);
-        a_[hole] = a_[child];
+        child -= After(child, child - 1);
+        Move(hole, child);
         hole = child;
       }
       if ((len & 1) == 0 && child == (len - 2) / 2) {  // a last parent with one child
         child = 2 * child + 1;
-        a_[hole] = a_[child];
+        Move(hole, child);
         hole = child;
       }
-      SiftUp(hole, last);
+      SiftUp(hole, last_time, last_tag);
     }
   }
 
  private:
-  static bool After(const SmEvent& a, const SmEvent& b) {
+  // Under kSpread (rank, sm) as one number that orders as the pair does (both are never
+  // negative); under kHeapOrder the SM alone (the rank is never compared there).
+  using Tag = std::conditional_t<kSpread, uint64_t, uint32_t>;
+  static Tag TagOf(const SmEvent& e) {
     if constexpr (kSpread) {
-      if (a.time != b.time) return a.time > b.time;
-      return a.rank != b.rank ? a.rank > b.rank : a.sm > b.sm;
+      return uint64_t{static_cast<uint32_t>(e.rank)} << 32 | static_cast<uint32_t>(e.sm);
     } else {
-      return a.time > b.time;
+      return static_cast<uint32_t>(e.sm);
     }
   }
-  void SiftUp(size_t hole, const SmEvent& e) {
+  // Whether entry i comes after entry j.
+  bool After(size_t i, size_t j) const { return Later(time_[i], tag_[i], time_[j], tag_[j]); }
+  static bool Later(double ta, Tag ga, double tb, Tag gb) {
+    if constexpr (kSpread) {
+      if (ta != tb) return ta > tb;
+      return ga > gb;
+    } else {
+      return ta > tb;
+    }
+  }
+  void Move(size_t to, size_t from) {
+    time_[to] = time_[from];
+    tag_[to] = tag_[from];
+  }
+  void SiftUp(size_t hole, double t, Tag g) {
     while (hole > 0) {
       const size_t parent = (hole - 1) / 2;
-      if (!After(a_[parent], e)) break;
-      a_[hole] = a_[parent];
+      if (!Later(time_[parent], tag_[parent], t, g)) break;
+      Move(hole, parent);
       hole = parent;
     }
-    a_[hole] = e;
+    time_[hole] = t;
+    tag_[hole] = g;
   }
-  std::vector<SmEvent> a_;
+  // The entries' times and tags in two arrays: under kHeapOrder the descent reads only times, and
+  // an entry's move is an 8-byte and a 4-byte copy.
+  std::vector<double> time_;
+  std::vector<Tag> tag_;
   size_t size_ = 0;
 };
 
