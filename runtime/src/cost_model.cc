@@ -194,6 +194,13 @@ void FillGridState(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
   g.valid = true;
   g.ref_tokens = agg->query_tokens;
   g.ref_pairs = agg->query_key_pairs;
+  if (paths == 3u && PathsShareLaunch(grid)) {  // one launch: simulate it once for both
+    const GridTerms both = SimulateGrid(grid, batch, /*single_query_launch=*/false,
+                                        single_mask | multi_mask, sim);
+    g.at_ref[0] = KeepGridTerms(both, single_mask);
+    g.at_ref[1] = KeepGridTerms(both, multi_mask);
+    return;
+  }
   if (paths & 1u) {
     g.at_ref[0] = SimulateGrid(grid, batch, /*single_query_launch=*/true, single_mask, sim);
   }

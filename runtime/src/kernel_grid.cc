@@ -788,6 +788,20 @@ GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> bat
   return out;
 }
 
+GridTerms KeepGridTerms(const GridTerms& computed, unsigned terms) {
+  GridTerms out = computed;
+  const unsigned cold_read_bits = ((1u << kNumGridReuseWindows) - 1) << kGridColdReads0;
+  const bool cold_reads = (terms & cold_read_bits) != 0;
+  for (int j = 0; j < kNumGridMakespans; ++j) {
+    const bool kept = (terms >> (kGridMakespan0 + j) & 1u) || (cold_reads && j == kColdReadsMakespan);
+    if (!kept) out[kGridMakespan0 + j] = 0;
+  }
+  if (!cold_reads) {
+    for (int w = 0; w < kNumGridReuseWindows; ++w) out[kGridColdReads0 + w] = 0;
+  }
+  return out;
+}
+
 GridSlopes VerifyGridSlopes(const KernelGrid& grid) {
   GridSlopes s;
   if (grid.layout != KernelGrid::Layout::kPackedRows) return s;

@@ -1,4 +1,5 @@
 #include "dpbalance/cost_model.h"
+#include "dpbalance/kernel_grid.h"
 
 #include <random>
 
@@ -201,6 +202,33 @@ TEST(CostModel, GridSimulationIsTheModelsOwnAndCopiesKeepTheRest) {
 // Which models price an instance with the published formula's two max() terms (routing E):
 // the published forms, also scaled (--truth_layers); not a copy of their weights, a grid-seeded
 // form, or a model file.
+// Both paths at once (one simulation where the grid is one launch) fill what each path alone
+// fills, to the bit, for any masks, grid and simulation.
+TEST(CostModel, GridStateOfBothPathsIsEachPathsOwn) {
+  std::mt19937_64 rng(41);
+  const unsigned all = (1u << kNumGridTerms) - 1;
+  for (const char* name : {"fa2-packed-h200", "fa2-gqa-h200"}) {
+    const KernelGrid grid = *KernelGrid::Named(name);
+    for (int trial = 0; trial < 30; ++trial) {
+      std::vector<RequestLoad> batch(1 + rng() % 70);
+      BatchAggregates agg;
+      for (RequestLoad& r : batch) {
+        r = RequestLoad{static_cast<int64_t>(1 + rng() % 40000), trial % 2 ? 1 : 1 + static_cast<int32_t>(rng() % 6)};
+        agg.Add(r);
+      }
+      const unsigned single = static_cast<unsigned>(rng()) & all, multi = static_cast<unsigned>(rng()) & all;
+      for (GridSimulation sim : {GridSimulation::kReference, GridSimulation::kFast}) {
+        BatchAggregates both = agg, one = agg, two = agg;
+        FillGridState(grid, batch, single, multi, 3u, &both, sim);
+        FillGridState(grid, batch, single, multi, 1u, &one, sim);
+        FillGridState(grid, batch, single, multi, 2u, &two, sim);
+        EXPECT_EQ(both.grid.at_ref[0], one.grid.at_ref[0]) << name << " trial " << trial;
+        EXPECT_EQ(both.grid.at_ref[1], two.grid.at_ref[1]) << name << " trial " << trial;
+      }
+    }
+  }
+}
+
 TEST(CostModel, OnlyThePublishedFormsCarryTheirForm) {
   EXPECT_EQ(CostModel::PublishedV1().published_form(), PublishedForm::kV1);
   EXPECT_EQ(CostModel::FromSpec("v2")->published_form(), PublishedForm::kV2);

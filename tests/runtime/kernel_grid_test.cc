@@ -316,6 +316,44 @@ TEST(GridTerms, FastSimulationCountsAsTheReferenceOnRandomBatches) {
   }
 }
 
+// The planner simulates a packed batch once for both kernel paths and keeps each path's terms;
+// that must be what simulating each path's terms alone gives, to the bit.
+TEST(GridTerms, KeepingTermsEqualsSimulatingOnlyThoseTerms) {
+  std::mt19937_64 rng(37);
+  std::lognormal_distribution<double> ctx(std::log(7000), 1.2);
+  const unsigned all = (1u << kNumGridTerms) - 1;
+  int shared_checked = 0;
+  for (const char* name : {"fa2-packed-h200", "fa2-gqa-h200"}) {
+    const KernelGrid grid = *KernelGrid::Named(name);
+    for (int trial = 0; trial < 40; ++trial) {
+      std::vector<RequestLoad> batch(1 + rng() % 80);
+      for (RequestLoad& r : batch) {
+        r.ctx_tokens = std::min<int64_t>(131072, 1 + static_cast<int64_t>(ctx(rng)));
+        r.query_tokens = trial % 3 == 0 ? 1 : 1 + static_cast<int32_t>(rng() % 8);
+      }
+      const unsigned a = static_cast<unsigned>(rng()) & all, b = static_cast<unsigned>(rng()) & all;
+      for (GridSimulation sim : {GridSimulation::kReference, GridSimulation::kFast}) {
+        for (bool single : {false, true}) {
+          const GridTerms alone = SimulateGrid(grid, batch, single, a, sim);
+          EXPECT_EQ(KeepGridTerms(SimulateGrid(grid, batch, single, a | b, sim), a), alone)
+              << name << " trial " << trial << " mask " << a << " of " << (a | b);
+        }
+        if (PathsShareLaunch(grid)) {
+          EXPECT_EQ(SimulateGrid(grid, batch, true, all, sim), SimulateGrid(grid, batch, false, all, sim))
+              << name << " trial " << trial;
+          ++shared_checked;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(shared_checked, 80);
+  // A head-major batch of single queries launches another grid on each path.
+  const KernelGrid gqa = *KernelGrid::Named("fa2-gqa-h200");
+  EXPECT_FALSE(PathsShareLaunch(gqa));
+  const std::vector<RequestLoad> decode(8, RequestLoad{5000, 1});
+  EXPECT_NE(SimulateGrid(gqa, decode, true)[kGridCtas], SimulateGrid(gqa, decode, false)[kGridCtas]);
+}
+
 TEST(GridTerms, CountTheKernelsCtasAndWork) {
   const KernelGrid packed = *KernelGrid::Named("fa2-packed-h200");
   // 128 heads x q rows in 64-row blocks: 2 and 6 blocks; the launch has 6 per request.

@@ -222,7 +222,8 @@ class CostModel {
 // Fills `agg->grid` for `grid` from `batch` (whose aggregates `agg` are), for the kernel paths
 // in `paths` (bit 0: the launch with every q_i = 1, bit 1: the verify launch). `single_mask` and
 // `multi_mask` select each launch's simulated terms (bit t: grid term t); counts and work are
-// always filled.
+// always filled. Where both paths are one launch (PathsShareLaunch: packed rows) and both are
+// asked for, it is simulated once for the terms of both (KeepGridTerms: the same to the bit).
 void FillGridState(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
                    unsigned single_mask, unsigned multi_mask, unsigned paths,
                    BatchAggregates* agg, GridSimulation sim = GridSimulation::kReference);

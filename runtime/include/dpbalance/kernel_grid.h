@@ -124,6 +124,17 @@ GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> bat
                        bool single_query_launch, unsigned terms = (1u << kNumGridTerms) - 1,
                        GridSimulation sim = GridSimulation::kReference);
 
+// Whether a batch's two launches (single_query_launch true and false) are one grid: packed rows
+// launch the same CTAs either way (a head-major launch swaps heads into rows when every q_i = 1).
+// Then one SimulateGrid over both paths' terms serves both (KeepGridTerms).
+inline bool PathsShareLaunch(const KernelGrid& grid) {
+  return grid.layout == KernelGrid::Layout::kPackedRows;
+}
+// What SimulateGrid(grid, batch, launch, terms) returns, from SimulateGrid(grid, batch, launch,
+// more) for any `more` that has every bit of `terms`, to the bit: the terms it would not have
+// computed set to 0 (the cold reads' makespan is computed with them).
+GridTerms KeepGridTerms(const GridTerms& computed, unsigned terms);
+
 // Which of several simultaneous events (two slots freeing at the same instant) goes first.
 // - kHeapOrder: whichever the binary heap of SM events leaves on top, only times compared, in
 //   one fixed order of heap operations (kernel_grid.cc, EventHeap): libstdc++'s std::pop_heap /
