@@ -353,17 +353,24 @@ TEST(GridMakespan, FastEqualsTheCalibratedReferenceWithoutTies) {
 // The fast grid terms against the reference on real batches: counts, work and combine are the
 // same; the simulated terms differ where slots free together (measured in docs/cost-model.md:
 // up to ~16% on packed launches with one long request), so only their sanity is checked here.
+// Up to `max_requests` Mooncake-like requests (log-normal contexts, median 7k tokens), each with
+// 1-8 query tokens, or every one with a single query.
+std::vector<RequestLoad> RandomBatch(std::mt19937_64& rng, int max_requests, bool single_queries) {
+  std::lognormal_distribution<double> ctx(std::log(7000), 1.2);
+  std::vector<RequestLoad> batch(1 + rng() % static_cast<uint64_t>(max_requests));
+  for (RequestLoad& r : batch) {
+    r.ctx_tokens = std::min<int64_t>(131072, 1 + static_cast<int64_t>(ctx(rng)));
+    r.query_tokens = single_queries ? 1 : 1 + static_cast<int32_t>(rng() % 8);
+  }
+  return batch;
+}
+
 TEST(GridTerms, FastSimulationCountsAsTheReferenceOnRandomBatches) {
   std::mt19937_64 rng(31);
-  std::lognormal_distribution<double> ctx(std::log(7000), 1.2);
   for (const char* name : {"fa2-packed-h200", "fa2-gqa-h200"}) {
     const KernelGrid grid = *KernelGrid::Named(name);
     for (int trial = 0; trial < 12; ++trial) {
-      std::vector<RequestLoad> batch(1 + rng() % 48);
-      for (RequestLoad& r : batch) {
-        r.ctx_tokens = std::min<int64_t>(131072, 1 + static_cast<int64_t>(ctx(rng)));
-        r.query_tokens = 1 + static_cast<int32_t>(rng() % 8);
-      }
+      const std::vector<RequestLoad> batch = RandomBatch(rng, 48, /*single_queries=*/false);
       for (bool single : {false, true}) {
         const GridTerms ref = SimulateGrid(grid, batch, single);
         const GridTerms fast = SimulateGrid(grid, batch, single, ~0u, GridSimulation::kFast);
@@ -382,17 +389,12 @@ TEST(GridTerms, FastSimulationCountsAsTheReferenceOnRandomBatches) {
 // that must be what simulating each path's terms alone gives, to the bit.
 TEST(GridTerms, KeepingTermsEqualsSimulatingOnlyThoseTerms) {
   std::mt19937_64 rng(37);
-  std::lognormal_distribution<double> ctx(std::log(7000), 1.2);
   const unsigned all = (1u << kNumGridTerms) - 1;
   int shared_checked = 0;
   for (const char* name : {"fa2-packed-h200", "fa2-gqa-h200"}) {
     const KernelGrid grid = *KernelGrid::Named(name);
     for (int trial = 0; trial < 40; ++trial) {
-      std::vector<RequestLoad> batch(1 + rng() % 80);
-      for (RequestLoad& r : batch) {
-        r.ctx_tokens = std::min<int64_t>(131072, 1 + static_cast<int64_t>(ctx(rng)));
-        r.query_tokens = trial % 3 == 0 ? 1 : 1 + static_cast<int32_t>(rng() % 8);
-      }
+      const std::vector<RequestLoad> batch = RandomBatch(rng, 80, /*single_queries=*/trial % 3 == 0);
       const unsigned a = static_cast<unsigned>(rng()) & all, b = static_cast<unsigned>(rng()) & all;
       for (GridSimulation sim : {GridSimulation::kReference, GridSimulation::kFast}) {
         for (bool single : {false, true}) {
