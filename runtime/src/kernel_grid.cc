@@ -756,6 +756,16 @@ void FillColdReads(const CtaList& ctas, const std::vector<double>& starts, GridT
   for (int w = 0; w < kNumGridReuseWindows; ++w) (*out)[kGridColdReads0 + w] = cold[w];
 }
 
+// The grid terms of the cold reads (SimulateGrid computes all of them if any is asked for).
+constexpr unsigned kColdReadBits = ((1u << kNumGridReuseWindows) - 1) << kGridColdReads0;
+bool WantsColdReads(unsigned terms) { return (terms & kColdReadBits) != 0; }
+// Which makespans SimulateGrid simulates for `terms` (bit j: makespan j): those asked for, and
+// the one whose start times the cold reads use, with them (as it always was).
+unsigned SimulatedMakespans(unsigned terms) {
+  return (terms >> kGridMakespan0 & ((1u << kNumGridMakespans) - 1)) |
+         (WantsColdReads(terms) ? 1u << kColdReadsMakespan : 0u);
+}
+
 }  // namespace
 
 GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
@@ -769,12 +779,9 @@ GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> bat
   for (double w : works) out[kGridWork] += std::max(w, 0.0);
   out[kGridCombine] = ctas.combine_work;
   constexpr double kExitCost = 0.2;  // key blocks' worth of a CTA that exits at once
-  constexpr unsigned kColdReadBits = ((1u << kNumGridReuseWindows) - 1) << kGridColdReads0;
-  const bool cold_reads = (terms & kColdReadBits) != 0;
+  const bool cold_reads = WantsColdReads(terms);
   thread_local std::vector<double> starts;
-  // The makespan whose start times the cold reads use is filled with them (as it always was).
-  const unsigned makespans = (terms >> kGridMakespan0 & ((1u << kNumGridMakespans) - 1)) |
-                             (cold_reads ? 1u << kColdReadsMakespan : 0u);
+  const unsigned makespans = SimulatedMakespans(terms);
   if (sim == GridSimulation::kFast) {
     SimulateMakespans(works, grid.num_sms, grid.ctas_per_sm, kGridMakespanParams, makespans,
                       kExitCost, &out[kGridMakespan0], cold_reads ? kColdReadsMakespan : -1,
@@ -790,13 +797,11 @@ GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> bat
 
 GridTerms KeepGridTerms(const GridTerms& computed, unsigned terms) {
   GridTerms out = computed;
-  const unsigned cold_read_bits = ((1u << kNumGridReuseWindows) - 1) << kGridColdReads0;
-  const bool cold_reads = (terms & cold_read_bits) != 0;
+  const unsigned makespans = SimulatedMakespans(terms);
   for (int j = 0; j < kNumGridMakespans; ++j) {
-    const bool kept = (terms >> (kGridMakespan0 + j) & 1u) || (cold_reads && j == kColdReadsMakespan);
-    if (!kept) out[kGridMakespan0 + j] = 0;
+    if ((makespans >> j & 1u) == 0) out[kGridMakespan0 + j] = 0;
   }
-  if (!cold_reads) {
+  if (!WantsColdReads(terms)) {
     for (int w = 0; w < kNumGridReuseWindows; ++w) out[kGridColdReads0 + w] = 0;
   }
   return out;

@@ -199,9 +199,6 @@ TEST(CostModel, GridSimulationIsTheModelsOwnAndCopiesKeepTheRest) {
       << refused.status();
 }
 
-// Which models price an instance with the published formula's two max() terms (routing E):
-// the published forms, also scaled (--truth_layers); not a copy of their weights, a grid-seeded
-// form, or a model file.
 // Both paths at once (one simulation where the grid is one launch) fill what each path alone
 // fills, to the bit, for any masks, grid and simulation.
 TEST(CostModel, GridStateOfBothPathsIsEachPathsOwn) {
@@ -229,6 +226,9 @@ TEST(CostModel, GridStateOfBothPathsIsEachPathsOwn) {
   }
 }
 
+// Which models price an instance with the published formula's two max() terms (routing E):
+// the published forms, also scaled (--truth_layers); not a copy of their weights, a grid-seeded
+// form, or a model file.
 TEST(CostModel, OnlyThePublishedFormsCarryTheirForm) {
   EXPECT_EQ(CostModel::PublishedV1().published_form(), PublishedForm::kV1);
   EXPECT_EQ(CostModel::FromSpec("v2")->published_form(), PublishedForm::kV2);

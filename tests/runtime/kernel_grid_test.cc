@@ -350,9 +350,6 @@ TEST(GridMakespan, FastEqualsTheCalibratedReferenceWithoutTies) {
                    2 + 1 / 0.8);
 }
 
-// The fast grid terms against the reference on real batches: counts, work and combine are the
-// same; the simulated terms differ where slots free together (measured in docs/cost-model.md:
-// up to ~16% on packed launches with one long request), so only their sanity is checked here.
 // Up to `max_requests` Mooncake-like requests (log-normal contexts, median 7k tokens), each with
 // 1-8 query tokens, or every one with a single query.
 std::vector<RequestLoad> RandomBatch(std::mt19937_64& rng, int max_requests, bool single_queries) {
@@ -365,6 +362,9 @@ std::vector<RequestLoad> RandomBatch(std::mt19937_64& rng, int max_requests, boo
   return batch;
 }
 
+// The fast grid terms against the reference on real batches: counts, work and combine are the
+// same; the simulated terms differ where slots free together (measured in docs/cost-model.md:
+// up to ~16% on packed launches with one long request), so only their sanity is checked here.
 TEST(GridTerms, FastSimulationCountsAsTheReferenceOnRandomBatches) {
   std::mt19937_64 rng(31);
   for (const char* name : {"fa2-packed-h200", "fa2-gqa-h200"}) {
