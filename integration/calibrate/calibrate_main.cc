@@ -197,6 +197,10 @@ absl::Status CheckFlags(const Options& options) {
   }
   if (absl::StatusOr<GridSimulation> s = GridSimulationNamed(options.grid_sim_name); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("--grid_sim: ", s.status().message()));
+  } else if (*s == GridSimulation::kSampledHeads) {
+    return absl::InvalidArgumentError(
+        "--grid_sim = 'sampled': that is how a planner prices a reference fit; a fit is made "
+        "under reference or fast");
   }
   for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--json", options.json_out},
                                    {"--out", options.model_out},

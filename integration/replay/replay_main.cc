@@ -82,8 +82,9 @@ ABSL_FLAG(std::string, planner_model, "truth",
 ABSL_FLAG(std::string, planner_grid_sim, "default",
           "how the planner simulates a grid model's launch: 'reference' (as the fits were "
           "calibrated and the truth is evaluated), 'fast' (SimulateMakespans: closed-form drains, "
-          "another tie rule; docs/cost-model.md) or 'default' (the rule the model carries: "
-          "reference unless its file says \"grid_simulation\": \"fast\")");
+          "another tie rule; docs/cost-model.md), 'sampled' (reference, a head-major verify "
+          "launch from its first heads) or 'default' (the planner's default: sampled for a "
+          "reference model, fast where its file says \"grid_simulation\": \"fast\")");
 ABSL_FLAG(int, truth_layers, 1,
           "attention layers per step: the truth model (e.g. a per-layer fit from "
           "dpbalance-calibrate) is multiplied by this");
@@ -365,7 +366,7 @@ absl::StatusOr<SimConfig> BaseConfigFromFlags(const TruthModel& truth) {
     absl::StatusOr<GridSimulation> named = GridSimulationNamed(sim);
     if (!named.ok()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("--planner_grid_sim: '", sim, "' is not one of reference, fast, default"));
+          absl::StrCat("--planner_grid_sim: '", sim, "' is not one of reference, fast, sampled, default"));
     }
     base.planner_grid_simulation = *named;
   }

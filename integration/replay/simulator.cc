@@ -193,7 +193,11 @@ absl::StatusOr<Simulation> Simulation::Create(const SimConfig& cfg, const TruthM
   pc.max_step_slack = cfg.max_step_slack;
   pc.agreed_draft_depth = !truth.per_rank_draft;
   pc.uniform_per_rank = cfg.uniform_per_rank;
-  if (cfg.verify != VerifyMode::kOracle) pc.grid_simulation = cfg.planner_grid_simulation;
+  if (cfg.verify != VerifyMode::kOracle) {
+    pc.grid_simulation = cfg.planner_grid_simulation;
+  } else {
+    pc.sample_heads = false;  // the oracle prices exactly as the truth charges
+  }
   if (cfg.padded && cfg.verify != VerifyMode::kDspark) {  // the planner's padded mode (v2)
     pc.token_tiers = cfg.token_tiers;
     pc.global.padded_tokens = true;

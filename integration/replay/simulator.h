@@ -74,8 +74,9 @@ struct SimConfig {
   int stale_steps = 0;                    // planner modes: plan with the state N steps old
   CostModel planner_model = CostModel::PublishedV2();
   bool planner_online = false;            // refit planner_model online from measured attention
-  // How the planner simulates a grid model (PlannerConfig::grid_simulation; unset: the model's
-  // own rule); the oracle prices with the truth as it is.
+  // How the planner simulates a grid model (PlannerConfig::grid_simulation; unset: the planner's
+  // default, head-major verify launches from sampled heads); the oracle prices with the truth as
+  // it is, every head simulated.
   std::optional<GridSimulation> planner_grid_simulation;
   double acceptance_sigma = 1.0;          // per-request logit shift, standard deviation
   double acceptance_prior_strength = 4.0;

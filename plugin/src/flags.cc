@@ -142,6 +142,11 @@ void AddBalancerFlags(FlagTable& t) {
          f.balancer.model = *std::move(m);
          return absl::OkStatus();
        }},
+      {"grid_sim", [](PluginFlags& f, const std::string& v) -> absl::Status {
+         if (v != "sampled" && v != "exact") return BadValue(v, "sampled or exact");
+         f.balancer.planner.sample_heads = v == "sampled";
+         return absl::OkStatus();
+       }},
       {"tpot_slo_ms", Double(0, 1e6, [](PluginFlags& f, double x) { f.balancer.tpot_slo_us = x * 1000; })},
       {"online", Int(0, 1, [](PluginFlags& f, int x) { f.balancer.online_calibration = x; })},
       {"prior_strength", Double(1e-3, 1e6, [](PluginFlags& f, double x) { f.balancer.acceptance_prior_strength = x; })},

@@ -223,7 +223,8 @@ std::string CostModel::ToJson() const {
   j["name"] = name_;
   j["units"] = "us";
   if (grid_.enabled()) j["kernel_grid"] = grid_.Name();
-  if (grid_.enabled() && grid_sim_ != GridSimulation::kReference) {
+  // A planner's sampled pricing of a reference model is written as the model it prices.
+  if (grid_.enabled() && grid_sim_ == GridSimulation::kFast) {
     j["grid_simulation"] = std::string(GridSimulationName(grid_sim_));
   }
   for (int f = 0; f < kNumCostFeatures; ++f) j["weights_us"][FeatureName(f)] = weights_us_[f];
@@ -258,7 +259,8 @@ absl::StatusOr<CostModel> CostModel::FromJson(std::string_view text, std::string
     const nlohmann::json& v = j["grid_simulation"];
     absl::StatusOr<GridSimulation> named = absl::InvalidArgumentError("not a string");
     if (v.is_string()) named = GridSimulationNamed(v.get<std::string>());
-    if (!named.ok()) {
+    // "sampled" is how a planner prices a reference model, not a rule a fit was made under.
+    if (!named.ok() || *named == GridSimulation::kSampledHeads) {
       return absl::InvalidArgumentError(absl::StrCat(
           source, ": grid_simulation is ", v.dump(), ", expected \"reference\" or \"fast\""));
     }

@@ -203,12 +203,31 @@ std::string KernelGrid::Name() const {
 absl::StatusOr<GridSimulation> GridSimulationNamed(std::string_view name) {
   if (name == "reference") return GridSimulation::kReference;
   if (name == "fast") return GridSimulation::kFast;
-  return absl::InvalidArgumentError(
-      absl::StrCat("grid simulation '", std::string(name), "' is not reference or fast"));
+  if (name == "sampled") return GridSimulation::kSampledHeads;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "grid simulation '", std::string(name), "' is not one of reference, fast, sampled"));
 }
 
 std::string_view GridSimulationName(GridSimulation sim) {
-  return sim == GridSimulation::kFast ? "fast" : "reference";
+  switch (sim) {
+    case GridSimulation::kFast:
+      return "fast";
+    case GridSimulation::kSampledHeads:
+      return "sampled";
+    case GridSimulation::kReference:
+      break;
+  }
+  return "reference";
+}
+
+int SampledHeads(const KernelGrid& grid, int64_t ctas_per_head) {
+  const int64_t slots = static_cast<int64_t>(std::max(grid.num_sms, 1)) * std::max(grid.ctas_per_sm, 1);
+  const int64_t heads = std::max(grid.heads, 1);
+  // A launch of a few waves is simulated whole: sampling would save little of it.
+  if (ctas_per_head <= 0 || heads * ctas_per_head <= 2 * kSampledWaves * slots) {
+    return static_cast<int>(heads);
+  }
+  return static_cast<int>(std::min(heads, CeilDiv(kSampledWaves * slots, ctas_per_head)));
 }
 
 std::string GridTermName(int term) {
@@ -662,9 +681,9 @@ void SplitKvCtas(const KernelGrid& grid, absl::Span<const RequestLoad> batch, in
 }
 
 // Head-major verify launch: one CTA per (head, request, row block); row blocks of the longest
-// request's queries.
+// request's queries. Only the first `heads_built` heads (every head: grid.heads).
 void HeadMajorCtas(const KernelGrid& grid, absl::Span<const RequestLoad> batch, int32_t max_q,
-                   CtaList& ctas) {
+                   int heads_built, CtaList& ctas) {
   const int64_t b = static_cast<int64_t>(batch.size());
   ctas.works.clear();
   ctas.combine_work = 0;
@@ -678,7 +697,7 @@ void HeadMajorCtas(const KernelGrid& grid, absl::Span<const RequestLoad> batch, 
     }
   }
   const size_t per_head = ctas.works.size();
-  ctas.works.resize(per_head * static_cast<size_t>(std::max(grid.heads, 1)));
+  ctas.works.resize(per_head * static_cast<size_t>(std::max(heads_built, 1)));
   for (size_t at = per_head; at < ctas.works.size(); at += per_head) {
     std::copy_n(ctas.works.begin(), per_head, ctas.works.begin() + static_cast<ptrdiff_t>(at));
   }
@@ -701,9 +720,11 @@ void PackedRowCtas(const KernelGrid& grid, absl::Span<const RequestLoad> batch, 
   }
 }
 
-// Fills `ctas` (its buffers reused across calls).
-void BuildCtaList(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
-                  bool single_query_launch, CtaList& ctas) {
+// Fills `ctas` (its buffers reused across calls). `sample_heads`: a head-major verify launch
+// is built for its first SampledHeads heads only; returns how many heads were built (every
+// launch but that one: grid.heads, or 1 where heads do not repeat).
+int BuildCtaList(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
+                 bool single_query_launch, bool sample_heads, CtaList& ctas) {
   int64_t max_ctx = 0;
   int32_t max_q = 1;
   for (const RequestLoad& r : batch) {
@@ -713,19 +734,34 @@ void BuildCtaList(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
   if (grid.layout == KernelGrid::Layout::kHeadMajor) {
     if (single_query_launch) {
       SplitKvCtas(grid, batch, max_ctx, ctas);
-    } else {
-      HeadMajorCtas(grid, batch, max_q, ctas);
+      return 1;
     }
-    return;
+    const int64_t per_head =
+        static_cast<int64_t>(batch.size()) * CeilDiv(max_q, grid.block_m);
+    const int heads = sample_heads ? SampledHeads(grid, per_head) : std::max(grid.heads, 1);
+    HeadMajorCtas(grid, batch, max_q, heads, ctas);
+    return heads;
   }
   PackedRowCtas(grid, batch, max_q, ctas);
+  return 1;
 }
+
+// The heads a sampled head-major launch left out: `heads` more repeats of the list, each
+// starting `head_time` after the one before (its work spread over every slot).
+struct HeadsLeftOut {
+  int64_t heads = 0;
+  double head_time = 0;
+};
 
 // Key blocks each reuse window's CTAs fetch from HBM, into out[kGridColdReads0 + w]. `starts`:
 // each CTA's start time. Starts never decrease in launch order, so one pass per window finds
 // each key range's fetches: a CTA fetches when it starts more than the window after its range's
-// last fetch.
-void FillColdReads(const CtaList& ctas, const std::vector<double>& starts, GridTerms* out) {
+// last fetch. `left_out`: heads after the list's that were not simulated; each range then
+// fetches again whenever its next head starts more than the window after its last fetch, its
+// heads starting head_time apart from its last simulated one (one fetch per head: the range's
+// other CTAs of that head start with it).
+void FillColdReads(const CtaList& ctas, const std::vector<double>& starts,
+                   const HeadsLeftOut& left_out, GridTerms* out) {
   thread_local std::vector<std::array<double, kNumGridReuseWindows>> last_fetch;
   last_fetch.assign(static_cast<size_t>(ctas.num_ranges),
                     [] {
@@ -736,6 +772,11 @@ void FillColdReads(const CtaList& ctas, const std::vector<double>& starts, GridT
   std::array<double, kNumGridReuseWindows> cold{};
   const size_t row_blocks = static_cast<size_t>(ctas.row_blocks);
   const size_t num_ranges = static_cast<size_t>(ctas.num_ranges);
+  thread_local std::vector<double> last_start, range_work;  // of each range's last live CTA
+  if (left_out.heads > 0) {
+    last_start.assign(num_ranges, 0.0);
+    range_work.assign(num_ranges, 0.0);
+  }
   size_t range = 0, in_range = 0;  // range_of(c) = (c / row_blocks) % num_ranges, kept by steps
   for (size_t c = 0; c < ctas.works.size(); ++c) {
     const double work = ctas.works[c];
@@ -747,10 +788,29 @@ void FillColdReads(const CtaList& ctas, const std::vector<double>& starts, GridT
           last[w] = starts[c];
         }
       }
+      if (left_out.heads > 0) {
+        last_start[range] = starts[c];
+        range_work[range] = work;
+      }
     }
     if (++in_range == row_blocks) {
       in_range = 0;
       if (++range == num_ranges) range = 0;
+    }
+  }
+  for (size_t r = 0; r < num_ranges && left_out.heads > 0 && left_out.head_time > 0; ++r) {
+    if (range_work[r] <= 0) continue;  // every CTA of the range exits at once
+    for (int w = 0; w < kNumGridReuseWindows; ++w) {
+      // Head n after the last simulated one starts at last_start + n * head_time: the first to
+      // start more than the window after the last fetch fetches, then every `every`-th head.
+      const double window = kGridReuseWindows[w];
+      const double ahead = (last_fetch[r][w] + window - last_start[r]) / left_out.head_time;
+      const double first = std::max(1.0, std::floor(ahead) + 1);
+      if (first > static_cast<double>(left_out.heads)) continue;
+      const double every = std::floor(window / left_out.head_time) + 1;
+      const double fetches =
+          1 + std::floor((static_cast<double>(left_out.heads) - first) / every);
+      cold[w] += fetches * range_work[r];
     }
   }
   for (int w = 0; w < kNumGridReuseWindows; ++w) (*out)[kGridColdReads0 + w] = cold[w];
@@ -773,25 +833,77 @@ GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> bat
   GridTerms out{};
   if (!grid.enabled() || batch.empty()) return out;
   thread_local CtaList ctas;
-  BuildCtaList(grid, batch, single_query_launch, ctas);
+  const int heads_built = BuildCtaList(grid, batch, single_query_launch,
+                                       sim == GridSimulation::kSampledHeads, ctas);
   const std::vector<double>& works = ctas.works;
-  out[kGridCtas] = static_cast<double>(works.size());
-  for (double w : works) out[kGridWork] += std::max(w, 0.0);
-  out[kGridCombine] = ctas.combine_work;
   constexpr double kExitCost = 0.2;  // key blocks' worth of a CTA that exits at once
+  // A sampled head-major launch: the heads not built repeat the first head's CTAs.
+  const int64_t heads_left_out =
+      grid.layout == KernelGrid::Layout::kHeadMajor && !single_query_launch
+          ? std::max(grid.heads, 1) - heads_built
+          : 0;
+  std::array<double, kNumGridMakespans> head_cost{};  // one head's CTAs' cost, per makespan
+  double head_live = 0;                               // one head's CTAs that do not exit at once
+  if (heads_left_out == 0) {
+    out[kGridCtas] = static_cast<double>(works.size());
+    for (double w : works) out[kGridWork] += std::max(w, 0.0);
+  } else {
+    const size_t per_head = works.size() / static_cast<size_t>(heads_built);
+    double head_work = 0;
+    for (size_t i = 0; i < per_head; ++i) {
+      head_work += std::max(works[i], 0.0);
+      head_live += works[i] < 0 ? 0 : 1;
+      for (int j = 0; j < kNumGridMakespans; ++j) {
+        head_cost[j] += works[i] < 0 ? kExitCost : works[i] + kGridMakespanParams[j][1];
+      }
+    }
+    const double all_heads = static_cast<double>(heads_built + heads_left_out);
+    out[kGridCtas] = static_cast<double>(per_head) * all_heads;
+    out[kGridWork] = head_work * all_heads;  // whole key blocks: what the sum over all gives
+  }
+  out[kGridCombine] = ctas.combine_work;
   const bool cold_reads = WantsColdReads(terms);
   thread_local std::vector<double> starts;
   const unsigned makespans = SimulatedMakespans(terms);
+  // A sampled launch runs one list phase, at the cold reads' overhead; each makespan is its drain
+  // under that makespan's alone rate, moved below by the makespan's own per-CTA overhead.
+  const double sampled_overhead = kGridMakespanParams[kColdReadsMakespan][1];
   if (sim == GridSimulation::kFast) {
     SimulateMakespans(works, grid.num_sms, grid.ctas_per_sm, kGridMakespanParams, makespans,
                       kExitCost, &out[kGridMakespan0], cold_reads ? kColdReadsMakespan : -1,
                       cold_reads ? &starts : nullptr);
+  } else if (heads_left_out > 0) {
+    std::array<std::array<double, 2>, kNumGridMakespans> one_overhead = kGridMakespanParams;
+    for (std::array<double, 2>& p : one_overhead) p[1] = sampled_overhead;
+    ReferenceMakespans(works, grid.num_sms, grid.ctas_per_sm, one_overhead, makespans,
+                       kExitCost, &out[kGridMakespan0], cold_reads ? kColdReadsMakespan : -1,
+                       cold_reads ? &starts : nullptr);
   } else {
     ReferenceMakespans(works, grid.num_sms, grid.ctas_per_sm, kGridMakespanParams, makespans,
                        kExitCost, &out[kGridMakespan0], cold_reads ? kColdReadsMakespan : -1,
                        cold_reads ? &starts : nullptr);
   }
-  if (cold_reads) FillColdReads(ctas, starts, &out);
+  HeadsLeftOut left_out;
+  if (heads_left_out > 0) {
+    // While CTAs wait every SM is full: it works at full throughput (at the alone rate with one
+    // CTA per SM), so each head left out adds its cost spread over the SMs, before the tail the
+    // simulated heads end with.
+    const double sms = std::max(grid.num_sms, 1);
+    auto head_time = [&](int j) {
+      const double full = grid.ctas_per_sm > 1 ? 1.0 : kGridMakespanParams[j][0];
+      return head_cost[j] / (sms * full);
+    };
+    for (int j = 0; j < kNumGridMakespans; ++j) {
+      if (makespans >> j & 1u) {
+        const double full = grid.ctas_per_sm > 1 ? 1.0 : kGridMakespanParams[j][0];
+        out[kGridMakespan0 + j] +=
+            static_cast<double>(heads_left_out) * head_time(j) +
+            (kGridMakespanParams[j][1] - sampled_overhead) * head_live * heads_built / (sms * full);
+      }
+    }
+    left_out = {heads_left_out, head_time(kColdReadsMakespan)};
+  }
+  if (cold_reads) FillColdReads(ctas, starts, left_out, &out);
   return out;
 }
 

@@ -13,11 +13,13 @@ TEST(Flags, DefaultsEnvironmentAndConfigStringWhichWins) {
   EXPECT_DOUBLE_EQ(f->balancer.planner.max_step_slack, 0.03);
   EXPECT_EQ(f->balancer.tpot_slo_us, 0);  // no SLO unless the engine sets one
   EXPECT_FALSE(f->balancer.planner.uniform_per_rank);
+  EXPECT_TRUE(f->balancer.planner.sample_heads);
 
   f = ParseFlags({{"DPB_MODE", "fill"}, {"DPB_K_MAX", "5"}, {"DPB_TIERS", "8,16,32"}},
                  "k_max=6; timeout_ms=20 ;ab_epoch=100;padded=1;agreed_depth=0;tpot_slo_ms=52.5;"
-                 "granularity=rank");
+                 "granularity=rank;grid_sim=exact");
   ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_FALSE(f->balancer.planner.sample_heads);
   EXPECT_EQ(f->balancer.planner.mode, PlanMode::kFill);
   EXPECT_EQ(f->balancer.planner.k_max, 6);
   EXPECT_EQ(f->balancer.planner.token_tiers, (std::vector<int32_t>{8, 16, 32}));
@@ -76,6 +78,10 @@ TEST(Flags, UnknownAndMalformedFlagsAreNamed) {
   ASSERT_FALSE(f.ok());
   EXPECT_NE(f.status().message().find("granularity"), std::string::npos) << f.status();
   EXPECT_NE(f.status().message().find("batch"), std::string::npos) << f.status();
+  f = ParseFlags({{"DPB_GRID_SIM", "fast"}}, "");
+  ASSERT_FALSE(f.ok());
+  EXPECT_NE(f.status().message().find("grid_sim"), std::string::npos) << f.status();
+  EXPECT_NE(f.status().message().find("'fast'"), std::string::npos) << f.status();
   EXPECT_FALSE(ParseFlags({}, "k_max").ok());
   EXPECT_FALSE(ParseFlags({}, "tiers=8,-1").ok());
   EXPECT_FALSE(ParseFlags({}, "k_max=2;default_k=3").ok());

@@ -197,6 +197,17 @@ TEST(CostModel, GridSimulationIsTheModelsOwnAndCopiesKeepTheRest) {
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("bad.json: grid_simulation is \"slow\""), std::string::npos)
       << refused.status();
+  // A planner's sampled pricing is not a rule a fit carries: a copy priced so writes the model it
+  // prices, and a file that says "sampled" is refused.
+  const CostModel sampled = ref->WithGridSimulation(GridSimulation::kSampledHeads);
+  EXPECT_EQ(sampled.ToJson(), ref->ToJson());
+  std::string says_sampled = fast.ToJson();
+  says_sampled.replace(says_sampled.find("\"fast\""), 6, "\"sampled\"");
+  refused = CostModel::FromJson(says_sampled, "sampled.json");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("sampled.json: grid_simulation is \"sampled\""),
+            std::string::npos)
+      << refused.status();
 }
 
 // Both paths at once (one simulation where the grid is one launch) fill what each path alone

@@ -447,12 +447,13 @@ TEST(Planner, PricesWithItsConfiguredGridSimulation) {
   EXPECT_EQ(given.grid_simulation(), GridSimulation::kReference);
   p->set_model(given);
   EXPECT_EQ(p->model().grid_simulation(), GridSimulation::kFast);
-  // Unset, the planner prices a model the way it carries (a fit under kFast says so in its file).
+  // Unset, the planner prices a model the way it carries (a fit under kFast says so in its file),
+  // a reference model's head-major verify launches from sampled heads.
   absl::StatusOr<Planner> own = Planner::Create(PlannerConfig{}, given.WithGridSimulation(GridSimulation::kFast));
   ASSERT_TRUE(own.ok());
   EXPECT_EQ(own->model().grid_simulation(), GridSimulation::kFast);
   own->set_model(given);
-  EXPECT_EQ(own->model().grid_simulation(), GridSimulation::kReference);
+  EXPECT_EQ(own->model().grid_simulation(), GridSimulation::kSampledHeads);
   // Its summary's base price is the fast simulation's.
   // Mooncake-like contexts, 378 CTAs: a batch whose tail the two tie rules price 30% apart.
   std::vector<PlanRequest> batch(63);
@@ -471,6 +472,41 @@ TEST(Planner, PricesWithItsConfiguredGridSimulation) {
   EXPECT_FLOAT_EQ(s.base_attention_us, static_cast<float>(fast.AttentionUs(loads)));
   // (and the batch is one the two simulations price apart, so the check can fail)
   EXPECT_NE(fast.AttentionUs(loads), given.AttentionUs(loads));
+}
+
+// By default the planner prices a reference model's head-major verify launch from sampled heads
+// (GridSimulation::kSampledHeads), the model itself staying as it is.
+TEST(Planner, PricesHeadMajorVerifyLaunchesFromSampledHeadsByDefault) {
+  absl::StatusOr<CostModel> given = CostModel::FromSpec("v2+fa2-gqa-h200");
+  ASSERT_TRUE(given.ok()) << given.status();
+  absl::StatusOr<Planner> p = Planner::Create(PlannerConfig{}, *given);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->model().grid_simulation(), GridSimulation::kSampledHeads);
+  EXPECT_EQ(given->grid_simulation(), GridSimulation::kReference);
+  // 32 Mooncake-like requests verifying 2 drafts: 4,096 CTAs, of which 17 heads are simulated.
+  std::vector<PlanRequest> batch(32);
+  std::vector<RequestLoad> loads;
+  std::mt19937_64 rng(47);
+  std::lognormal_distribution<double> ctx(std::log(7000), 1.2);
+  for (PlanRequest& r : batch) {
+    r.ctx_tokens = std::min<int64_t>(131072, 1 + static_cast<int64_t>(ctx(rng)));
+    r.k_min = r.k_cap = 2;
+    r.acceptance = *AcceptanceCurve::FromConditional(MtpK8ConditionalProfile());
+    loads.push_back({r.ctx_tokens, 3});
+  }
+  RankSummary s;
+  ASSERT_TRUE(p->Summarize(0, batch, -1, &s).ok());
+  const CostModel sampled = given->WithGridSimulation(GridSimulation::kSampledHeads);
+  EXPECT_FLOAT_EQ(s.base_attention_us, static_cast<float>(sampled.AttentionUs(loads)));
+  EXPECT_NE(sampled.AttentionUs(loads), given->AttentionUs(loads));  // so the check can fail
+  // Told not to sample (DPB_GRID_SIM=exact), it prices as the model does.
+  PlannerConfig c;
+  c.sample_heads = false;
+  absl::StatusOr<Planner> exact = Planner::Create(c, *given);
+  ASSERT_TRUE(exact.ok()) << exact.status();
+  EXPECT_EQ(exact->model().grid_simulation(), GridSimulation::kReference);
+  ASSERT_TRUE(exact->Summarize(0, batch, -1, &s).ok());
+  EXPECT_FLOAT_EQ(s.base_attention_us, static_cast<float>(given->AttentionUs(loads)));
 }
 
 // The planner's goodput at a barrier T of depth d, recomputed from the summaries alone: every rank

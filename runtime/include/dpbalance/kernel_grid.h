@@ -29,6 +29,7 @@
 #pragma once
 
 #include <array>
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -109,13 +110,33 @@ int SplitKvCount(int parallel_ctas, int num_slots, int num_key_blocks, int max_s
 //   two slots free at the same instant, and differs where they do (the heap's arbitrary order
 //   against a breadth-first one), by up to 30% on real batches: a model fitted under one rule
 //   must be priced under it (docs/cost-model.md measures what pricing the published fits with
-//   kFast costs). A model's own rule: CostModel::grid_simulation (from its file); the
-//   planner's copy: PlannerConfig::grid_simulation when set, else the model's.
-enum class GridSimulation { kReference, kFast };
-// Their names in model files and flags: "reference", "fast". An unknown name is an error that
-// says what it got and what is known.
+//   kFast costs).
+// - kSampledHeads: kReference, except for a head-major verify launch with more heads than
+//   `SampledHeads` asks for. Its heads repeat one list of CTAs, so it simulates only the first
+//   SampledHeads heads (at least kSampledWaves waves of the grid's slots), in one list phase at
+//   the cold reads' overhead, and extends the terms to every head: each makespan by the work of
+//   the heads left out and its own overhead's difference, spread over the SMs (while CTAs wait,
+//   every SM works at full throughput), and the cold reads range by range from its last fetch,
+//   the heads left out starting one per-head share of the work apart. Counts and
+//   work are exact; start times of the heads simulated are exact (a CTA's start depends only on
+//   the CTAs before it). The makespans' tails are not: which SMs the last heads' CTAs share is
+//   decided by ties, and a launch with other heads before it ties otherwise, so a makespan moves
+//   by a few per cent either way (docs/cost-model.md measures it, and what it does to plans). A
+//   planner's pricing, not a model's rule: a model file or a fit cannot carry it.
+// A model's own rule: CostModel::grid_simulation (from its file); the planner's copy:
+// PlannerConfig::grid_simulation when set, else kSampledHeads for a kReference model and the
+// model's rule otherwise.
+enum class GridSimulation { kReference, kFast, kSampledHeads };
+// Their names in model files and flags: "reference", "fast", "sampled". An unknown name is an
+// error that says what it got and what is known.
 absl::StatusOr<GridSimulation> GridSimulationNamed(std::string_view name);
 std::string_view GridSimulationName(GridSimulation sim);
+
+// How many heads a kSampledHeads launch simulates when each head has `ctas_per_head` CTAs: enough
+// for kSampledWaves waves of the grid's num_sms x ctas_per_sm slots; every head if the whole
+// launch is at most twice that (sampling would save little) or that is all of them.
+inline constexpr int kSampledWaves = 2;
+int SampledHeads(const KernelGrid& grid, int64_t ctas_per_head);
 
 // Grid terms of `batch` launched on `grid`. `single_query_launch`: the launch the kernel uses
 // when every q_i = 1 (head-major: the swapped split-KV launch); otherwise the verify launch.

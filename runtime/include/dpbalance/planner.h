@@ -85,8 +85,12 @@ struct PlannerConfig {
   // How the planner simulates a grid model's launch (kernel_grid.h), when set: the planner's
   // copy of the model simulates this way, whatever rule the model carries; the model as given
   // (a truth, a fit) is not changed. Unset: the model's own rule (CostModel::grid_simulation,
-  // from its file). Each rank prices its own batch, so ranks need not agree (not in Hash).
+  // from its file), except that a kReference model's head-major verify launches are priced from
+  // sampled heads (GridSimulation::kSampledHeads; docs/cost-model.md measures what that changes)
+  // while `sample_heads` is true. Each rank prices its own batch, so ranks need not agree (not in
+  // Hash).
   std::optional<GridSimulation> grid_simulation;
+  bool sample_heads = true;
 
   absl::Status Validate() const;
   // Hash over everything that must agree across ranks. The cost model is not in it: each rank
@@ -173,9 +177,13 @@ class Planner {
 
  private:
   Planner(PlannerConfig config, CostModel model);
-  // `model` simulating its grid as config_.grid_simulation says, or as it carries when unset.
+  // `model` simulating its grid as config_.grid_simulation says; when unset, as it carries, a
+  // kReference model's head-major verify launches from sampled heads (config_.sample_heads).
   CostModel PricedCopy(const CostModel& model) const {
-    return model.WithGridSimulation(config_.grid_simulation.value_or(model.grid_simulation()));
+    const GridSimulation own = model.grid_simulation();
+    const bool sample = config_.sample_heads && own == GridSimulation::kReference;
+    return model.WithGridSimulation(
+        config_.grid_simulation.value_or(sample ? GridSimulation::kSampledHeads : own));
   }
   struct Item {
     // Sort key: ~bits(gain per marginal us) << 32 | req_idx << 8 | pos, so ascending keys are
