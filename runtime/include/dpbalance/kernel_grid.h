@@ -23,7 +23,8 @@
 // - Costs: SimulateGrid is O(CTAs log SMs) per distinct overhead of the makespans asked for (the
 //   runs that share one share all but their tails); a DP rank of 64 requests at q = 8 is ~1k CTAs
 //   (packed) or 8k CTAs (head-major). The planner simulates once per step and kernel path (a
-//   packed batch once for both: PathsShareLaunch), and moves the terms linearly with the
+//   packed batch once for both: PathsShareLaunch; a head-major verify launch from its first
+//   heads by default: GridSimulation::kSampledHeads), and moves the terms linearly with the
 //   batch's work in between (`GridState`); Assign then
 //   simulates each rank's filled plan a few times to keep it under the barrier (planner.cc).
 #pragma once
