@@ -576,8 +576,11 @@ TEST(SampledHeads, AreTheReferenceWhereNoHeadIsLeftOut) {
         if (grid.layout == KernelGrid::Layout::kHeadMajor && !single && batch.size() > 8) continue;
         head_major_checked += grid.layout == KernelGrid::Layout::kHeadMajor && !single;
         const GridTerms ref = SimulateGrid(grid, batch, single);
-        const GridTerms sampled = SimulateGrid(grid, batch, single, ~0u, GridSimulation::kSampledHeads);
-        for (int t = 0; t < kNumGridTerms; ++t) EXPECT_EQ(sampled[t], ref[t]) << name << " " << GridTermName(t);
+        const GridTerms sampled =
+            SimulateGrid(grid, batch, single, ~0u, GridSimulation::kSampledHeads);
+        for (int t = 0; t < kNumGridTerms; ++t) {
+          EXPECT_EQ(sampled[t], ref[t]) << name << " " << GridTermName(t);
+        }
       }
     }
   }
@@ -600,7 +603,8 @@ std::vector<std::vector<RequestLoad>> MooncakeBatches(int requests, int count, u
   for (std::vector<RequestLoad>& b : batches) {
     for (int i = 0; i < requests; ++i) {
       const auto& [prompt, output] = rows[rng() % rows.size()];
-      b.push_back({prompt + static_cast<int64_t>(rng() % static_cast<uint64_t>(output + 1)) + 4, 4});
+      const int64_t done = static_cast<int64_t>(rng() % static_cast<uint64_t>(output + 1));
+      b.push_back({prompt + done + 4, 4});
     }
   }
   return batches;
@@ -608,9 +612,9 @@ std::vector<std::vector<RequestLoad>> MooncakeBatches(int requests, int count, u
 
 // A sampled head-major verify launch counts every CTA and key block exactly and prices real
 // batches about as the reference does: the published gqa fit's verify-path attention within a
-// few per cent on average (up to ~13% on a batch of 32), not far from how the reference itself moves
-// when one request grows by one key block (docs/cost-model.md measures both). A sampled launch
-// whose left-out heads were not added back would be 4-30x off.
+// few per cent on average (up to ~13% on a batch of 32), not far from how the reference itself
+// moves when one request grows by one key block (docs/cost-model.md measures both). A sampled
+// launch whose left-out heads were not added back would be 4-30x off.
 TEST(SampledHeads, PriceMooncakeBatchesAboutAsTheReferenceDoes) {
   absl::StatusOr<CostModel> model = CostModel::FromFile(DPB_GQA_MODEL);
   ASSERT_TRUE(model.ok()) << model.status();
