@@ -221,7 +221,8 @@ std::string_view GridSimulationName(GridSimulation sim) {
 }
 
 int SampledHeads(const KernelGrid& grid, int64_t ctas_per_head) {
-  const int64_t slots = static_cast<int64_t>(std::max(grid.num_sms, 1)) * std::max(grid.ctas_per_sm, 1);
+  const int64_t slots =
+      static_cast<int64_t>(std::max(grid.num_sms, 1)) * std::max(grid.ctas_per_sm, 1);
   const int64_t heads = std::max(grid.heads, 1);
   // A launch of a few waves is simulated whole: sampling would save little of it.
   if (ctas_per_head <= 0 || heads * ctas_per_head <= 2 * kSampledWaves * slots) {
@@ -648,6 +649,10 @@ struct CtaList {
   int64_t row_blocks = 1;
   int64_t num_ranges = 0;
   double combine_work = 0;  // split-KV combine work (grid term kGridCombine)
+  // A sampled head-major verify launch lists its first `heads_built` heads; `heads_left_out`
+  // more repeat them. Every other launch lists all its CTAs (1 and 0).
+  int64_t heads_built = 1;
+  int64_t heads_left_out = 0;
 };
 
 double KeyBlocks(const KernelGrid& grid, const RequestLoad& r) {
@@ -661,6 +666,8 @@ void SplitKvCtas(const KernelGrid& grid, absl::Span<const RequestLoad> batch, in
   const int64_t b = static_cast<int64_t>(batch.size());
   ctas.works.clear();
   ctas.combine_work = 0;
+  ctas.heads_built = 1;
+  ctas.heads_left_out = 0;
   ctas.row_blocks = CeilDiv(grid.heads, grid.block_m);
   const int64_t max_blocks = CeilDiv(std::max<int64_t>(max_ctx, 1), grid.block_n);
   const int splits =
@@ -697,7 +704,9 @@ void HeadMajorCtas(const KernelGrid& grid, absl::Span<const RequestLoad> batch, 
     }
   }
   const size_t per_head = ctas.works.size();
-  ctas.works.resize(per_head * static_cast<size_t>(std::max(heads_built, 1)));
+  ctas.heads_built = std::max(heads_built, 1);
+  ctas.heads_left_out = std::max(grid.heads, 1) - ctas.heads_built;
+  ctas.works.resize(per_head * static_cast<size_t>(ctas.heads_built));
   for (size_t at = per_head; at < ctas.works.size(); at += per_head) {
     std::copy_n(ctas.works.begin(), per_head, ctas.works.begin() + static_cast<ptrdiff_t>(at));
   }
@@ -709,6 +718,8 @@ void PackedRowCtas(const KernelGrid& grid, absl::Span<const RequestLoad> batch, 
   const int64_t b = static_cast<int64_t>(batch.size());
   ctas.works.clear();
   ctas.combine_work = 0;
+  ctas.heads_built = 1;
+  ctas.heads_left_out = 0;
   ctas.row_blocks = CeilDiv(static_cast<int64_t>(grid.heads) * max_q, grid.block_m);
   ctas.num_ranges = b;
   ctas.works.reserve(static_cast<size_t>(b * ctas.row_blocks));
@@ -721,9 +732,8 @@ void PackedRowCtas(const KernelGrid& grid, absl::Span<const RequestLoad> batch, 
 }
 
 // Fills `ctas` (its buffers reused across calls). `sample_heads`: a head-major verify launch
-// is built for its first SampledHeads heads only; returns how many heads were built (every
-// launch but that one: grid.heads, or 1 where heads do not repeat).
-int BuildCtaList(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
+// is built for its first SampledHeads heads only.
+void BuildCtaList(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
                  bool single_query_launch, bool sample_heads, CtaList& ctas) {
   int64_t max_ctx = 0;
   int32_t max_q = 1;
@@ -734,16 +744,15 @@ int BuildCtaList(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
   if (grid.layout == KernelGrid::Layout::kHeadMajor) {
     if (single_query_launch) {
       SplitKvCtas(grid, batch, max_ctx, ctas);
-      return 1;
+      return;
     }
     const int64_t per_head =
         static_cast<int64_t>(batch.size()) * CeilDiv(max_q, grid.block_m);
     const int heads = sample_heads ? SampledHeads(grid, per_head) : std::max(grid.heads, 1);
     HeadMajorCtas(grid, batch, max_q, heads, ctas);
-    return heads;
+    return;
   }
   PackedRowCtas(grid, batch, max_q, ctas);
-  return 1;
 }
 
 // The heads a sampled head-major launch left out: `heads` more repeats of the list, each
@@ -772,11 +781,6 @@ void FillColdReads(const CtaList& ctas, const std::vector<double>& starts,
   std::array<double, kNumGridReuseWindows> cold{};
   const size_t row_blocks = static_cast<size_t>(ctas.row_blocks);
   const size_t num_ranges = static_cast<size_t>(ctas.num_ranges);
-  thread_local std::vector<double> last_start, range_work;  // of each range's last live CTA
-  if (left_out.heads > 0) {
-    last_start.assign(num_ranges, 0.0);
-    range_work.assign(num_ranges, 0.0);
-  }
   size_t range = 0, in_range = 0;  // range_of(c) = (c / row_blocks) % num_ranges, kept by steps
   for (size_t c = 0; c < ctas.works.size(); ++c) {
     const double work = ctas.works[c];
@@ -788,17 +792,30 @@ void FillColdReads(const CtaList& ctas, const std::vector<double>& starts,
           last[w] = starts[c];
         }
       }
-      if (left_out.heads > 0) {
-        last_start[range] = starts[c];
-        range_work[range] = work;
-      }
     }
     if (++in_range == row_blocks) {
       in_range = 0;
       if (++range == num_ranges) range = 0;
     }
   }
-  for (size_t r = 0; r < num_ranges && left_out.heads > 0 && left_out.head_time > 0; ++r) {
+  if (left_out.heads <= 0 || left_out.head_time <= 0) {
+    for (int w = 0; w < kNumGridReuseWindows; ++w) (*out)[kGridColdReads0 + w] = cold[w];
+    return;
+  }
+  // Heads repeat, so each range's last live CTA is in the last head listed (its last
+  // num_ranges x row_blocks CTAs); a range with none exits at once in every head.
+  thread_local std::vector<double> last_start, range_work;
+  last_start.assign(num_ranges, 0.0);
+  range_work.assign(num_ranges, 0.0);
+  const size_t last_head = ctas.works.size() - num_ranges * row_blocks;
+  for (size_t c = last_head; c < ctas.works.size(); ++c) {
+    const size_t r = (c - last_head) / row_blocks;
+    if (ctas.works[c] > 0) {
+      last_start[r] = starts[c];
+      range_work[r] = ctas.works[c];
+    }
+  }
+  for (size_t r = 0; r < num_ranges; ++r) {
     if (range_work[r] <= 0) continue;  // every CTA of the range exits at once
     for (int w = 0; w < kNumGridReuseWindows; ++w) {
       // Head n after the last simulated one starts at last_start + n * head_time: the first to
@@ -833,15 +850,10 @@ GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> bat
   GridTerms out{};
   if (!grid.enabled() || batch.empty()) return out;
   thread_local CtaList ctas;
-  const int heads_built = BuildCtaList(grid, batch, single_query_launch,
-                                       sim == GridSimulation::kSampledHeads, ctas);
+  BuildCtaList(grid, batch, single_query_launch, sim == GridSimulation::kSampledHeads, ctas);
   const std::vector<double>& works = ctas.works;
   constexpr double kExitCost = 0.2;  // key blocks' worth of a CTA that exits at once
-  // A sampled head-major launch: the heads not built repeat the first head's CTAs.
-  const int64_t heads_left_out =
-      grid.layout == KernelGrid::Layout::kHeadMajor && !single_query_launch
-          ? std::max(grid.heads, 1) - heads_built
-          : 0;
+  const int64_t heads_built = ctas.heads_built, heads_left_out = ctas.heads_left_out;
   std::array<double, kNumGridMakespans> head_cost{};  // one head's CTAs' cost, per makespan
   double head_live = 0;                               // one head's CTAs that do not exit at once
   if (heads_left_out == 0) {
@@ -889,16 +901,17 @@ GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> bat
     // CTA per SM), so each head left out adds its cost spread over the SMs, before the tail the
     // simulated heads end with.
     const double sms = std::max(grid.num_sms, 1);
-    auto head_time = [&](int j) {
-      const double full = grid.ctas_per_sm > 1 ? 1.0 : kGridMakespanParams[j][0];
-      return head_cost[j] / (sms * full);
+    // What the SMs get through per unit of time under makespan j while they are full.
+    auto throughput = [&](int j) {
+      return sms * (grid.ctas_per_sm > 1 ? 1.0 : kGridMakespanParams[j][0]);
     };
+    auto head_time = [&](int j) { return head_cost[j] / throughput(j); };
     for (int j = 0; j < kNumGridMakespans; ++j) {
       if (makespans >> j & 1u) {
-        const double full = grid.ctas_per_sm > 1 ? 1.0 : kGridMakespanParams[j][0];
+        const double overhead_change = kGridMakespanParams[j][1] - sampled_overhead;
         out[kGridMakespan0 + j] +=
             static_cast<double>(heads_left_out) * head_time(j) +
-            (kGridMakespanParams[j][1] - sampled_overhead) * head_live * heads_built / (sms * full);
+            overhead_change * head_live * static_cast<double>(heads_built) / throughput(j);
       }
     }
     left_out = {heads_left_out, head_time(kColdReadsMakespan)};
