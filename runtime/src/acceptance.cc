@@ -36,6 +36,26 @@ absl::StatusOr<AcceptanceCurve> AcceptanceCurve::FromConfidences(absl::Span<cons
   return FromConditional(absl::MakeConstSpan(rates.data(), conf.size()));
 }
 
+absl::StatusOr<AcceptanceCurve> AcceptanceCurve::FromSurvivals(absl::Span<const double> survivals) {
+  if (survivals.size() > kMaxDraftLen) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "acceptance: %d survivals given, at most %d supported", survivals.size(), kMaxDraftLen));
+  }
+  AcceptanceCurve c;
+  double prev = 1.0;
+  for (size_t j = 0; j < survivals.size(); ++j) {
+    const double p = survivals[j];
+    if (!(p >= 0.0 && p <= prev)) {  // also rejects NaN
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "acceptance: survival at position %d is %g, not in [0, %g] (survivals never rise)", j + 1,
+          p, prev));
+    }
+    c.cum_[j] = p;
+    prev = p;
+  }
+  return c;
+}
+
 double AcceptanceCurve::ExpectedTokens(int k) const {
   double e = 1.0;
   for (int j = 0; j < k && j < kMaxDraftLen; ++j) e += cum_[j];

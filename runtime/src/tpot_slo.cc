@@ -1,5 +1,6 @@
 #include "dpbalance/tpot_slo.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_format.h"
@@ -8,12 +9,15 @@ namespace dpbalance {
 
 TpotSlo::TpotSlo(double slo_us) : slo_us_(std::isfinite(slo_us) && slo_us > 0 ? slo_us : 0) {}
 
-int32_t TpotSlo::Floor(int64_t id, int32_t default_len, const AcceptanceCurve& curve) const {
+int32_t TpotSlo::Floor(int64_t id, int32_t default_len, const AcceptanceCurve& curve,
+                       int pending_steps, double pending_tokens) const {
   if (!enabled() || default_len <= 0) return 0;
   Pace p;
   if (auto it = per_request_.find(id); it != per_request_.end()) p = it->second;
-  // Tokens this step must bring: (decode + step) / (emitted + n) <= slo.
-  const double need = (p.decode_us + last_step_us_) / slo_us_ - static_cast<double>(p.tokens);
+  // Tokens this step must bring: (decode + pending + step) / (emitted + pending + n) <= slo.
+  const double steps = 1.0 + std::max(pending_steps, 0);
+  const double need = (p.decode_us + steps * last_step_us_) / slo_us_ -
+                      static_cast<double>(p.tokens) - std::max(pending_tokens, 0.0);
   double expected = 1.0;  // curve.ExpectedTokens(k), summed in the same order
   for (int32_t k = 0; k < default_len; ++k) {
     if (expected >= need) return k;

@@ -32,6 +32,8 @@ class AcceptanceCurve {
   // From this step's draft-token confidences (probability each draft is accepted given the
   // previous one was), each in [0, 1]. Same maths as FromConditional; named for its source.
   static absl::StatusOr<AcceptanceCurve> FromConfidences(absl::Span<const float> confidences);
+  // From the survivals P_1..P_n themselves (n <= kMaxDraftLen), each in [0, 1], never rising.
+  static absl::StatusOr<AcceptanceCurve> FromSurvivals(absl::Span<const double> survivals);
 
   // P_j for j in 1..kMaxDraftLen; 0 outside.
   double Accept(int j) const { return (j >= 1 && j <= kMaxDraftLen) ? cum_[j - 1] : 0.0; }

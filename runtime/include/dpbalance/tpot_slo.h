@@ -38,7 +38,14 @@ class TpotSlo {
   double slo_us() const { return slo_us_; }
   // The verify-length floor for request `id` this step, 0..max(default_len, 0) (see above);
   // `curve`: the request's acceptance as the planner sees it.
-  int32_t Floor(int64_t id, int32_t default_len, const AcceptanceCurve& curve) const;
+  int32_t Floor(int64_t id, int32_t default_len, const AcceptanceCurve& curve) const {
+    return Floor(id, default_len, curve, 0, 0.0);
+  }
+  // The same for a step planned ahead of results not yet observed (lag.h): `pending_steps` steps
+  // ran since the last observation, each taken to last as long as the last one, and brought the
+  // request `pending_tokens` tokens in expectation.
+  int32_t Floor(int64_t id, int32_t default_len, const AcceptanceCurve& curve, int pending_steps,
+                double pending_tokens) const;
   // After a step that took `step_us` (measured, > 0): request `id` took part and emitted
   // `tokens` (>= 1, the bonus token included). Errors name the bad value; nothing is recorded.
   absl::Status Observe(int64_t id, double step_us, int64_t tokens);
