@@ -11,6 +11,8 @@
 #include "absl/strings/str_format.h"
 #include "dpbalance/acceptance.h"
 #include "dpbalance/calibration.h"
+#include "dpbalance/dspark.h"
+#include "dpbalance/lag.h"
 #include "dpbalance/metrics.h"
 #include "dpbalance/tpot_slo.h"
 
@@ -27,6 +29,17 @@ struct InflightRequest {
   double start_us;
   std::array<double, kMaxDraftLen> rates;  // true conditional acceptance
   AcceptanceCurve truth_curve;
+  int64_t steps_planned = 0;   // decode steps it has been planned for before this one
+  int64_t finished_step = -1;  // the step it emitted its last token in (-1: running); with lag
+                               // it stays in the batch until the engine learns of it
+  // What the engine saw when it planned each of the last N + 1 steps (oldest first): the state
+  // before that step and the verify length it gave the request there. The oldest is what the
+  // engine knows now; the verify lengths after it are the pending steps'.
+  struct Seen {
+    int64_t ctx, remaining;
+    int32_t verify_len;
+  };
+  std::vector<Seen> seen;
 };
 
 // Limit on --stale_steps: the engine keeps N old batches (a planner that far behind plans
@@ -49,6 +62,8 @@ struct RunTotals {
   int64_t blocked_steps = 0;
   double model_error_sum = 0, model_error_n = 0;
   double pad_tokens = 0, run_tokens = 0;  // padded runs: spare tier tokens, all tokens run
+  double planned_tokens_sum = 0, planned_steps_tokens = 0;  // planner rows: expected vs emitted
+  double wasted_tokens = 0, real_tokens = 0;  // lag: query tokens that could emit nothing
 
 
   void Finish(RunResult& res, double now_us, const std::vector<double>& tpots) const {
@@ -68,11 +83,14 @@ struct RunTotals {
     res.step_over_plan = planned_step_sum > 0 ? actual_step_sum / planned_step_sum - 1 : 0;
     res.planner_model_error = model_error_n > 0 ? model_error_sum / model_error_n : 0;
     res.padding_fraction = run_tokens > 0 ? pad_tokens / run_tokens : 0;
+    res.tokens_over_plan = planned_tokens_sum > 0 ? planned_steps_tokens / planned_tokens_sum - 1 : 0;
+    res.wasted_token_fraction = real_tokens > 0 ? wasted_tokens / real_tokens : 0;
   }
 };
 
 // One run's state. Each step: Admit (route new requests) -> Plan (verify lengths) -> Time (the
-// truth's step time) -> Progress (acceptance, emitted tokens, completion).
+// truth's step time) -> Progress (acceptance, emitted tokens, completion) -> Retire (requests
+// whose end the engine has learned of).
 class Simulation {
  public:
   static absl::StatusOr<Simulation> Create(const SimConfig& cfg, const TruthModel& truth,
@@ -87,24 +105,26 @@ class Simulation {
   };
 
   Simulation(const SimConfig& cfg, const TruthModel& truth, absl::Span<const TraceRequest> trace,
-             Router router, Planner planner);
+             Router router, Planner planner, std::optional<dspark::SpsTable> sps);
 
   absl::StatusOr<Admission> Admit();
   absl::StatusOr<int> Plan();  // the step's draft depth
-  // Plan with --stale_steps > 0: plans the batch seen N steps ago, then maps it onto today's.
-  absl::StatusOr<int> PlanStale();
-  // The planner's PlanRequest for a request with context `ctx`, `remaining` tokens to emit.
-  PlanRequest PlanRequestFor(int rank, int64_t id, int64_t ctx, int64_t remaining,
-                             const AcceptanceCurve& truth_curve) const;
-  // The planner (or DsparkPlan) on batches_, lengths into `verify`; returns the draft depth.
-  absl::StatusOr<int> Decide(std::vector<std::vector<int32_t>>& verify);
-  // SGLang DSpark's per-rank verify budgets on batches_ (see the definition); the draft depth.
-  int DsparkPlan(std::vector<std::vector<int32_t>>& verify);
+  // What the engine knows of request `a` when it plans this step (the lag model in simulator.h):
+  // records the state into a.seen and returns the oldest seen entry; `pending` gets the verify
+  // lengths of the steps since it.
+  const InflightRequest::Seen& Observe(InflightRequest& a, std::vector<int32_t>& pending) const;
+  // The planner's PlanRequest for `a` on rank `rank`, from what the engine knows.
+  PlanRequest PlanRequestFor(int rank, const InflightRequest& a, const InflightRequest::Seen& seen,
+                             absl::Span<const int32_t> pending) const;
+  // SGLang DSpark's per-rank budgets and the agreed tier (see the definition); the draft depth.
+  int DsparkPlan();
   // Feeds a step's acceptance and pace observations to the estimators and SLO floors (at once,
   // or N steps late with --stale_steps N).
   absl::Status ApplyObservations();
   double Time(int depth);      // the step's time, us
   absl::Status Progress(double step_us);
+  // Drops the requests whose end the engine has now learned of (N steps after it, with lag).
+  void Retire();
 
   RankLoad LoadOf(int rank) const;
   void AddToLoad(RankLoad& l, const InflightRequest& a) const;
@@ -114,8 +134,11 @@ class Simulation {
   const absl::Span<const TraceRequest> trace_;
   const int num_ranks_;
   const bool planned_;
+  const bool dspark_;
   Router router_;
   Planner planner_;
+  // DSpark rows: the steps-per-second table profiled on the truth (dspark_context_sps: none).
+  std::optional<dspark::SpsTable> sps_;
   // One online model for the instance (every rank is the same hardware): it learns from every
   // rank's measured attention each step, as each rank's own Balancer does in an engine.
   std::optional<OnlineCostModel> online_;
@@ -137,30 +160,56 @@ class Simulation {
   std::vector<BatchAggregates> aggs_;
   std::vector<RequestLoad> rank_batch_;  // one rank's batch in Time, reused across steps
   const bool padded_;                    // token tiers: every rank runs the agreed tier
-  // --stale_steps: the batches of the last N + 1 steps as the planner saw them (oldest first),
-  // the observations of the last N steps not yet fed back, and the stale plan's lengths.
-  struct Seen {
-    int64_t id, ctx, remaining;
-    AcceptanceCurve truth_curve;
-  };
+  int64_t planned_tier_ = 0;             // the tier the step's plan agreed (0: the largest rank's)
+  double planned_tokens_ = 0;            // the step's plan: expected tokens (planner rows)
   struct Observation {
     int rank;
     int64_t id;
     int k, m;           // verified, accepted
     double step_us;
+    int64_t emitted;
     bool forget;        // the request finished: forget it after its last observation
   };
-  std::deque<std::vector<std::vector<Seen>>> history_;
-  std::deque<std::vector<Observation>> pending_;
-  std::vector<std::vector<int32_t>> stale_verify_;
-  DsparkScratch dspark_scratch_;
+  std::deque<std::vector<Observation>> pending_;  // the last N steps' outcomes, not yet seen
+  // DSpark's scratch: candidates by lagged and by current survival, budgets per rank.
+  std::vector<dspark::Candidate> candidates_;
+  std::vector<int32_t> caps_;
+  std::vector<int64_t> budgets_;
+  std::vector<uint8_t> fresh_;
+  std::vector<RequestLoad> dspark_loads_;
+  std::vector<int32_t> pending_scratch_;
   std::vector<double> tpots_;
   size_t next_ = 0;
-  int64_t active_ = 0;
+  int64_t active_ = 0;  // requests the engine believes in flight (finished ones until it learns)
+  int64_t step_ = 0;
   double now_us_ = 0;
   RunResult res_;
   RunTotals totals_;
 };
+
+// DSpark's steps-per-second table as dspark_sps_profiler builds it, measured on the truth (the
+// hardware the replay stands for): every rank holding `bs` requests of a short context
+// (dspark::kProfileContextTokens), each verifying its full window W = k_max + 1, the DP load
+// uniform, the draft included (a block, or MTP at the full depth), no noise (the profiler takes
+// a median). Keyed by the per-rank tokens bs x W.
+absl::StatusOr<dspark::SpsTable> ProfileSps(const SimConfig& cfg, const TruthModel& truth) {
+  const int window = cfg.k_max + 1;
+  std::vector<int64_t> tokens;
+  std::vector<double> rates;
+  std::vector<RequestLoad> loads;
+  for (int32_t bs : dspark::ProfilerBatchSizes(cfg.max_batch_per_rank)) {
+    loads.assign(bs, RequestLoad{dspark::kProfileContextTokens, window});
+    const double attn = truth.attention.AttentionUs(truth.attention.Aggregate(loads));
+    const double own_draft = truth.per_rank_draft ? truth.global.draft_per_step_us * cfg.k_max : 0.0;
+    const double step_us =
+        attn + own_draft +
+        truth.global.StepUs(static_cast<double>(cfg.num_ranks) * bs * window,
+                            truth.per_rank_draft ? 0 : cfg.k_max);
+    tokens.push_back(int64_t{bs} * window);
+    rates.push_back(1e6 / step_us);
+  }
+  return dspark::SpsTable::Create(std::move(tokens), std::move(rates));
+}
 
 absl::StatusOr<Simulation> Simulation::Create(const SimConfig& cfg, const TruthModel& truth,
                                               absl::Span<const TraceRequest> trace) {
@@ -185,6 +234,7 @@ absl::StatusOr<Simulation> Simulation::Create(const SimConfig& cfg, const TruthM
   absl::StatusOr<Router> router = Router::Create(cfg.routing, num_ranks, cfg.planner_model);
   if (!router.ok()) return router.status();
 
+  const bool dspark = cfg.verify == VerifyMode::kDspark || cfg.verify == VerifyMode::kDsparkFill;
   PlannerConfig pc;
   pc.num_ranks = num_ranks;
   pc.k_max = cfg.k_max;
@@ -198,7 +248,7 @@ absl::StatusOr<Simulation> Simulation::Create(const SimConfig& cfg, const TruthM
   } else {
     pc.sample_heads = false;  // the oracle prices exactly as the truth charges
   }
-  if (cfg.padded && cfg.verify != VerifyMode::kDspark) {  // the planner's padded mode (v2)
+  if (cfg.padded && !dspark) {  // the planner's padded mode (v2)
     pc.token_tiers = cfg.token_tiers;
     pc.global.padded_tokens = true;
   }
@@ -208,18 +258,27 @@ absl::StatusOr<Simulation> Simulation::Create(const SimConfig& cfg, const TruthM
   absl::StatusOr<Planner> planner = Planner::Create(
       pc, cfg.verify == VerifyMode::kOracle ? truth.attention : cfg.planner_model);
   if (!planner.ok()) return planner.status();
-  return Simulation(cfg, truth, trace, *std::move(router), *std::move(planner));
+  std::optional<dspark::SpsTable> sps;
+  if (dspark && !cfg.dspark_context_sps) {
+    absl::StatusOr<dspark::SpsTable> table = ProfileSps(cfg, truth);
+    if (!table.ok()) return table.status();
+    sps = *std::move(table);
+  }
+  return Simulation(cfg, truth, trace, *std::move(router), *std::move(planner), std::move(sps));
 }
 
 Simulation::Simulation(const SimConfig& cfg, const TruthModel& truth,
-                       absl::Span<const TraceRequest> trace, Router router, Planner planner)
+                       absl::Span<const TraceRequest> trace, Router router, Planner planner,
+                       std::optional<dspark::SpsTable> sps)
     : cfg_(cfg),
       truth_(truth),
       trace_(trace),
       num_ranks_(cfg.num_ranks),
       planned_(cfg.verify != VerifyMode::kStatic),
+      dspark_(cfg.verify == VerifyMode::kDspark || cfg.verify == VerifyMode::kDsparkFill),
       router_(std::move(router)),
       planner_(std::move(planner)),
+      sps_(std::move(sps)),
       rng_(cfg.seed),
       shift_(0, cfg.acceptance_sigma),
       noise_(0, 1),
@@ -231,7 +290,9 @@ Simulation::Simulation(const SimConfig& cfg, const TruthModel& truth,
       verify_(num_ranks_),
       kv_free_(num_ranks_, -1),
       aggs_(num_ranks_),
-      padded_(cfg.padded || cfg.verify == VerifyMode::kDspark) {
+      // A dense draft cannot run DSpark's compact verify in CUDA graphs under DP attention
+      // (SGLang refuses at start), so its DSpark row runs unpadded.
+      padded_(cfg.padded || (dspark_ && !truth.per_rank_draft)) {
   // Not the oracle: its planner holds planner_model, priced as planner_grid_simulation says.
   if (cfg.planner_online && cfg.verify != VerifyMode::kOracle) online_.emplace(planner_.model());
 }
@@ -305,119 +366,140 @@ absl::StatusOr<Simulation::Admission> Simulation::Admit() {
   return Admission::kIdle;
 }
 
-// Sets every request's verify length in verify_: the default length, or the planner's.
+const InflightRequest::Seen& Simulation::Observe(InflightRequest& a, std::vector<int32_t>& pending) const {
+  a.seen.push_back({a.ctx, a.remaining, 0});
+  const size_t keep = static_cast<size_t>(cfg_.stale_steps) + 1;
+  if (a.seen.size() > keep) a.seen.erase(a.seen.begin(), a.seen.end() - keep);
+  pending.clear();
+  for (size_t s = 0; s + 1 < a.seen.size(); ++s) pending.push_back(a.seen[s].verify_len);
+  return a.seen.front();
+}
+
+// Sets every request's verify length in verify_ from what the engine knows (the lag model in
+// simulator.h): the default length, the planner's, or DSpark's.
 absl::StatusOr<int> Simulation::Plan() {
-  if (planned_ && cfg_.stale_steps > 0) return PlanStale();
+  planned_tier_ = 0;
   for (int r = 0; r < num_ranks_; ++r) {
     batches_[r].resize(ranks_[r].size());
     verify_[r].resize(ranks_[r].size());
     for (size_t i = 0; i < ranks_[r].size(); ++i) {
-      const InflightRequest& a = ranks_[r][i];
-      PlanRequest& p = batches_[r][i];
-      p.ctx_tokens = a.ctx;
-      p.k_cap = static_cast<int32_t>(std::min<int64_t>(cfg_.k_max, a.remaining - 1));
-      const int32_t default_len = DefaultVerifyLen(cfg_.static_k, p.k_cap);
+      InflightRequest& a = ranks_[r][i];
+      const InflightRequest::Seen& seen = Observe(a, pending_scratch_);
+      // Sure of: one token a pending step at least, while it runs.
+      const int64_t pending_steps = static_cast<int64_t>(pending_scratch_.size());
+      const int32_t sure_cap = static_cast<int32_t>(std::clamp<int64_t>(seen.remaining - pending_steps - 1, 0, cfg_.k_max));
       if (!planned_) {
-        verify_[r][i] = default_len;
+        verify_[r][i] = DefaultVerifyLen(cfg_.static_k, sure_cap);
         continue;
       }
-      p.acceptance = cfg_.verify == VerifyMode::kOracle ? a.truth_curve : estimators_[r].Curve(a.id);
-      p.k_min = cfg_.floor_at_default ? default_len : slos_[r].Floor(a.id, default_len, p.acceptance);
+      batches_[r][i] = PlanRequestFor(r, a, seen, pending_scratch_);
+      if (dspark_) batches_[r][i].k_cap = sure_cap;
     }
   }
-  if (!planned_) return cfg_.static_k;
-  return Decide(verify_);
+  int depth = cfg_.static_k;
+  if (dspark_) {
+    depth = DsparkPlan();
+  } else if (planned_) {
+    absl::StatusOr<GlobalDecision> d = planner_.PlanAll(batches_, kv_free_, &verify_);
+    if (!d.ok()) return d.status();
+    totals_.planned_step_sum += d->step_us;
+    planned_tokens_ = d->expected_tokens;
+    planned_tier_ = d->padded_rank_tokens;
+    depth = d->draft_depth;
+  }
+  for (int r = 0; r < num_ranks_; ++r) {
+    for (size_t i = 0; i < ranks_[r].size(); ++i) {
+      ranks_[r][i].seen.back().verify_len = verify_[r][i];
+      ++ranks_[r][i].steps_planned;
+    }
+  }
+  return depth;
 }
 
-absl::StatusOr<int> Simulation::Decide(std::vector<std::vector<int32_t>>& verify) {
-  if (cfg_.verify == VerifyMode::kDspark) return DsparkPlan(verify);
-  absl::StatusOr<GlobalDecision> d = planner_.PlanAll(batches_, kv_free_, &verify);
-  if (!d.ok()) return d.status();
-  totals_.planned_step_sum += d->step_us;
-  return d->draft_depth;
-}
-
-PlanRequest Simulation::PlanRequestFor(int rank, int64_t id, int64_t ctx, int64_t remaining,
-                                       const AcceptanceCurve& truth_curve) const {
+PlanRequest Simulation::PlanRequestFor(int rank, const InflightRequest& a,
+                                       const InflightRequest::Seen& seen,
+                                       absl::Span<const int32_t> pending) const {
+  const AcceptanceCurve curve =
+      cfg_.verify == VerifyMode::kOracle ? a.truth_curve : estimators_[rank].Curve(a.id);
+  const uint32_t predict = cfg_.lag_predict;
+  const PredictedRequest pr = PredictRequest(seen.ctx, seen.remaining, pending, curve, cfg_.k_max);
   PlanRequest p;
-  p.ctx_tokens = ctx;
-  p.k_cap = static_cast<int32_t>(std::clamp<int64_t>(remaining - 1, 0, cfg_.k_max));
+  p.ctx_tokens = predict & kPredictContext ? pr.ctx_tokens : seen.ctx;
+  p.k_cap = predict & kPredictCap
+                ? pr.k_cap
+                : static_cast<int32_t>(std::clamp<int64_t>(seen.remaining - 1, 0, cfg_.k_max));
+  p.acceptance = predict & kPredictGain ? pr.acceptance : curve;
   const int32_t default_len = DefaultVerifyLen(cfg_.static_k, p.k_cap);
-  p.acceptance = cfg_.verify == VerifyMode::kOracle ? truth_curve : estimators_[rank].Curve(id);
-  p.k_min = cfg_.floor_at_default ? default_len : slos_[rank].Floor(id, default_len, p.acceptance);
+  if (cfg_.floor_at_default) {
+    p.k_min = default_len;
+  } else if (predict & kPredictSlo) {
+    p.k_min = slos_[rank].Floor(a.id, default_len, curve, static_cast<int>(pending.size()), pr.pending_tokens);
+  } else {
+    p.k_min = slos_[rank].Floor(a.id, default_len, curve);
+  }
   return p;
 }
 
-// The engine plans a step ahead of what it has seen (a step-ahead engine drafts before it knows
-// the last steps' outcome). It knows the batch it scheduled, but each request's context and
-// remaining tokens only as of N steps ago (a request admitted since: as admitted), and the
-// estimators and SLO floors as they were (ApplyObservations feeds them N steps late). Requests
-// that finished in those N steps are still planned, and their lengths dropped. A planned length
-// is cut to what the request can still emit.
-absl::StatusOr<int> Simulation::PlanStale() {
-  std::vector<std::vector<Seen>> now(num_ranks_);
+// SGLang's DSpark verify planner under DP attention, dpbalance/dspark.h (the source read is
+// there): each rank's budget is the argmax of expected tokens times the steps per second of its
+// SPS table at n + b tokens over its lagged survivals, where a request without a lagged survival
+// (its first dspark::kConfidenceLagSteps decode steps) counts 1 at every position; the ranks gather their local
+// tiers min(n + b, n x W) and agree on the largest, rounded up to the captured grid; each rank
+// then verifies the top candidates by its current survivals, its own budget or, with tier fill,
+// the tier's spare tokens. Simplified: survivals are the estimators' curves the planner rows see
+// (not a confidence head), and a position never passes what the request can be sure to emit
+// (SGLang does not cap it; that only helps DSpark). A dense draft (per-rank depth) has no tier.
+int Simulation::DsparkPlan() {
+  const int window = cfg_.k_max + 1;
+  const bool fill = cfg_.verify == VerifyMode::kDsparkFill;
+  budgets_.assign(num_ranks_, 0);
+  int64_t max_local = 0, max_requests = 0;
   for (int r = 0; r < num_ranks_; ++r) {
-    for (const InflightRequest& a : ranks_[r]) now[r].push_back({a.id, a.ctx, a.remaining, a.truth_curve});
-  }
-  history_.push_back(std::move(now));
-  while (history_.size() > static_cast<size_t>(cfg_.stale_steps) + 1) history_.pop_front();
-  const std::vector<std::vector<Seen>>& seen = history_.front();
-  for (int r = 0; r < num_ranks_; ++r) {
-    batches_[r].clear();
-    for (const InflightRequest& a : ranks_[r]) {  // batches are small (<= --max_batch)
-      const TraceRequest& t = trace_[a.id];
-      int64_t ctx = t.input_tokens, remaining = t.output_tokens;
-      for (const Seen& s : seen[r]) {
-        if (s.id == a.id) {
-          ctx = s.ctx;
-          remaining = s.remaining;
-          break;
-        }
-      }
-      batches_[r].push_back(PlanRequestFor(r, a.id, ctx, remaining, a.truth_curve));
+    const std::vector<PlanRequest>& batch = batches_[r];
+    const int64_t n = static_cast<int64_t>(batch.size());
+    caps_.resize(batch.size());
+    fresh_.resize(batch.size());
+    for (size_t i = 0; i < batch.size(); ++i) {
+      caps_[i] = batch[i].k_cap;
+      // The budget's survivals are two decode steps old, whatever the engine's own lag.
+      fresh_[i] = ranks_[r][i].steps_planned >= dspark::kConfidenceLagSteps;
     }
-    for (const Seen& s : seen[r]) {  // finished since, which the engine does not know yet
-      bool running = false;
-      for (const InflightRequest& a : ranks_[r]) running = running || a.id == s.id;
-      if (!running) batches_[r].push_back(PlanRequestFor(r, s.id, s.ctx, s.remaining, s.truth_curve));
+    dspark::OrderCandidates(caps_, [&](int32_t i, int32_t j) {
+      return fresh_[i] ? batch[i].acceptance.Accept(j) : 1.0;
+    }, candidates_);
+    if (sps_) {
+      budgets_[r] = dspark::SpsBudget(n, candidates_, *sps_);
+    } else {  // the sensitivity row: the planner's context-aware model prices the rank's step
+      dspark_loads_.clear();
+      for (const PlanRequest& p : batch) dspark_loads_.push_back({p.ctx_tokens, 1});
+      const CostModel& model = planner_.model();
+      BatchAggregates agg = model.Aggregate(dspark_loads_);
+      const double fixed_us =
+          truth_.global.StepUs(0, truth_.per_rank_draft ? 0 : cfg_.k_max) +
+          (truth_.per_rank_draft ? truth_.global.draft_per_step_us * cfg_.k_max : 0.0);
+      budgets_[r] = dspark::VerifyTokenBudget(n, candidates_, [&](int64_t b, const dspark::Candidate* c) {
+        if (c != nullptr) agg.AddQueryToken(RequestLoad{batch[c->req].ctx_tokens, c->pos});
+        const double ffn = truth_.global.ffn_per_token_us * static_cast<double>(num_ranks_) * (n + b);
+        return 1e6 / (model.AttentionUs(agg) + ffn + fixed_us);
+      });
     }
+    max_local = std::max(max_local, dspark::LocalTier(n, budgets_[r], window));
+    max_requests = std::max(max_requests, n);
   }
-  stale_verify_.resize(num_ranks_);
-  absl::StatusOr<int> depth = Decide(stale_verify_);
-  if (!depth.ok()) return depth.status();
-  for (int r = 0; r < num_ranks_; ++r) {
-    verify_[r].resize(ranks_[r].size());
-    for (size_t i = 0; i < ranks_[r].size(); ++i) {
-      const int32_t cap = static_cast<int32_t>(std::clamp<int64_t>(ranks_[r][i].remaining - 1, 0, cfg_.k_max));
-      verify_[r][i] = std::min(stale_verify_[r][i], cap);
-    }
-  }
-  return *depth;
-}
-
-// SGLang's DSpark verify planner under DP attention, as read at sgl-project/sglang commit
-// 00c3cffac9ff9fe6ca7a67a430c878664837e871,
-// python/sglang/srt/speculative/dspark_components/dspark_planner.py:
-// `compute_verify_token_budget` sorts a rank's draft positions by survival probability (the
-// chance every draft up to it is accepted), and picks the budget b (extra verify tokens over one
-// per request) that maximises expected tokens (n + the b best survivals) times the steps per
-// second its SPS table gives for n + b batch tokens; `ScheduleVerifyLensTopk` then verifies the
-// b best positions. `local_verify_tier_num_tokens` (n + b) is all-gathered by
-// `_maybe_gather_dp_verify_tier`, the DP tier is the largest (`dp_global_verify_tier_num_tokens`)
-// rounded up to the captured token grid (`round_up_grid`), and the tier's spare tokens are
-// padding rows (`graph_tier_fill_budget` is off by default: speculative_dspark_align_verify_
-// tokens_to_graph_tier). The padding is Time's (padded_).
-// Simplified here: the survival probabilities are the estimators' curves the planner rows see
-// (not a confidence head), the SPS table is the planner's model of this rank's step (its own
-// attention, its draft depth and the FFN as if every rank ran its tokens), a position never
-// passes the request's cap, and there is no TPOT floor or guard (DSpark has none).
-int Simulation::DsparkPlan(std::vector<std::vector<int32_t>>& verify) {
+  if (padded_) planned_tier_ = dspark::AgreedTier(cfg_.token_tiers, max_local, max_requests, window);
   int depth = 0;
   for (int r = 0; r < num_ranks_; ++r) {
-    verify[r].resize(batches_[r].size());
-    depth = std::max(depth, DsparkRankPlan(batches_[r], planner_.model(), truth_.global, num_ranks_,
-                                           !truth_.per_rank_draft, absl::MakeSpan(verify[r]),
-                                           dspark_scratch_));
+    const std::vector<PlanRequest>& batch = batches_[r];
+    const int64_t n = static_cast<int64_t>(batch.size());
+    // The allocation reads the current survivals: every request has its own this step.
+    caps_.resize(batch.size());
+    for (size_t i = 0; i < batch.size(); ++i) caps_[i] = batch[i].k_cap;
+    dspark::OrderCandidates(caps_, [&](int32_t i, int32_t j) { return batch[i].acceptance.Accept(j); },
+                            candidates_);
+    const int64_t budget = fill && padded_ ? dspark::FillBudget(planned_tier_, n, window) : budgets_[r];
+    verify_[r].resize(batch.size());
+    dspark::AssignTopK(candidates_, budget, absl::MakeSpan(verify_[r]));
+    for (int32_t v : verify_[r]) depth = std::max(depth, static_cast<int>(v));
   }
   return depth;
 }
@@ -425,9 +507,10 @@ int Simulation::DsparkPlan(std::vector<std::vector<int32_t>>& verify) {
 // The truth's time of the step, and the step's balance, cost-ratio and ideal-time sums.
 double Simulation::Time(int depth) {
   const int num_ranks = num_ranks_;
+  const int window = cfg_.k_max + 1;
   double max_attn = 0, sum_attn = 0, sum_q = 0, max_q = 0;
   BatchAggregates total;
-  // Token tiers: every rank runs the agreed tier of the largest rank's real tokens.
+  // Token tiers: every rank runs the agreed tier (the plan's, else the largest rank's).
   int64_t tier = 0;
   if (padded_) {
     int64_t max_tokens = 0;
@@ -436,15 +519,29 @@ double Simulation::Time(int depth) {
       for (int32_t v : verify_[r]) tokens += 1 + v;
       max_tokens = std::max(max_tokens, tokens);
     }
-    tier = AgreedTier(cfg_.token_tiers, max_tokens);
+    tier = std::max(AgreedTier(cfg_.token_tiers, max_tokens), planned_tier_);
   }
   for (int r = 0; r < num_ranks; ++r) {
     rank_batch_.clear();
-    for (size_t i = 0; i < ranks_[r].size(); ++i) rank_batch_.push_back({ranks_[r][i].ctx, 1 + verify_[r][i]});
     double real_q = 0;
+    for (size_t i = 0; i < ranks_[r].size(); ++i) {
+      const InflightRequest& a = ranks_[r][i];
+      const int32_t q = 1 + verify_[r][i];
+      rank_batch_.push_back({a.ctx, q});
+      real_q += q;
+      // Query tokens that can emit nothing: a finished request's, and drafts past what it may
+      // still emit (remaining - 1).
+      totals_.wasted_tokens += a.finished_step >= 0
+                                   ? q
+                                   : std::max<int64_t>(0, verify_[r][i] - (a.remaining - 1));
+    }
+    totals_.real_tokens += real_q;
     if (padded_) {
-      for (const RequestLoad& l : rank_batch_) real_q += l.query_tokens;
-      AddPadding(rank_batch_, tier - static_cast<int64_t>(real_q));
+      const dspark::Padding pad = dspark::PadToTier(tier, static_cast<int64_t>(rank_batch_.size()),
+                                                    static_cast<int64_t>(real_q),
+                                                    cfg_.max_batch_per_rank, window);
+      if (pad.last_row_tokens > 0) rank_batch_.back().query_tokens += static_cast<int32_t>(pad.last_row_tokens);
+      for (int32_t t : pad.pad_tokens) rank_batch_.push_back({1, t});  // dummy slots: sequence length 1
       totals_.pad_tokens += static_cast<double>(tier) - real_q;
       totals_.run_tokens += static_cast<double>(tier);
     }
@@ -492,7 +589,7 @@ double Simulation::Time(int depth) {
   const double ffn_tokens = padded_ ? static_cast<double>(num_ranks) * static_cast<double>(tier) : sum_q;
   const double global_us = truth_.global.StepUs(ffn_tokens, truth_.per_rank_draft ? 0 : depth);
   const double step_us = max_attn + global_us;
-  if (planned_) totals_.actual_step_sum += step_us;
+  if (planned_ && !dspark_) totals_.actual_step_sum += step_us;
   totals_.bubble.AddStepMeanMax(sum_attn / num_ranks, max_attn);
   totals_.v1_act += PublishedInstanceCost(PublishedForm::kV1, aggs_);
   totals_.v2_act += PublishedInstanceCost(PublishedForm::kV2, aggs_);
@@ -508,52 +605,57 @@ double Simulation::Time(int depth) {
   return step_us;
 }
 
-// Draws each request's accepted tokens, feeds the estimators and SLO floors, and retires the
-// requests that finished.
+// Draws each running request's accepted tokens and feeds the estimators and SLO floors (N steps
+// late with lag N). A request emits at most what it has left; one that emits its last token
+// finishes (its TPOT counts now) and stays in the batch until the engine learns of it.
 absl::Status Simulation::Progress(double step_us) {
-  const bool stale = planned_ && cfg_.stale_steps > 0;
-  if (stale) pending_.emplace_back();
+  pending_.emplace_back();
+  double step_tokens = 0;
   for (int r = 0; r < num_ranks_; ++r) {
-    auto& reqs = ranks_[r];
-    for (size_t i = 0; i < reqs.size(); ++i) {
-      InflightRequest& a = reqs[i];
+    for (size_t i = 0; i < ranks_[r].size(); ++i) {
+      InflightRequest& a = ranks_[r][i];
       const int k = verify_[r][i];
-      int m = 0;
-      while (m < k && unif_(rng_) < a.rates[m]) ++m;
-      if (stale) {
-        pending_.back().push_back({r, a.id, k, m, step_us, false});
-      } else {
-        if (absl::Status s = estimators_[r].Observe(a.id, k, m); !s.ok()) return s;
-        if (absl::Status s = slos_[r].Observe(a.id, step_us, m + 1); !s.ok()) return s;
-      }
-      a.ctx += m + 1;
-      a.remaining -= m + 1;
-      res_.tokens += m + 1;
       totals_.k_sum += k;
       totals_.k_count += 1;
+      if (a.finished_step >= 0) continue;  // its work this step is wasted
+      int m = 0;
+      while (m < k && unif_(rng_) < a.rates[m]) ++m;
+      const int64_t emitted = std::min<int64_t>(m + 1, a.remaining);
+      pending_.back().push_back({r, a.id, k, m, step_us, emitted, false});
+      a.ctx += emitted;
+      a.remaining -= emitted;
+      res_.tokens += static_cast<double>(emitted);
+      step_tokens += static_cast<double>(emitted);
+      if (a.remaining > 0) continue;
+      a.finished_step = step_;
+      tpots_.push_back((now_us_ - a.start_us) / 1000.0 / a.output);
+      ++res_.requests_finished;
+      pending_.back().push_back({r, a.id, 0, 0, 0, 0, true});
     }
+  }
+  if (planned_ && planned_tokens_ > 0) {
+    totals_.planned_tokens_sum += planned_tokens_;
+    totals_.planned_steps_tokens += step_tokens;
+  }
+  return ApplyObservations();
+}
+
+void Simulation::Retire() {
+  for (int r = 0; r < num_ranks_; ++r) {
+    auto& reqs = ranks_[r];
     for (size_t i = 0; i < reqs.size();) {
-      if (reqs[i].remaining > 0) {
+      if (reqs[i].finished_step < 0 || step_ - reqs[i].finished_step < cfg_.stale_steps) {
         ++i;
         continue;
       }
-      tpots_.push_back((now_us_ - reqs[i].start_us) / 1000.0 / reqs[i].output);
       router_.ObserveFinished(reqs[i].output);
-      if (stale) {
-        pending_.back().push_back({r, reqs[i].id, 0, 0, 0, true});
-      } else {
-        estimators_[r].Forget(reqs[i].id);
-        slos_[r].Forget(reqs[i].id);
-      }
-      reqs[i] = reqs.back();
+      reqs[i] = std::move(reqs.back());
       reqs.pop_back();
       verify_[r][i] = verify_[r].back();
       verify_[r].pop_back();
       --active_;
-      ++res_.requests_finished;
     }
   }
-  return stale ? ApplyObservations() : absl::OkStatus();
 }
 
 // The observations of the step N steps back reach the estimators and SLO floors now: the plan of
@@ -567,7 +669,7 @@ absl::Status Simulation::ApplyObservations() {
         continue;
       }
       if (absl::Status s = estimators_[o.rank].Observe(o.id, o.k, o.m); !s.ok()) return s;
-      if (absl::Status s = slos_[o.rank].Observe(o.id, o.step_us, o.m + 1); !s.ok()) return s;
+      if (absl::Status s = slos_[o.rank].Observe(o.id, o.step_us, o.emitted); !s.ok()) return s;
     }
     pending_.pop_front();
   }
@@ -585,7 +687,9 @@ absl::StatusOr<RunResult> Simulation::Run() {
     const double step_us = Time(*depth);
     now_us_ += step_us;
     if (absl::Status s = Progress(step_us); !s.ok()) return s;
+    Retire();
     ++res_.steps;
+    ++step_;
   }
   if (res_.steps == 0) return absl::FailedPreconditionError("replay ran no decode step");
   totals_.Finish(res_, now_us_, tpots_);
@@ -593,60 +697,6 @@ absl::StatusOr<RunResult> Simulation::Run() {
 }
 
 }  // namespace
-
-int DsparkRankPlan(absl::Span<const PlanRequest> batch, const CostModel& model,
-                   const GlobalCost& global, int num_ranks, bool agreed_depth,
-                   absl::Span<int32_t> verify, DsparkScratch& scratch) {
-  const int64_t n = static_cast<int64_t>(batch.size());
-  std::fill(verify.begin(), verify.end(), 0);
-  if (n == 0) return 0;
-  std::vector<DsparkScratch::Candidate>& candidates = scratch.candidates;
-  candidates.clear();
-  scratch.loads.clear();
-  for (int32_t i = 0; i < static_cast<int32_t>(n); ++i) {
-    scratch.loads.push_back({batch[i].ctx_tokens, 1});
-    for (int32_t j = 1; j <= batch[i].k_cap; ++j) {
-      const double survival = batch[i].acceptance.Accept(j);
-      if (survival < 1e-6) break;  // DSparkScheduleConfig.survival_eps
-      candidates.push_back({survival, i, j});
-    }
-  }
-  // Best survival first; ties keep request, then position, order (a request's prefix first).
-  std::stable_sort(candidates.begin(), candidates.end(),
-                   [](const DsparkScratch::Candidate& a, const DsparkScratch::Candidate& b) {
-                     return a.survival > b.survival;
-                   });
-  BatchAggregates agg;
-  for (const RequestLoad& l : scratch.loads) agg.Add(l);
-  model.FillGrid(scratch.loads, &agg);  // both kernel paths: verify tokens are added below
-  auto step_us = [&](int64_t tokens, int deepest) {
-    return model.AttentionUs(agg) + (agreed_depth ? 0.0 : global.draft_per_step_us * deepest) +
-           global.StepUs(static_cast<double>(num_ranks) * static_cast<double>(tokens),
-                         agreed_depth ? deepest : 0);
-  };
-  double expected = static_cast<double>(n);
-  double best = expected / step_us(n, 0);
-  size_t best_b = 0;
-  int deepest = 0;
-  for (size_t b = 0; b < candidates.size(); ++b) {
-    const DsparkScratch::Candidate& c = candidates[b];
-    agg.AddQueryToken(RequestLoad{batch[c.req].ctx_tokens, c.pos});
-    expected += c.survival;
-    deepest = std::max(deepest, static_cast<int>(c.pos));
-    const double theta = expected / step_us(n + static_cast<int64_t>(b) + 1, deepest);
-    if (theta > best) {  // torch.argmax: the first maximum
-      best = theta;
-      best_b = b + 1;
-    }
-  }
-  int depth = 0;
-  for (size_t b = 0; b < best_b; ++b) {
-    const DsparkScratch::Candidate& c = candidates[b];
-    verify[c.req] = std::max(verify[c.req], c.pos);
-    depth = std::max(depth, static_cast<int>(c.pos));
-  }
-  return depth;
-}
 
 std::string VerifyModeName(VerifyMode m) {
   switch (m) {
@@ -656,18 +706,9 @@ std::string VerifyModeName(VerifyMode m) {
     case VerifyMode::kFill: return "fill";
     case VerifyMode::kOracle: return "oracle";
     case VerifyMode::kDspark: return "dspark";
+    case VerifyMode::kDsparkFill: return "dspark_fill";
   }
   return "?";
-}
-
-void AddPadding(std::vector<RequestLoad>& batch, int64_t pad) {
-  if (pad <= 0) return;
-  if (batch.empty()) {
-    batch.push_back({0, static_cast<int32_t>(pad)});
-    return;
-  }
-  const int64_t n = static_cast<int64_t>(batch.size()), each = pad / n, rem = pad % n;
-  for (int64_t i = 0; i < n; ++i) batch[i].query_tokens += static_cast<int32_t>(each + (i < rem ? 1 : 0));
 }
 
 int64_t AgreedTier(absl::Span<const int32_t> tiers, int64_t max_tokens) {

@@ -10,20 +10,33 @@
 //   (the drain at the end is not measured).
 // - The planner never sees the truth: it plans with `planner_model` and acceptance estimated
 //   from observed accept counts; `kOracle` plans with the truth model and true acceptance.
-// - Token tiers (`padded`): every rank runs the instance's agreed token count, the smallest tier
-//   >= the largest rank's query tokens (the largest rank's count past the last tier). The truth
-//   charges a rank's spare tokens (padding) attention like real verify tokens, spread round-robin
-//   over its requests (a rank with none: one request with no context), and the FFN every rank's
-//   padded tokens. The planner rows plan in the planner's padded mode (PlannerConfig::token_tiers,
-//   GlobalCost::padded_tokens) and fill the tier's spare tokens with verify work where it pays.
-// - `kDspark`: SGLang's DSpark verify planner under DP attention (simulator.cc, DsparkPlan): each
-//   rank alone picks its verify-token budget by expected tokens per second, and the ranks agree
-//   only on the padded tier.
-// - Staleness (`stale_steps` N > 0), an engine that plans (and drafts) a step ahead of what it
-//   has seen: the planner (and kDspark) plans the batch the engine scheduled, with each
-//   request's context and remaining tokens as of N steps ago (as admitted, if admitted since),
-//   the acceptance statistics (and TPOT SLO pace) of then, and the requests that finished in
-//   those N steps still in it. The truth charges the real batch.
+// - Token tiers (`padded`): every rank runs the instance's agreed token count: the tier its
+//   planner agreed (the planner rows' padded mode, DSpark's gathered tier), else the smallest tier
+//   >= the largest rank's query tokens (the largest rank's count past the last tier). The spare
+//   tokens run as SGLang's compact verify pads them (dspark::PadToTier): dummy requests of
+//   sequence length 1 in the tier's free request slots (at most --max_batch), or on the last real
+//   request when no slot is free. The FFN sees every rank's tier. The planner rows plan in the
+//   planner's padded mode (PlannerConfig::token_tiers, GlobalCost::padded_tokens) and fill the
+//   tier's spare tokens with verify work where it pays.
+// - `kDspark` / `kDsparkFill`: SGLang's DSpark verify planner under DP attention (dpbalance/dspark.h,
+//   the code the plugin's DSpark mode runs): each rank alone picks its verify-token budget by
+//   expected tokens per second from a steps-per-second table profiled on the truth as SGLang's
+//   profiler does (uniform DP load, short contexts, a floor step function), the ranks agree on the
+//   largest rank's tier, and with tier fill (kDsparkFill) every rank fills the tier with its best
+//   drafts. `dspark_context_sps` prices the budget with the planner's own context-aware model
+//   instead (a sensitivity row). A dense draft (TruthModel::per_rank_draft) runs unpadded.
+// - Lag (`stale_steps` N): the engine plans step t while steps t-N..t-1 still run (overlap or
+//   async scheduling), one model for every row. It knows the batch it scheduled and the verify
+//   lengths it gave each request in the pending steps; each request's context and remaining
+//   tokens only as of N steps ago (as admitted, if admitted since); acceptance statistics and
+//   TPOT pace N steps late; and a request that finished only N steps later, so a finished request
+//   stays in the batches it scheduled meanwhile, charged, emitting nothing. A verify length is
+//   never cut by what the engine does not know: a draft past what a request can still emit runs
+//   and is wasted. The static and DSpark rows cap a request at what the engine can be sure of
+//   (the tokens it may emit as seen, less one per pending step). The planner rows plan on the
+//   predicted state (lag.h, `lag_predict`: contexts, caps, gains, TPOT floors). DSpark's budget
+//   reads survivals two decode steps old whatever the lag (SGLang's confidence relay), a request
+//   without one counting survival 1 at every position (its freshness rule).
 // - Thread-compatible: independent calls may run concurrently.
 #pragma once
 
@@ -41,7 +54,7 @@
 
 namespace dpbalance::replay {
 
-enum class VerifyMode { kStatic, kLocal, kGoodput, kFill, kOracle, kDspark };
+enum class VerifyMode { kStatic, kLocal, kGoodput, kFill, kOracle, kDspark, kDsparkFill };
 std::string VerifyModeName(VerifyMode m);  // "off" for static
 
 struct TruthModel {
@@ -50,6 +63,20 @@ struct TruthModel {
   double noise_sigma = 0;                           // multiplicative log-normal noise per rank/step
   bool per_rank_draft = false;  // dense draft: each rank drafts to its own deepest verify length,
                                 // before the barrier (default: one depth, MTP with MoE layers)
+  // A draft that proposes its whole block in one forward each step (SGLang DSpark's): its cost
+  // is in global.step_overhead_us and does not grow with the depth (global.draft_per_step_us 0).
+  bool block_draft = false;
+};
+
+// What the planner rows predict of a lagged request (lag.h); each part on its own is a flag so
+// that the cost of lag can be split by part (docs/results.md).
+enum LagPredict : uint32_t {
+  kPredictNone = 0,
+  kPredictContext = 1u << 0,  // contexts after the pending steps' expected tokens
+  kPredictCap = 1u << 1,      // caps less one token per pending step
+  kPredictGain = 1u << 2,     // gains times the probability the request can still emit them
+  kPredictSlo = 1u << 3,      // TPOT floors credit the pending steps' expected tokens
+  kPredictAll = kPredictContext | kPredictCap | kPredictGain | kPredictSlo,
 };
 
 struct SimConfig {
@@ -71,7 +98,9 @@ struct SimConfig {
   // Token tiers: every rank padded to the agreed tier (see the contract); kDspark always is.
   bool padded = false;
   std::vector<int32_t> token_tiers;       // ascending, > 0; empty: the largest rank's tokens
-  int stale_steps = 0;                    // planner modes: plan with the state N steps old
+  int stale_steps = 0;                    // lag: plan step t while steps t-N..t-1 run
+  uint32_t lag_predict = kPredictAll;     // planner rows under lag: LagPredict bits
+  bool dspark_context_sps = false;        // DSpark rows: price with planner_model, not the table
   CostModel planner_model = CostModel::PublishedV2();
   bool planner_online = false;            // refit planner_model online from measured attention
   // How the planner simulates a grid model (PlannerConfig::grid_simulation; unset: the planner's
@@ -104,33 +133,16 @@ struct RunResult {
                                        // instance plan, as in static and local runs)
   double planner_model_error = 0;      // online model: mean |predicted - truth| / truth per rank-step
   double padding_fraction = 0;         // padded runs: spare tier tokens / all tokens run
+  // Lag diagnostics (0 without lag, except tokens_over_plan):
+  double tokens_over_plan = 0;         // planner rows: emitted tokens / planned expected - 1
+  double wasted_token_fraction = 0;    // query tokens run for finished requests or past what a
+                                       // request could still emit / all real query tokens
   double wall_s = 0;
 };
 
 // The agreed per-rank token count for ranks whose largest runs `max_tokens` query tokens: the
 // smallest tier >= it, or `max_tokens` past the last tier (or with no tiers).
 int64_t AgreedTier(absl::Span<const int32_t> tiers, int64_t max_tokens);
-// Spreads `pad` spare tier tokens over a rank's batch round-robin, as verify tokens of its
-// requests (padding costs attention like real tokens); a rank with no request runs one request
-// with no context and `pad` query tokens. No-op for pad <= 0.
-void AddPadding(std::vector<RequestLoad>& batch, int64_t pad);
-
-// SGLang DSpark's choice for one rank (simulator.cc has the source read and the
-// simplifications): the verify lengths (into `verify`, one per request) that maximise expected
-// tokens per second of this rank's step as `model` and `global` price it, with the FFN charged
-// as if all `num_ranks` ranks ran this rank's tokens. Returns the deepest length.
-struct DsparkScratch {
-  struct Candidate {
-    double survival;
-    int32_t req, pos;
-  };
-  std::vector<Candidate> candidates;
-  std::vector<RequestLoad> loads;
-};
-int DsparkRankPlan(absl::Span<const PlanRequest> batch, const CostModel& model,
-                   const GlobalCost& global, int num_ranks, bool agreed_depth,
-                   absl::Span<int32_t> verify, DsparkScratch& scratch);
-
 // SGLang's default token tiers for a speculative decode: the CUDA-graph batch sizes it captures
 // with speculative decoding, up to `max_batch`, times the verify window k_max + 1 (simulator.cc).
 std::vector<int32_t> SglangDefaultTiers(int max_batch, int k_max);

@@ -275,37 +275,13 @@ TEST(Simulator, BadConfigIsAnError) {
   EXPECT_NE(r.status().message().find("capacity"), std::string::npos);
 }
 
-// Token tiers: every rank runs the agreed tier of the largest rank's tokens, its spare tokens
-// spread round-robin over its requests as verify tokens (an empty rank runs one request with no
-// context); past the last tier the largest rank's tokens are the agreed count.
-TEST(Tiers, EveryRankIsPaddedToTheLargestRanksTier) {
+// The agreed count is the smallest tier holding the largest rank's tokens (past the last tier,
+// the largest rank's tokens); SGLang's default tiers are its speculative capture sizes times the
+// verify window. (How the spare tokens run: dspark::PadToTier, tests/runtime/dspark_test.cc.)
+TEST(Tiers, TheAgreedTierHoldsTheLargestRank) {
   const std::vector<int32_t> tiers = {8, 16, 24, 32};
-  std::vector<std::vector<RequestLoad>> ranks = {
-      {{100, 2}, {50, 4}},          // 6 tokens
-      {{10, 8}, {20, 8}, {30, 3}},  // 19 tokens: the largest
-      {}};                          // idle
-  int64_t max_tokens = 0;
-  for (const auto& r : ranks) {
-    int64_t t = 0;
-    for (const RequestLoad& l : r) t += l.query_tokens;
-    max_tokens = std::max(max_tokens, t);
-  }
-  const int64_t tier = AgreedTier(tiers, max_tokens);
-  ASSERT_EQ(tier, 24);
-  for (auto& r : ranks) {
-    int64_t t = 0;
-    for (const RequestLoad& l : r) t += l.query_tokens;
-    AddPadding(r, tier - t);
-    int64_t padded = 0;
-    for (const RequestLoad& l : r) padded += l.query_tokens;
-    EXPECT_EQ(padded, tier);
-  }
-  EXPECT_EQ(ranks[0][0].query_tokens, 2 + 9);  // 18 spare tokens, 9 each
-  EXPECT_EQ(ranks[0][1].query_tokens, 4 + 9);
-  EXPECT_EQ(ranks[1][0].query_tokens, 8 + 2);  // 5 spare: 2, 2, 1
-  EXPECT_EQ(ranks[1][2].query_tokens, 3 + 1);
-  ASSERT_EQ(ranks[2].size(), 1u);
-  EXPECT_EQ(ranks[2][0].ctx_tokens, 0);
+  EXPECT_EQ(AgreedTier(tiers, 19), 24);
+  EXPECT_EQ(AgreedTier(tiers, 24), 24);
   EXPECT_EQ(AgreedTier(tiers, 33), 33);  // past the last tier: no graph, no padding
   EXPECT_EQ(AgreedTier({}, 19), 19);     // no tiers: the largest rank's tokens
   // SGLang's speculative capture sizes up to a batch of 64, times the verify window of 8.
@@ -316,31 +292,27 @@ TEST(Tiers, EveryRankIsPaddedToTheLargestRanksTier) {
   EXPECT_EQ(sglang.back(), 512);
 }
 
-// DSpark's per-rank budget is the local argmax of expected tokens per second: with verify tokens
-// free it verifies every draft, with tokens dear none, and in between it spends the budget on
-// the positions most likely to survive.
-TEST(Dspark, RankBudgetIsTheLocalArgmaxOfTokensPerSecond) {
-  std::vector<PlanRequest> batch(2);
-  batch[0].ctx_tokens = 2000;
-  batch[0].k_cap = 7;
-  batch[0].acceptance = *AcceptanceCurve::FromConditional(ShiftedProfile(MtpK8ConditionalProfile(), 2.0));
-  batch[1] = batch[0];
-  batch[1].acceptance = *AcceptanceCurve::FromConditional(ShiftedProfile(MtpK8ConditionalProfile(), -2.0));
-  DsparkScratch scratch;
-  std::vector<int32_t> v(2);
-  GlobalCost free_tokens;
-  free_tokens.ffn_per_token_us = 0;
-  free_tokens.draft_per_step_us = 0;
-  EXPECT_EQ(DsparkRankPlan(batch, CostModel(), free_tokens, 4, true, absl::MakeSpan(v), scratch), 7);
-  EXPECT_EQ(v, (std::vector<int32_t>{7, 7}));
-  GlobalCost dear = free_tokens;
-  dear.ffn_per_token_us = 1e6;
-  EXPECT_EQ(DsparkRankPlan(batch, CostModel(), dear, 4, true, absl::MakeSpan(v), scratch), 0);
-  EXPECT_EQ(v, (std::vector<int32_t>{0, 0}));
-  GlobalCost replay;  // the replay's defaults: 20 ms fixed, 2 us a token, 1.5 ms a draft step
-  DsparkRankPlan(batch, CostModel::PublishedV2(), replay, 64, true, absl::MakeSpan(v), scratch);
-  EXPECT_GT(v[0], v[1]);  // the request that accepts more verifies longer
-  EXPECT_GT(v[0], 0);
+// DSpark's tier fill spends the tier's spare tokens on real drafts: with it almost nothing that
+// runs is padding, without it the ranks below the largest pad; neither has an instance plan of
+// its own (step_over_plan 0).
+TEST(Dspark, TierFillRunsTheTierWithRealDrafts) {
+  const auto trace = Slice(1500);
+  SimConfig c = Small();
+  c.static_k = 1;
+  c.token_tiers = SglangDefaultTiers(c.max_batch_per_rank, c.k_max);
+  c.verify = VerifyMode::kDspark;
+  const RunResult plain = *Simulate(c, TruthModel{}, trace);
+  c.verify = VerifyMode::kDsparkFill;
+  const RunResult fill = *Simulate(c, TruthModel{}, trace);
+  EXPECT_GT(plain.padding_fraction, 0.0);
+  EXPECT_LT(fill.padding_fraction, 0.2 * plain.padding_fraction);
+  EXPECT_EQ(plain.step_over_plan, 0);
+  EXPECT_EQ(fill.step_over_plan, 0);
+  // The sensitivity row prices with the planner's model instead of the profiled table and plans
+  // differently.
+  c.dspark_context_sps = true;
+  const RunResult context = *Simulate(c, TruthModel{}, trace);
+  EXPECT_NE(context.tokens, fill.tokens);
 }
 
 // The dspark row pads every rank to the agreed tier. Its verify lengths do not depend on the
@@ -410,6 +382,43 @@ TEST(Stale, ZeroIsTodayAndStalePlansStillRun) {
         EXPECT_GT(r->mean_verify_len, 0);
       }
     }
+  }
+}
+
+// The lag model: with lag 1 a finished request stays in the batch the engine scheduled before it
+// learned, charged and emitting nothing, so a static row runs wasted tokens that it runs none of
+// without lag; every request still finishes.
+TEST(Stale, FinishedRequestsRunUntilTheEngineLearns) {
+  const auto trace = Slice(800);
+  SimConfig c = Small();
+  c.static_k = 2;
+  const RunResult fresh = *Simulate(c, TruthModel{}, trace);
+  c.stale_steps = 1;
+  const RunResult lagged = *Simulate(c, TruthModel{}, trace);
+  EXPECT_EQ(fresh.wasted_token_fraction, 0.0);
+  EXPECT_GT(lagged.wasted_token_fraction, 0.0);
+  EXPECT_LT(lagged.wasted_token_fraction, 0.05);
+  EXPECT_LT(lagged.goodput_tok_per_s, fresh.goodput_tok_per_s);
+}
+
+// Planning on the predicted state (lag.h) rather than on the last state seen: caps that count the
+// pending steps' tokens and gains that count the chance a draft can still emit leave fewer
+// wasted verify tokens, and every part switched off plans differently from all of them on.
+TEST(Stale, PredictionWastesFewerTokens) {
+  const auto trace = Slice(1500);
+  SimConfig c = Small();
+  c.verify = VerifyMode::kGoodput;
+  c.static_k = 2;
+  c.stale_steps = 1;
+  c.tpot_slo_us = 60000;  // about the static tail here, so the floors act
+  c.lag_predict = kPredictAll;
+  const RunResult predicted = *Simulate(c, TruthModel{}, trace);
+  c.lag_predict = kPredictNone;
+  const RunResult seen = *Simulate(c, TruthModel{}, trace);
+  EXPECT_LT(predicted.wasted_token_fraction, seen.wasted_token_fraction);
+  for (uint32_t part : {kPredictContext, kPredictCap, kPredictGain, kPredictSlo}) {
+    c.lag_predict = kPredictAll & ~part;
+    EXPECT_NE(Simulate(c, TruthModel{}, trace)->tokens, predicted.tokens) << part;
   }
 }
 
