@@ -71,6 +71,11 @@ ABSL_FLAG(int, stale_steps, 1,
           "overlap scheduler, vLLM's async scheduling: 1): contexts, remaining tokens and "
           "acceptance statistics N steps old, finished requests learned of N steps late; the "
           "truth charges what was scheduled. 0: every plan sees the last step's results");
+ABSL_FLAG(bool, step_bound, false,
+          "padded rows with one draft depth: also compute each step's bound on expected tokens "
+          "per second (true acceptance, every spare token on the cheapest slot) and report "
+          "step_bound_over_expected; for truths whose attention never falls when a query token "
+          "moves to a dummy slot (v1, v2, fits without a grid)");
 ABSL_FLAG(std::string, lag_predict, "all",
           "planner rows under lag: what they predict of a request after the pending steps "
           "(dpbalance/lag.h): 'all', 'none', or a comma list of context, cap, gain, slo");
@@ -114,6 +119,9 @@ ABSL_FLAG(std::string, granularity, "request",
           "engines that vary it per batch only)");
 ABSL_FLAG(double, noise, 0.0, "truth: multiplicative log-normal noise sigma on attention");
 ABSL_FLAG(double, acceptance_sigma, 1.0, "per-request acceptance shift, logit std-dev");
+ABSL_FLAG(double, prior_strength, 4.0,
+          "planner rows' and DSpark's acceptance estimator: pseudo-observations the instance "
+          "prior is worth per position (the plugin's DPB_PRIOR_STRENGTH)");
 ABSL_FLAG(uint64_t, seed, 1, "random seed");
 ABSL_FLAG(int, max_requests, 0, "use only the first N trace requests (0: all)");
 ABSL_FLAG(int, threads, 0, "worker threads for the comparison (0: all cores)");
@@ -316,6 +324,7 @@ absl::Status CheckFlags() {
            in_range("draft_ms", absl::GetFlag(FLAGS_draft_ms), 0, 1e6),
            in_range("noise", absl::GetFlag(FLAGS_noise), 0, 10),  // sigma 10: a factor e^10 already
            in_range("acceptance_sigma", absl::GetFlag(FLAGS_acceptance_sigma), 0, 100),  // logits
+           positive("prior_strength", absl::GetFlag(FLAGS_prior_strength), 1e6),  // DPB_PRIOR_STRENGTH's range
            in_range("max_requests", absl::GetFlag(FLAGS_max_requests), 0, 2147483647),
            in_range("threads", absl::GetFlag(FLAGS_threads), 0, 1024),
            in_range("stale_steps", absl::GetFlag(FLAGS_stale_steps), 0, 64)}) {
@@ -427,6 +436,7 @@ absl::StatusOr<SimConfig> BaseConfigFromFlags(const TruthModel& truth) {
   base.arrival_speedup = absl::GetFlag(FLAGS_arrival_speedup);
   base.k_max = absl::GetFlag(FLAGS_k_max);
   base.acceptance_sigma = absl::GetFlag(FLAGS_acceptance_sigma);
+  base.acceptance_prior_strength = absl::GetFlag(FLAGS_prior_strength);
   base.max_step_slack = absl::GetFlag(FLAGS_step_slack);
   base.floor_at_default = absl::GetFlag(FLAGS_floor_at_default);
   base.seed = absl::GetFlag(FLAGS_seed);
@@ -435,6 +445,7 @@ absl::StatusOr<SimConfig> BaseConfigFromFlags(const TruthModel& truth) {
   if (!lag_predict.ok()) return lag_predict.status();
   base.lag_predict = *lag_predict;
   base.dspark_context_sps = absl::GetFlag(FLAGS_dspark_sps) == "context";
+  base.step_bound = absl::GetFlag(FLAGS_step_bound);
   absl::StatusOr<std::vector<int32_t>> tiers =
       ParseTiers(absl::GetFlag(FLAGS_tiers), base.max_batch_per_rank, base.k_max);
   if (!tiers.ok()) return tiers.status();
@@ -818,6 +829,10 @@ nlohmann::json RowJson(const Row& row, const std::string& eval_cost, const SimCo
   if (row.padded) {
     j["token_tiers"] = base.token_tiers;
     j["padding_fraction"] = r.padding_fraction;
+  }
+  if (r.step_bound_over_expected > 0) {
+    j["expected_tok_per_s"] = r.expected_tok_per_s;
+    j["step_bound_over_expected"] = r.step_bound_over_expected;
   }
   return j;
 }

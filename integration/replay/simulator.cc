@@ -64,6 +64,7 @@ struct RunTotals {
   double pad_tokens = 0, run_tokens = 0;  // padded runs: spare tier tokens, all tokens run
   double planned_tokens_sum = 0, planned_steps_tokens = 0;  // planner rows: expected vs emitted
   double wasted_tokens = 0, real_tokens = 0;  // lag: query tokens that could emit nothing
+  double expected_tokens = 0, bound_tokens = 0, bound_time_us = 0;  // step_bound
 
 
   void Finish(RunResult& res, double now_us, const std::vector<double>& tpots) const {
@@ -85,6 +86,10 @@ struct RunTotals {
     res.padding_fraction = run_tokens > 0 ? pad_tokens / run_tokens : 0;
     res.tokens_over_plan = planned_tokens_sum > 0 ? planned_steps_tokens / planned_tokens_sum - 1 : 0;
     res.wasted_token_fraction = real_tokens > 0 ? wasted_tokens / real_tokens : 0;
+    if (bound_time_us > 0) {
+      res.expected_tok_per_s = expected_tokens / (bound_time_us / 1e6);
+      res.step_bound_over_expected = bound_tokens / expected_tokens;
+    }
   }
 };
 
@@ -122,6 +127,9 @@ class Simulation {
   // or N steps late with --stale_steps N).
   absl::Status ApplyObservations();
   double Time(int depth);      // the step's time, us
+  // step_bound: the step's bound on expected tokens per us, and the expected tokens of its plan
+  // (true acceptance); see the definition.
+  std::pair<double, double> StepBound(int depth);
   absl::Status Progress(double step_us);
   // Drops the requests whose end the engine has now learned of (N steps after it, with lag).
   void Retire();
@@ -187,30 +195,6 @@ class Simulation {
   RunTotals totals_;
 };
 
-// DSpark's steps-per-second table as dspark_sps_profiler builds it, measured on the truth (the
-// hardware the replay stands for): every rank holding `bs` requests of a short context
-// (dspark::kProfileContextTokens), each verifying its full window W = k_max + 1, the DP load
-// uniform, the draft included (a block, or MTP at the full depth), no noise (the profiler takes
-// a median). Keyed by the per-rank tokens bs x W.
-absl::StatusOr<dspark::SpsTable> ProfileSps(const SimConfig& cfg, const TruthModel& truth) {
-  const int window = cfg.k_max + 1;
-  std::vector<int64_t> tokens;
-  std::vector<double> rates;
-  std::vector<RequestLoad> loads;
-  for (int32_t bs : dspark::ProfilerBatchSizes(cfg.max_batch_per_rank)) {
-    loads.assign(bs, RequestLoad{dspark::kProfileContextTokens, window});
-    const double attn = truth.attention.AttentionUs(truth.attention.Aggregate(loads));
-    const double own_draft = truth.per_rank_draft ? truth.global.draft_per_step_us * cfg.k_max : 0.0;
-    const double step_us =
-        attn + own_draft +
-        truth.global.StepUs(static_cast<double>(cfg.num_ranks) * bs * window,
-                            truth.per_rank_draft ? 0 : cfg.k_max);
-    tokens.push_back(int64_t{bs} * window);
-    rates.push_back(1e6 / step_us);
-  }
-  return dspark::SpsTable::Create(std::move(tokens), std::move(rates));
-}
-
 absl::StatusOr<Simulation> Simulation::Create(const SimConfig& cfg, const TruthModel& truth,
                                               absl::Span<const TraceRequest> trace) {
   const int num_ranks = cfg.num_ranks;
@@ -260,7 +244,10 @@ absl::StatusOr<Simulation> Simulation::Create(const SimConfig& cfg, const TruthM
   if (!planner.ok()) return planner.status();
   std::optional<dspark::SpsTable> sps;
   if (dspark && !cfg.dspark_context_sps) {
-    absl::StatusOr<dspark::SpsTable> table = ProfileSps(cfg, truth);
+    // Profiled on the truth, the hardware the replay stands for (the profiler takes a median:
+    // no noise).
+    absl::StatusOr<dspark::SpsTable> table = dspark::ProfileSps(
+        truth.attention, truth.global, num_ranks, cfg.max_batch_per_rank, cfg.k_max, truth.per_rank_draft);
     if (!table.ok()) return table.status();
     sps = *std::move(table);
   }
@@ -605,6 +592,75 @@ double Simulation::Time(int depth) {
   return step_us;
 }
 
+// A bound on what any plan could expect of this step, for padded runs with one draft depth. A
+// plan runs every rank at a tier P (at least every request's bonus token) with drafts up to a
+// depth d. Its expected tokens are at most, rank by rank, the n_r bonus tokens of its running
+// requests and its best P - n_r draft positions by true survival (positions a request cannot emit
+// are worth nothing, a finished request nothing at all): the best survivals are a prefix of each
+// request. Its time is at least the truth's attention with every spare token on the cheapest
+// place, dummy slots of sequence length 1 (the truth's padding), taken over the ranks, plus the
+// global terms at P tokens a rank and depth d. So the step can expect at most
+// max over (P, d) of bound tokens / bound time per us. This holds for a truth whose attention does
+// not fall when a query token moves from a real request to a dummy slot (V1, V2 and the fitted
+// sums); a kernel-grid truth's waves can break it, so results.md uses it on V2 only. Also returns
+// the expected tokens of the plan in verify_ (true acceptance, the same worth).
+std::pair<double, double> Simulation::StepBound(int depth) {
+  const int window = cfg_.k_max + 1;
+  const bool depth_costs = truth_.global.draft_per_step_us > 0;
+  // Per rank: its requests' draft worths (position, survival) and its bonus tokens.
+  std::vector<std::vector<std::pair<int32_t, double>>> worth(num_ranks_);
+  std::vector<double> bonus(num_ranks_, 0.0);
+  std::vector<int64_t> base(num_ranks_, 0);
+  double expected = 0;
+  int64_t max_base = 0;
+  for (int r = 0; r < num_ranks_; ++r) {
+    for (size_t i = 0; i < ranks_[r].size(); ++i) {
+      const InflightRequest& a = ranks_[r][i];
+      ++base[r];
+      if (a.finished_step >= 0) continue;
+      bonus[r] += 1;
+      const int32_t useful = static_cast<int32_t>(std::clamp<int64_t>(a.remaining - 1, 0, cfg_.k_max));
+      for (int32_t j = 1; j <= useful; ++j) worth[r].push_back({j, a.truth_curve.Accept(j)});
+      expected += a.truth_curve.ExpectedTokens(std::min(verify_[r][i], useful));
+    }
+    std::sort(worth[r].begin(), worth[r].end(), [](const auto& x, const auto& y) { return x.second > y.second; });
+    max_base = std::max(max_base, base[r]);
+  }
+  std::vector<int32_t> tiers(cfg_.token_tiers.begin(), cfg_.token_tiers.end());
+  tiers.erase(std::remove_if(tiers.begin(), tiers.end(), [&](int32_t t) { return t < max_base; }), tiers.end());
+  if (tiers.empty()) tiers.push_back(static_cast<int32_t>(max_base));
+  double best = 0;
+  std::vector<RequestLoad> loads;
+  for (int32_t tier : tiers) {
+    double attn = 0;
+    for (int r = 0; r < num_ranks_; ++r) {
+      loads.clear();
+      for (const InflightRequest& a : ranks_[r]) loads.push_back({a.ctx, 1});
+      const dspark::Padding pad = dspark::PadToTier(tier, base[r], base[r], cfg_.max_batch_per_rank, window);
+      if (pad.last_row_tokens > 0) loads.back().query_tokens += static_cast<int32_t>(pad.last_row_tokens);
+      for (int32_t t : pad.pad_tokens) loads.push_back({1, t});
+      attn = std::max(attn, truth_.attention.AttentionUs(truth_.attention.Aggregate(loads)));
+    }
+    for (int d = depth_costs ? 0 : cfg_.k_max; d <= cfg_.k_max; ++d) {
+      double tokens = 0;
+      for (int r = 0; r < num_ranks_; ++r) {
+        int64_t room = tier - base[r];
+        tokens += bonus[r];
+        for (const auto& [pos, p] : worth[r]) {
+          if (room <= 0) break;
+          if (pos > d) continue;
+          tokens += p;
+          --room;
+        }
+      }
+      const double time_us = attn + truth_.global.StepUs(static_cast<double>(num_ranks_) * tier, d);
+      best = std::max(best, tokens / time_us);
+    }
+  }
+  (void)depth;
+  return {best, expected};
+}
+
 // Draws each running request's accepted tokens and feeds the estimators and SLO floors (N steps
 // late with lag N). A request emits at most what it has left; one that emits its last token
 // finishes (its TPOT counts now) and stays in the batch until the engine learns of it.
@@ -684,7 +740,14 @@ absl::StatusOr<RunResult> Simulation::Run() {
     if (*admission == Admission::kIdle) continue;
     absl::StatusOr<int> depth = Plan();
     if (!depth.ok()) return depth.status();
+    const auto [bound_rate, expected] =
+        cfg_.step_bound && padded_ && !truth_.per_rank_draft ? StepBound(*depth) : std::pair(0.0, 0.0);
     const double step_us = Time(*depth);
+    if (bound_rate > 0) {
+      totals_.bound_tokens += bound_rate * step_us;
+      totals_.expected_tokens += expected;
+      totals_.bound_time_us += step_us;
+    }
     now_us_ += step_us;
     if (absl::Status s = Progress(step_us); !s.ok()) return s;
     Retire();

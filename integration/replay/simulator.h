@@ -101,6 +101,10 @@ struct SimConfig {
   int stale_steps = 0;                    // lag: plan step t while steps t-N..t-1 run
   uint32_t lag_predict = kPredictAll;     // planner rows under lag: LagPredict bits
   bool dspark_context_sps = false;        // DSpark rows: price with planner_model, not the table
+  // Padded runs with one draft depth: each step's bound on expected tokens per second (StepBound
+  // in simulator.cc), reported as step_bound_over_expected. Costs a truth evaluation per rank, tier
+  // and depth each step.
+  bool step_bound = false;
   CostModel planner_model = CostModel::PublishedV2();
   bool planner_online = false;            // refit planner_model online from measured attention
   // How the planner simulates a grid model (PlannerConfig::grid_simulation; unset: the planner's
@@ -137,6 +141,11 @@ struct RunResult {
   double tokens_over_plan = 0;         // planner rows: emitted tokens / planned expected - 1
   double wasted_token_fraction = 0;    // query tokens run for finished requests or past what a
                                        // request could still emit / all real query tokens
+  // step_bound: the steps' expected tokens (true acceptance) per second of their true time, and
+  // the bound's: what the best plan of each step, as bounded, would emit in the same time over
+  // what the row's plans were expected to emit (>= 1).
+  double expected_tok_per_s = 0;
+  double step_bound_over_expected = 0;
   double wall_s = 0;
 };
 

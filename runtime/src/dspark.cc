@@ -46,6 +46,25 @@ double SpsTable::StepsPerSecond(int64_t tokens) const {
   return steps_per_s_[idx];
 }
 
+absl::StatusOr<SpsTable> ProfileSps(const CostModel& attention, const GlobalCost& global,
+                                    int num_ranks, int max_batch, int k_max, bool per_rank_draft) {
+  const int window = k_max + 1;
+  std::vector<int64_t> tokens;
+  std::vector<double> rates;
+  std::vector<RequestLoad> loads;
+  for (int32_t bs : ProfilerBatchSizes(max_batch)) {
+    loads.assign(bs, RequestLoad{kProfileContextTokens, window});
+    const double attn = attention.AttentionUs(attention.Aggregate(loads));
+    const double own_draft = per_rank_draft ? global.draft_per_step_us * k_max : 0.0;
+    const double step_us = attn + own_draft +
+                           global.StepUs(static_cast<double>(num_ranks) * bs * window,
+                                         per_rank_draft ? 0 : k_max);
+    tokens.push_back(int64_t{bs} * window);
+    rates.push_back(1e6 / step_us);
+  }
+  return SpsTable::Create(std::move(tokens), std::move(rates));
+}
+
 void OrderCandidates(absl::Span<const int32_t> caps,
                      absl::FunctionRef<double(int32_t req, int32_t pos)> survival,
                      std::vector<Candidate>& out) {

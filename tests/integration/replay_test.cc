@@ -422,6 +422,32 @@ TEST(Stale, PredictionWastesFewerTokens) {
   }
 }
 
+// The step bound holds: on the V2 truth no row's plans expect more tokens per second than the
+// bound on any of its steps, the oracle (true acceptance) included, so every row's ratio is >= 1,
+// and the rows that plan with less knowledge sit further below it.
+TEST(StepBound, IsAtLeastEveryPlanOnTheV2Truth) {
+  const auto trace = Slice(700);
+  SimConfig c = Small();
+  c.static_k = 2;
+  c.padded = true;
+  c.step_bound = true;
+  c.token_tiers = SglangDefaultTiers(c.max_batch_per_rank, c.k_max);
+  TruthModel truth;
+  truth.global.step_overhead_us += truth.global.draft_per_step_us;  // a block draft
+  truth.global.draft_per_step_us = 0;
+  truth.block_draft = true;
+  std::vector<double> ratios;
+  for (VerifyMode v : {VerifyMode::kStatic, VerifyMode::kDsparkFill, VerifyMode::kGoodput, VerifyMode::kOracle}) {
+    c.verify = v;
+    c.max_step_slack = v == VerifyMode::kOracle ? -1 : 0.03;
+    const RunResult r = *Simulate(c, truth, trace);
+    EXPECT_GE(r.step_bound_over_expected, 1.0) << VerifyModeName(v);
+    EXPECT_NEAR(r.expected_tok_per_s, r.goodput_tok_per_s, 0.03 * r.goodput_tok_per_s) << VerifyModeName(v);
+    ratios.push_back(r.step_bound_over_expected);
+  }
+  EXPECT_GT(ratios[0], ratios[3]);  // static k sits further below the bound than the oracle
+}
+
 TEST(Tiers, BadTiersAndStalenessAreErrorsNamingTheValue) {
   const auto trace = Slice(10);
   SimConfig c = Small();

@@ -31,6 +31,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "dpbalance/cost_model.h"
 
 namespace dpbalance::dspark {
 
@@ -75,6 +76,16 @@ class SpsTable {
   std::vector<int64_t> tokens_;
   std::vector<double> steps_per_s_;
 };
+
+// The table dspark_sps_profiler measures, taken from a cost model instead of hardware: every one
+// of `num_ranks` ranks holds bs requests (ProfilerBatchSizes(max_batch)) of kProfileContextTokens
+// context, each verifying its full window W = k_max + 1 (the profiler's static mode), so the DP
+// load is uniform; the step is `attention` at that batch, plus the global terms at num_ranks x bs
+// x W tokens and the full draft depth (a dense per-rank draft: its k_max steps before the
+// barrier). Keyed by bs x W. The replay profiles its truth (the hardware it stands for); the
+// plugin's DSpark mode its own calibrated model.
+absl::StatusOr<SpsTable> ProfileSps(const CostModel& attention, const GlobalCost& global,
+                                    int num_ranks, int max_batch, int k_max, bool per_rank_draft);
 
 // The candidates of a rank's batch, in the top-k allocator's order: survival descending, ties to
 // the lower position, then the lower request. `survival(i, j)` for request i's position j in
