@@ -707,12 +707,13 @@ absl::StatusOr<int> ComparisonRunner::PlannerDefaults(const std::vector<RowSpec>
     const RowSpec& spec = specs.front();
     SimConfig c = ConfigFor(spec, spec.k.value_or(default_k));
     c.verify = VerifyMode::kStatic;
-    c.padded = false;  // the comparison's reference: D z1.2's static run, without tiers
+    c.padded = spec.padded && !IsDspark(spec.verify);  // the same engine's static run: on tiers if it runs on them
     absl::StatusOr<RunResult> r = Simulate(c, instance_.truth, instance_.trace);
     if (!r.ok()) return r.status();
     comparison.slo_ms = r->tpot_p99_ms;
-    comparison.slo_source = absl::StrFormat("auto: TPOT p99 of %s off at k=%d",
-                                            absl::GetFlag(FLAGS_routing), c.static_k);
+    comparison.slo_source = absl::StrFormat("auto: TPOT p99 of %s off at k=%d%s",
+                                            absl::GetFlag(FLAGS_routing), c.static_k,
+                                            c.padded ? " on the same tiers" : "");
   }
   return default_k;
 }
