@@ -110,7 +110,7 @@ class Simulation {
   };
 
   Simulation(const SimConfig& cfg, const TruthModel& truth, absl::Span<const TraceRequest> trace,
-             Router router, Planner planner, std::optional<dspark::SpsTable> sps);
+             Router router, Planner planner);
 
   absl::StatusOr<Admission> Admit();
   absl::StatusOr<int> Plan();  // the step's draft depth
@@ -121,8 +121,6 @@ class Simulation {
   // The planner's PlanRequest for `a` on rank `rank`, from what the engine knows.
   PlanRequest PlanRequestFor(int rank, const InflightRequest& a, const InflightRequest::Seen& seen,
                              absl::Span<const int32_t> pending) const;
-  // SGLang DSpark's per-rank budgets and the agreed tier (see the definition); the draft depth.
-  int DsparkPlan();
   // Feeds a step's acceptance and pace observations to the estimators and SLO floors (at once,
   // or N steps late with --stale_steps N).
   absl::Status ApplyObservations();
@@ -145,8 +143,6 @@ class Simulation {
   const bool dspark_;
   Router router_;
   Planner planner_;
-  // DSpark rows: the steps-per-second table profiled on the truth (dspark_context_sps: none).
-  std::optional<dspark::SpsTable> sps_;
   // One online model for the instance (every rank is the same hardware): it learns from every
   // rank's measured attention each step, as each rank's own Balancer does in an engine.
   std::optional<OnlineCostModel> online_;
@@ -179,12 +175,6 @@ class Simulation {
     bool forget;        // the request finished: forget it after its last observation
   };
   std::deque<std::vector<Observation>> pending_;  // the last N steps' outcomes, not yet seen
-  // DSpark's scratch: candidates by lagged and by current survival, budgets per rank.
-  std::vector<dspark::Candidate> candidates_;
-  std::vector<int32_t> caps_;
-  std::vector<int64_t> budgets_;
-  std::vector<uint8_t> fresh_;
-  std::vector<RequestLoad> dspark_loads_;
   std::vector<int32_t> pending_scratch_;
   std::vector<double> tpots_;
   size_t next_ = 0;
@@ -236,27 +226,34 @@ absl::StatusOr<Simulation> Simulation::Create(const SimConfig& cfg, const TruthM
     pc.token_tiers = cfg.token_tiers;
     pc.global.padded_tokens = true;
   }
-  pc.mode = cfg.verify == VerifyMode::kLocal  ? PlanMode::kLocal
-            : cfg.verify == VerifyMode::kFill ? PlanMode::kFill
-                                              : PlanMode::kGoodput;
+  pc.mode = cfg.verify == VerifyMode::kLocal        ? PlanMode::kLocal
+            : cfg.verify == VerifyMode::kFill       ? PlanMode::kFill
+            : cfg.verify == VerifyMode::kDspark     ? PlanMode::kDspark
+            : cfg.verify == VerifyMode::kDsparkFill ? PlanMode::kDsparkFill
+                                                    : PlanMode::kGoodput;
+  if (dspark) {
+    // A dense draft cannot run DSpark's compact verify in CUDA graphs under DP attention (SGLang
+    // refuses at start): no tiers then, each rank runs its own budget.
+    if (!truth.per_rank_draft) pc.token_tiers = cfg.token_tiers;
+    pc.dspark_context_sps = cfg.dspark_context_sps;
+    if (!cfg.dspark_context_sps) {
+      // Profiled on the truth, the hardware the replay stands for (the profiler takes a median:
+      // no noise).
+      absl::StatusOr<dspark::SpsTable> table = dspark::ProfileSps(
+          truth.attention, truth.global, num_ranks, cfg.max_batch_per_rank, cfg.k_max, truth.per_rank_draft);
+      if (!table.ok()) return table.status();
+      pc.dspark_sps_tokens.assign(table->tokens().begin(), table->tokens().end());
+      pc.dspark_sps_steps_per_s.assign(table->steps_per_s().begin(), table->steps_per_s().end());
+    }
+  }
   absl::StatusOr<Planner> planner = Planner::Create(
       pc, cfg.verify == VerifyMode::kOracle ? truth.attention : cfg.planner_model);
   if (!planner.ok()) return planner.status();
-  std::optional<dspark::SpsTable> sps;
-  if (dspark && !cfg.dspark_context_sps) {
-    // Profiled on the truth, the hardware the replay stands for (the profiler takes a median:
-    // no noise).
-    absl::StatusOr<dspark::SpsTable> table = dspark::ProfileSps(
-        truth.attention, truth.global, num_ranks, cfg.max_batch_per_rank, cfg.k_max, truth.per_rank_draft);
-    if (!table.ok()) return table.status();
-    sps = *std::move(table);
-  }
-  return Simulation(cfg, truth, trace, *std::move(router), *std::move(planner), std::move(sps));
+  return Simulation(cfg, truth, trace, *std::move(router), *std::move(planner));
 }
 
 Simulation::Simulation(const SimConfig& cfg, const TruthModel& truth,
-                       absl::Span<const TraceRequest> trace, Router router, Planner planner,
-                       std::optional<dspark::SpsTable> sps)
+                       absl::Span<const TraceRequest> trace, Router router, Planner planner)
     : cfg_(cfg),
       truth_(truth),
       trace_(trace),
@@ -265,7 +262,6 @@ Simulation::Simulation(const SimConfig& cfg, const TruthModel& truth,
       dspark_(cfg.verify == VerifyMode::kDspark || cfg.verify == VerifyMode::kDsparkFill),
       router_(std::move(router)),
       planner_(std::move(planner)),
-      sps_(std::move(sps)),
       rng_(cfg.seed),
       shift_(0, cfg.acceptance_sigma),
       noise_(0, 1),
@@ -380,19 +376,28 @@ absl::StatusOr<int> Simulation::Plan() {
         continue;
       }
       batches_[r][i] = PlanRequestFor(r, a, seen, pending_scratch_);
-      if (dspark_) batches_[r][i].k_cap = sure_cap;
+      if (dspark_) {
+        // DSpark plans on what it has seen, capped at what the engine is sure of (SGLang does
+        // not cap it; that only helps it). Its budget reads survivals two decode steps back.
+        batches_[r][i].k_cap = sure_cap;
+        batches_[r][i].no_lagged_survival = a.steps_planned < dspark::kConfidenceLagSteps;
+      }
     }
   }
   int depth = cfg_.static_k;
-  if (dspark_) {
-    depth = DsparkPlan();
-  } else if (planned_) {
+  if (planned_) {
     absl::StatusOr<GlobalDecision> d = planner_.PlanAll(batches_, kv_free_, &verify_);
     if (!d.ok()) return d.status();
     totals_.planned_step_sum += d->step_us;
     planned_tokens_ = d->expected_tokens;
     planned_tier_ = d->padded_rank_tokens;
     depth = d->draft_depth;
+    if (dspark_) {  // the draft proposes its block; the truth charges the deepest length (MTP)
+      depth = 0;
+      for (const auto& lens : verify_) {
+        for (int32_t v : lens) depth = std::max(depth, static_cast<int>(v));
+      }
+    }
   }
   for (int r = 0; r < num_ranks_; ++r) {
     for (size_t i = 0; i < ranks_[r].size(); ++i) {
@@ -425,70 +430,6 @@ PlanRequest Simulation::PlanRequestFor(int rank, const InflightRequest& a,
     p.k_min = slos_[rank].Floor(a.id, default_len, curve);
   }
   return p;
-}
-
-// SGLang's DSpark verify planner under DP attention, dpbalance/dspark.h (the source read is
-// there): each rank's budget is the argmax of expected tokens times the steps per second of its
-// SPS table at n + b tokens over its lagged survivals, where a request without a lagged survival
-// (its first dspark::kConfidenceLagSteps decode steps) counts 1 at every position; the ranks gather their local
-// tiers min(n + b, n x W) and agree on the largest, rounded up to the captured grid; each rank
-// then verifies the top candidates by its current survivals, its own budget or, with tier fill,
-// the tier's spare tokens. Simplified: survivals are the estimators' curves the planner rows see
-// (not a confidence head), and a position never passes what the request can be sure to emit
-// (SGLang does not cap it; that only helps DSpark). A dense draft (per-rank depth) has no tier.
-int Simulation::DsparkPlan() {
-  const int window = cfg_.k_max + 1;
-  const bool fill = cfg_.verify == VerifyMode::kDsparkFill;
-  budgets_.assign(num_ranks_, 0);
-  int64_t max_local = 0, max_requests = 0;
-  for (int r = 0; r < num_ranks_; ++r) {
-    const std::vector<PlanRequest>& batch = batches_[r];
-    const int64_t n = static_cast<int64_t>(batch.size());
-    caps_.resize(batch.size());
-    fresh_.resize(batch.size());
-    for (size_t i = 0; i < batch.size(); ++i) {
-      caps_[i] = batch[i].k_cap;
-      // The budget's survivals are two decode steps old, whatever the engine's own lag.
-      fresh_[i] = ranks_[r][i].steps_planned >= dspark::kConfidenceLagSteps;
-    }
-    dspark::OrderCandidates(caps_, [&](int32_t i, int32_t j) {
-      return fresh_[i] ? batch[i].acceptance.Accept(j) : 1.0;
-    }, candidates_);
-    if (sps_) {
-      budgets_[r] = dspark::SpsBudget(n, candidates_, *sps_);
-    } else {  // the sensitivity row: the planner's context-aware model prices the rank's step
-      dspark_loads_.clear();
-      for (const PlanRequest& p : batch) dspark_loads_.push_back({p.ctx_tokens, 1});
-      const CostModel& model = planner_.model();
-      BatchAggregates agg = model.Aggregate(dspark_loads_);
-      const double fixed_us =
-          truth_.global.StepUs(0, truth_.per_rank_draft ? 0 : cfg_.k_max) +
-          (truth_.per_rank_draft ? truth_.global.draft_per_step_us * cfg_.k_max : 0.0);
-      budgets_[r] = dspark::VerifyTokenBudget(n, candidates_, [&](int64_t b, const dspark::Candidate* c) {
-        if (c != nullptr) agg.AddQueryToken(RequestLoad{batch[c->req].ctx_tokens, c->pos});
-        const double ffn = truth_.global.ffn_per_token_us * static_cast<double>(num_ranks_) * (n + b);
-        return 1e6 / (model.AttentionUs(agg) + ffn + fixed_us);
-      });
-    }
-    max_local = std::max(max_local, dspark::LocalTier(n, budgets_[r], window));
-    max_requests = std::max(max_requests, n);
-  }
-  if (padded_) planned_tier_ = dspark::AgreedTier(cfg_.token_tiers, max_local, max_requests, window);
-  int depth = 0;
-  for (int r = 0; r < num_ranks_; ++r) {
-    const std::vector<PlanRequest>& batch = batches_[r];
-    const int64_t n = static_cast<int64_t>(batch.size());
-    // The allocation reads the current survivals: every request has its own this step.
-    caps_.resize(batch.size());
-    for (size_t i = 0; i < batch.size(); ++i) caps_[i] = batch[i].k_cap;
-    dspark::OrderCandidates(caps_, [&](int32_t i, int32_t j) { return batch[i].acceptance.Accept(j); },
-                            candidates_);
-    const int64_t budget = fill && padded_ ? dspark::FillBudget(planned_tier_, n, window) : budgets_[r];
-    verify_[r].resize(batch.size());
-    dspark::AssignTopK(candidates_, budget, absl::MakeSpan(verify_[r]));
-    for (int32_t v : verify_[r]) depth = std::max(depth, static_cast<int>(v));
-  }
-  return depth;
 }
 
 // The truth's time of the step, and the step's balance, cost-ratio and ideal-time sums.

@@ -695,16 +695,20 @@ std::string_view PlanModeName(PlanMode m) {
     case PlanMode::kGoodput: return "goodput";
     case PlanMode::kFill: return "fill";
     case PlanMode::kLocal: return "local";
+    case PlanMode::kDspark: return "dspark";
+    case PlanMode::kDsparkFill: return "dspark_fill";
   }
   return "?";
 }
 
 absl::StatusOr<PlanMode> ParsePlanMode(std::string_view name) {
-  for (PlanMode m : {PlanMode::kOff, PlanMode::kGoodput, PlanMode::kFill, PlanMode::kLocal}) {
+  for (PlanMode m : {PlanMode::kOff, PlanMode::kGoodput, PlanMode::kFill, PlanMode::kLocal,
+                     PlanMode::kDspark, PlanMode::kDsparkFill}) {
     if (name == PlanModeName(m)) return m;
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown verify mode '", std::string(name), "' (expected off, goodput, fill or local)"));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown verify mode '", std::string(name),
+      "' (expected off, goodput, fill, local, dspark or dspark_fill)"));
 }
 
 absl::Status PlannerConfig::Validate() const {
@@ -749,6 +753,7 @@ uint64_t PlannerConfig::Hash() const {
   h.Value(uniform_per_rank);
   h.Value(exact_rank_tokens);
   h.Value(order_by_gain);
+  h.Value(dspark_context_sps);
   h.Value(kSummaryVersion);
   return h.digest();
 }
@@ -761,11 +766,24 @@ Planner::Planner(PlannerConfig config, CostModel model)
 
 absl::StatusOr<Planner> Planner::Create(PlannerConfig config, CostModel model) {
   if (absl::Status s = config.Validate(); !s.ok()) return s;
-  return Planner(std::move(config), std::move(model));
+  Planner planner(std::move(config), std::move(model));
+  const PlannerConfig& c = planner.config_;
+  if (planner.dspark() && !c.dspark_context_sps) {
+    absl::StatusOr<dspark::SpsTable> table =
+        c.dspark_sps_tokens.empty()
+            ? dspark::ProfileSps(planner.model_, c.global, c.num_ranks,
+                                 c.token_tiers.empty() ? 256 : c.token_tiers.back() / (c.k_max + 1),
+                                 c.k_max, !c.agreed_draft_depth)
+            : dspark::SpsTable::Create(c.dspark_sps_tokens, c.dspark_sps_steps_per_s);
+    if (!table.ok()) return table.status();
+    planner.sps_ = *std::move(table);
+  }
+  return planner;
 }
 
 int32_t Planner::Floor(const PlanRequest& r) const {
   if (config_.mode == PlanMode::kFill) return std::max(r.k_min, DefaultVerifyLen(config_.default_k, r.k_cap));
+  if (dspark()) return 0;  // DSpark has no floors
   return r.k_min;
 }
 
@@ -810,6 +828,10 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
   SetBase(st, batch, kv_free_tokens);
   StartSummary(st, rank_idx, s);
   SummarizeDefault(st, s);
+  if (dspark()) {
+    SummarizeDspark(st, s);
+    return absl::OkStatus();
+  }
   const int64_t kv_cap = KvCap(kv_free_tokens);
   if (config_.uniform_per_rank) {
     st.items.clear();
@@ -1018,6 +1040,7 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
     off.draft_depth = c.default_k;
     return off;
   }
+  if (dspark()) return DecideDspark(summaries);
   // Step 1: which ranks take part; the floor barrier and the feasible depths.
   absl::StatusOr<UsableTotals> totals =
       TotalUsable(summaries, local, config_hash_, decide_.usable_ranks);
@@ -1084,6 +1107,10 @@ absl::Status Planner::AssignFrom(const LocalState& st, const GlobalDecision& d,
     for (size_t i = 0; i < n; ++i) verify_len[i] = DefaultVerifyLen(config_.default_k, st.batch[i].k_cap);
     return absl::OkStatus();
   }
+  if (dspark()) {
+    AssignDspark(st, d, verify_len);
+    return absl::OkStatus();
+  }
   for (size_t i = 0; i < n; ++i) {
     if (st.base_len[i] > d.draft_depth) {
       return absl::FailedPreconditionError(absl::StrFormat(
@@ -1139,7 +1166,9 @@ void Planner::RankTokens(absl::Span<const RankSummary> summaries, const GlobalDe
     }
     int64_t tokens = s.default_tokens;
     if (balanced && config_.mode != PlanMode::kOff && SummaryUsable(s, r)) {
-      if (config_.global.padded_tokens) {
+      if (dspark()) {  // every rank runs the agreed tier, an idle one on dummy rows
+        tokens = decision.padded_rank_tokens;
+      } else if (config_.global.padded_tokens) {
         // A rank that can verify runs the tier and fills up to it; one that cannot (no
         // requests, no drafts) runs what it has.
         tokens = s.max_depth > 0 ? decision.padded_rank_tokens : int64_t{s.base_tokens};
@@ -1377,6 +1406,80 @@ double Planner::FillUnder(const LocalState& st, const GlobalDecision& d, int dep
   return fill.PlanGain();
 }
 
+
+// SGLang's DSpark, dpbalance/dspark.h: the budget is the first argmax of expected tokens times
+// steps per second over the rank's survivals (1 at every position of a request without lagged
+// ones), priced by the SPS table at n + b tokens, or with dspark_context_sps by this planner's
+// model of the rank's own step (its attention with the candidates added, the FFN as if every rank
+// ran n + b tokens, the draft at its full depth: no marginal draft cost, as DSpark sees it). The
+// summary carries the local tier min(n + b, n x W) as its base tokens.
+void Planner::SummarizeDspark(LocalState& st, RankSummary& s) const {
+  const PlannerConfig& c = config_;
+  const int window = c.k_max + 1;
+  const int64_t n = static_cast<int64_t>(st.batch.size());
+  std::vector<int32_t> caps(st.batch.size());
+  for (size_t i = 0; i < st.batch.size(); ++i) caps[i] = st.batch[i].k_cap;
+  std::vector<dspark::Candidate> candidates;
+  dspark::OrderCandidates(caps, [&](int32_t i, int32_t j) {
+    return st.batch[i].no_lagged_survival ? 1.0 : st.batch[i].acceptance.Accept(j);
+  }, candidates);
+  if (sps_) {
+    st.dspark_budget = dspark::SpsBudget(n, candidates, *sps_);
+  } else {
+    std::vector<RequestLoad> loads;
+    for (const PlanRequest& p : st.batch) loads.push_back({p.ctx_tokens, 1});
+    BatchAggregates agg = model_.Aggregate(loads);
+    const double own_draft = c.agreed_draft_depth ? 0.0 : c.global.draft_per_step_us * c.k_max;
+    const double fixed_us = c.global.StepUs(0, c.agreed_draft_depth ? c.k_max : 0) + own_draft;
+    st.dspark_budget = dspark::VerifyTokenBudget(n, candidates, [&](int64_t b, const dspark::Candidate* added) {
+      if (added != nullptr) agg.AddQueryToken(RequestLoad{st.batch[added->req].ctx_tokens, added->pos});
+      const double ffn = c.global.ffn_per_token_us * static_cast<double>(c.num_ranks) * static_cast<double>(n + b);
+      return 1e6 / (model_.AttentionUs(agg) + ffn + fixed_us);
+    });
+  }
+  s.base_tokens = static_cast<uint32_t>(dspark::LocalTier(n, st.dspark_budget, window));
+}
+
+// _maybe_gather_dp_verify_tier: the ranks agree on the largest local tier (a rank in fallback
+// counts with its default lengths' tokens), capped at the largest batch x W and rounded up to
+// the captured tiers; every rank runs it (its spare tokens are padding, or with tier fill real
+// drafts). The draft proposes its whole block: depth k_max.
+absl::StatusOr<GlobalDecision> Planner::DecideDspark(absl::Span<const RankSummary> summaries) const {
+  const PlannerConfig& c = config_;
+  int64_t max_local = 0, max_requests = 0;
+  int usable = 0;
+  for (size_t r = 0; r < summaries.size(); ++r) {
+    const RankSummary& s = summaries[r];
+    if (absl::Status st = CheckSummary(s, r, config_hash_); !st.ok()) return st;
+    const bool ok = SummaryUsable(s, r);
+    usable += ok ? 1 : 0;
+    max_local = std::max<int64_t>(max_local, ok ? int64_t{s.base_tokens} : int64_t{s.default_tokens});
+    max_requests = std::max<int64_t>(max_requests, s.num_requests);
+  }
+  if (usable == 0) return absl::UnavailableError("planner: no rank sent a usable summary this step");
+  GlobalDecision d;
+  d.draft_depth = c.k_max;
+  d.padded_rank_tokens = static_cast<int32_t>(
+      c.token_tiers.empty() ? max_local : dspark::AgreedTier(c.token_tiers, max_local, max_requests, c.k_max + 1));
+  d.num_planned_ranks = usable;
+  return d;
+}
+
+// ScheduleVerifyLensTopk over the current survivals: the rank's own budget, or with tier fill
+// graph_tier_fill_budget of the agreed tier.
+void Planner::AssignDspark(const LocalState& st, const GlobalDecision& d, absl::Span<int32_t> verify_len) const {
+  const int window = config_.k_max + 1;
+  const int64_t n = static_cast<int64_t>(st.batch.size());
+  std::vector<int32_t> caps(st.batch.size());
+  for (size_t i = 0; i < st.batch.size(); ++i) caps[i] = st.batch[i].k_cap;
+  std::vector<dspark::Candidate> candidates;
+  dspark::OrderCandidates(caps, [&](int32_t i, int32_t j) { return st.batch[i].acceptance.Accept(j); },
+                          candidates);
+  const int64_t budget = config_.mode == PlanMode::kDsparkFill
+                             ? dspark::FillBudget(d.padded_rank_tokens, n, window)
+                             : st.dspark_budget;
+  dspark::AssignTopK(candidates, budget, verify_len);
+}
 
 absl::StatusOr<GlobalDecision> Planner::PlanAll(absl::Span<const std::vector<PlanRequest>> batches,
                                                 absl::Span<const int64_t> kv_free_tokens,

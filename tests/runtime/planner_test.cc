@@ -1,4 +1,5 @@
 #include "dpbalance/planner.h"
+#include "dpbalance/dspark.h"
 
 #include <cmath>
 #include <cstring>
@@ -872,6 +873,57 @@ TEST(PlannerProperties, WithTokenTiersThePlanPricesEveryRankAtTheAgreedTier) {
     EXPECT_LE(step, 1.06 * d->step_us) << "trial " << trial << ": " << step / d->step_us;
   }
   std::printf("padded tiers: worst true step / planned step %.4f\n", worst);
+}
+
+// DSpark's modes through the planner's three phases (what the plugin's DPB_MODE=dspark_fill runs):
+// every rank's record carries its local tier min(n + b, n x W); all ranks agree on the largest,
+// capped at the largest batch x W and rounded up to the tiers; with tier fill each rank verifies
+// its best survivals up to min(tier, n x W) (fewer only where no candidate is left), without it its
+// own budget; every rank's total (RankTokens) is the tier, and a request on top of its budget
+// changes nothing.
+TEST(PlannerDspark, EveryRankRunsTheAgreedTierAndFillsItWithItsBestDrafts) {
+  const std::vector<int32_t> tiers = {8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128};
+  std::mt19937_64 rng(23);
+  for (int trial = 0; trial < 20; ++trial) {
+    for (PlanMode mode : {PlanMode::kDspark, PlanMode::kDsparkFill}) {
+      PlannerConfig c;
+      c.num_ranks = 6;
+      c.k_max = 7;
+      c.mode = mode;
+      c.token_tiers = tiers;
+      c.global = RandomGlobal(rng);
+      const Batches b = RandomInstance(rng, c.num_ranks, 16, c.k_max, false);
+      Planner p = *Planner::Create(c, CostModel::PublishedV2());
+      std::vector<std::vector<int32_t>> k;
+      absl::StatusOr<GlobalDecision> d = p.PlanAll(b, std::vector<int64_t>(c.num_ranks, -1), &k);
+      ASSERT_TRUE(d.ok()) << d.status();
+      const int64_t tier = d->padded_rank_tokens;
+      int64_t max_requests = 0;
+      for (const auto& rank : b) max_requests = std::max<int64_t>(max_requests, rank.size());
+      EXPECT_LE(tier, std::max<int64_t>(tiers.back(), max_requests * 8));
+      for (int r = 0; r < c.num_ranks; ++r) {
+        int64_t tokens = 0, room = 0;
+        for (size_t i = 0; i < b[r].size(); ++i) {
+          ASSERT_LE(k[r][i], b[r][i].k_cap);
+          tokens += 1 + k[r][i];
+          for (int j = 1; j <= b[r][i].k_cap && b[r][i].acceptance.Accept(j) >= dspark::kSurvivalEps; ++j) ++room;
+        }
+        EXPECT_LE(tokens, tier) << "trial " << trial;
+        if (mode == PlanMode::kDsparkFill) {  // filled as far as the tier and the candidates go
+          const int64_t n = static_cast<int64_t>(b[r].size());
+          EXPECT_EQ(tokens, n + std::min(dspark::FillBudget(tier, n, 8), room)) << "trial " << trial;
+        }
+      }
+      // Every rank's record says the same totals: the tier.
+      std::vector<RankSummary> recs(c.num_ranks);
+      for (int r = 0; r < c.num_ranks; ++r) ASSERT_TRUE(p.Summarize(r, b[r], -1, &recs[r]).ok());
+      std::vector<int64_t> totals(c.num_ranks);
+      p.RankTokens(recs, *d, true, absl::MakeSpan(totals));
+      for (int64_t t : totals) EXPECT_EQ(t, tier);
+    }
+  }
+  EXPECT_EQ(*ParsePlanMode("dspark_fill"), PlanMode::kDsparkFill);
+  EXPECT_EQ(*ParsePlanMode("dspark"), PlanMode::kDspark);
 }
 
 // What an engine meets in serving: empty ranks, requests that may not verify at all (cap 0, the

@@ -29,6 +29,7 @@
 #include "absl/types/span.h"
 #include "dpbalance/acceptance.h"
 #include "dpbalance/cost_model.h"
+#include "dpbalance/dspark.h"
 #include "dpbalance/summary.h"
 
 namespace dpbalance {
@@ -39,6 +40,11 @@ enum class PlanMode {
   kFill,     // never raise the barrier set by the slowest rank at the default length; spend the
              // other ranks' idle time on extra verify (and deeper drafts where they pay)
   kLocal,    // each rank maximises its own goodput, no coordination (ignores other summaries)
+  // SGLang DSpark's planner as shipped (dspark.h), the engines' baseline: each rank's verify-token
+  // budget by its own argmax of expected tokens x steps per second, the ranks agree on the largest
+  // rank's tier only; floors, the TPOT guard and the KV budget play no part (DSpark has none).
+  kDspark,
+  kDsparkFill,  // the same with its tier fill: every rank fills the agreed tier with its best drafts
 };
 std::string_view PlanModeName(PlanMode m);
 
@@ -91,6 +97,15 @@ struct PlannerConfig {
   // Hash).
   std::optional<GridSimulation> grid_simulation;
   bool sample_heads = true;
+  // DSpark modes: the steps-per-second table its budget reads (dspark::SpsTable: per-rank tokens,
+  // steps per second). Empty: the table dspark::ProfileSps takes from this planner's model and
+  // global terms when it is created (the plugin); the replay gives the one profiled on its truth.
+  // Each rank prices its own batch, so ranks need not agree (not in Hash).
+  std::vector<int64_t> dspark_sps_tokens;
+  std::vector<double> dspark_sps_steps_per_s;
+  // DSpark modes: price the budget with this planner's own context-aware model instead of the
+  // table (a sensitivity setting; not SGLang's behaviour).
+  bool dspark_context_sps = false;
 
   absl::Status Validate() const;
   // Hash over everything that must agree across ranks. The cost model is not in it: each rank
@@ -105,6 +120,9 @@ struct PlanRequest {
   int32_t k_min = 0;       // floor on verify length (SLO), 0..k_cap
   int32_t k_cap = 7;       // cap: min(k_max, tokens the request may still emit - 1), >= 0
   AcceptanceCurve acceptance;
+  // DSpark modes: the request has no survivals from the draft two decode steps back (it is in its
+  // first decode steps), so DSpark's budget counts survival 1 at each of its positions.
+  bool no_lagged_survival = false;
 };
 
 struct GlobalDecision {
@@ -173,6 +191,7 @@ class Planner {
   // The planner's model from now on, simulating its grid as config().grid_simulation says (when
   // set).
   void set_model(const CostModel& model) { model_ = PricedCopy(model); }
+  bool dspark() const { return config_.mode == PlanMode::kDspark || config_.mode == PlanMode::kDsparkFill; }
   uint64_t config_hash() const { return config_hash_; }
 
  private:
@@ -223,6 +242,7 @@ class Planner {
     };
     std::array<Level, kMaxDraftLen + 1> levels{};
     RankSummary summary{};  // what this rank sent (exact_rank_tokens: Assign reads its knots)
+    int64_t dspark_budget = 0;  // DSpark modes: this rank's own budget (verify tokens over n)
   };
   absl::Status SummarizeInto(LocalState& st, int rank_idx, absl::Span<const PlanRequest> batch,
                              int64_t kv_free_tokens, RankSummary* out) const;
@@ -237,6 +257,11 @@ class Planner {
                                                              int64_t kv_cap);
   void WalkKnots(const LocalState& st, const std::array<int64_t, kMaxDraftLen + 1>& avail,
                  const std::array<int, kMaxDraftLen + 1>& share, RankSummary& s) const;
+  // DSpark modes (dspark.h): Summarize's budget and local tier, Decide's agreed tier, Assign's
+  // top-k allocation.
+  void SummarizeDspark(LocalState& st, RankSummary& s) const;
+  absl::StatusOr<GlobalDecision> DecideDspark(absl::Span<const RankSummary> summaries) const;
+  void AssignDspark(const LocalState& st, const GlobalDecision& d, absl::Span<int32_t> verify_len) const;
   // Uniform-per-rank mode: each level a knot, priced exactly.
   void SummarizeUniform(LocalState& st, int64_t kv_cap, RankSummary& s) const;
   // Greedy fill under the barrier with draft positions <= depth_cap; returns the expected gain.
@@ -260,6 +285,7 @@ class Planner {
   // the rank's depth; 0 when the depth is agreed (its cost is global).
   double RankDraftUs() const;
 
+  std::optional<dspark::SpsTable> sps_;   // DSpark modes, unless dspark_context_sps
   LocalState local_;
   std::vector<LocalState> all_local_;     // PlanAll: one per rank
   std::vector<RankSummary> all_summaries_;
