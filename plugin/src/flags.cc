@@ -54,7 +54,7 @@ void AddPlannerFlags(FlagTable& t) {
   t.insert({
       {"mode", [](PluginFlags& f, const std::string& v) -> absl::Status {
          absl::StatusOr<PlanMode> m = ParsePlanMode(v);
-         if (!m.ok()) return BadValue(v, "off, goodput, fill or local");
+         if (!m.ok()) return BadValue(v, "off, goodput, fill, local, dspark or dspark_fill");
          f.balancer.planner.mode = *m;
          return absl::OkStatus();
        }},

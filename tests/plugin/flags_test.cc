@@ -102,7 +102,7 @@ TEST(Flags, BadValueMessagesNameFlagSourceAndValue) {
   absl::StatusOr<PluginFlags> f = ParseFlags({}, "mode=turbo");
   ASSERT_FALSE(f.ok());
   EXPECT_EQ(f.status().message(),
-            "flag 'mode' in the config string: 'turbo' is not off, goodput, fill or local");
+            "flag 'mode' in the config string: 'turbo' is not off, goodput, fill, local, dspark or dspark_fill");
   f = ParseFlags({{"DPB_BACKEND", "mpi"}}, "");
   ASSERT_FALSE(f.ok());
   EXPECT_EQ(f.status().message(),
