@@ -123,13 +123,26 @@ class Server:
         return open(self.log_path, errors="replace").read()
 
     def alive(self) -> list:
-        """Processes still in the server's process group."""
-        out = subprocess.run(["pgrep", "-g", str(self.pgid)], capture_output=True, text=True)
-        return [int(p) for p in out.stdout.split()]
+        """Processes still running in the server's process group (zombies not counted: the
+        script's own bash is one until this test reaps it)."""
+        self.proc.poll()
+        out = []
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                stat = open(f"/proc/{d}/stat").read()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+            if fields[0] != "Z" and int(fields[2]) == self.pgid:
+                out.append(int(d))
+        return out
 
-    def stop(self, timeout_s: float = 90) -> float:
+    def stop(self, timeout_s: float = 90) -> tuple:
         """Ctrl-C (SIGINT to the group), as in a terminal; then waits for every process.
-        Returns the seconds it took; kills what is left after timeout_s."""
+        Returns (seconds it took, the processes still running after timeout_s, which it then
+        kills)."""
         t = time.monotonic()
         try:
             os.killpg(self.pgid, signal.SIGINT)
@@ -138,14 +151,15 @@ class Server:
         while time.monotonic() - t < timeout_s and self.alive():
             time.sleep(0.5)
         took = time.monotonic() - t
-        if self.alive():
+        left = self.alive()
+        if left:
             os.killpg(self.pgid, signal.SIGKILL)
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
             pass
         self.log.close()
-        return took
+        return took, left
 
     def step_rows(self, rank: int) -> list:
         path = os.path.join(self.steps, f"engine_dp{rank}.jsonl")
@@ -262,9 +276,9 @@ def test_serve(work: str) -> None:
           "both ranks planned steps (dpbSuccess) and ran requests",
           f"planned steps {planned}, steps with requests {busy}")
 
-    took = s.stop()
-    left = s.alive()
-    check(not left, "Ctrl-C stops every process", f"{took:.1f} s, left {left}")
+    took, left = s.stop()
+    check(not left, "Ctrl-C stops every process", f"in {took:.1f} s, left {left}")
+    print(f"FIGURE stop (Ctrl-C to every process gone): {took:.1f} s")
     finals = [[x["final"] for x in s.step_rows(r) if "final" in x] for r in (0, 1)]
     check(all(len(f) == 1 for f in finals), "one final record per rank", str([len(f) for f in finals]))
     if all(finals):
@@ -315,8 +329,8 @@ def test_serve(work: str) -> None:
           "the flag and the value", (refuse or ["-"])[0].strip())
     if refuse:
         print("FIGURE strict refusal line: " + refuse[0].strip())
-    st.stop(timeout_s=30)
-    check(not st.alive(), "DPB_STRICT=1: no process left")
+    _, left = st.stop(timeout_s=30)
+    check(not left, "DPB_STRICT=1: no process left", str(left))
 
 
 # --- prometheus -------------------------------------------------------------------------------
@@ -388,7 +402,7 @@ def test_prometheus(work: str) -> None:
     except OSError as e:
         own = f"unreachable: {e}"
     text = s.text()
-    took = s.stop()
+    took, _ = s.stop()
     blocker.close()
     try:
         a, b = dpb_samples(first), dpb_samples(second)

@@ -63,6 +63,13 @@ TEST_F(Inspect, GoodFlagsGiveTheSettingsInEffect) {
   EXPECT_NE(settings.find("metrics_file=-"), std::string::npos) << settings;
 }
 
+TEST_F(Inspect, TheHostsOwnVariablesAreNotFlags) {
+  SetEnv("DPB_PLUGIN", "dpbalance");
+  SetEnv("DPB_STRICT", "1");  // the host's: refuse to start on a bad flag
+  const auto [r, error, settings] = Check("");
+  EXPECT_EQ(r, dpbSuccess) << error;
+}
+
 TEST_F(Inspect, EachBadValueIsNamedWithItsSource) {
   struct Case {
     const char* env_name;

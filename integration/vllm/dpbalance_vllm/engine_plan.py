@@ -134,6 +134,8 @@ class EnginePlan:
             self._log = open(os.path.join(self.cfg.step_log, f"engine_dp{self.dp_rank}.jsonl"),
                              "a", buffering=1)
         self._t_stats = time.monotonic()
+        self._writing = False
+        self._chain_signals()
         self.metrics = _metrics.RankMetrics.create(self.dp_rank, self.cfg.metrics_port)
         if self.metrics is not None:
             self.metrics.set_enabled(self.cfg.usable)
@@ -315,6 +317,7 @@ class EnginePlan:
                 self._balancing = balancing
                 self.metrics.set_enabled(balancing)
         if self._log is not None and planned is not None:
+            self._writing = True
             arm_on = self.ab_epoch <= 0 or ((self.exchanges - 1) // self.ab_epoch) % 2 == 0
             self._log.write(json.dumps({
                 "x": self.exchanges - 1, "n": len(requests), "result": result, "arm_on": arm_on,
@@ -325,6 +328,7 @@ class EnginePlan:
                 "pred_us": round(pred, 1) if pred > 0 else None,
                 "xchg_us": round(self._exchange_s * 1e6, 1) if self._exchange_s else None,
                 "t": round(time.time(), 4), "desyncs": self.desyncs}) + "\n")
+            self._writing = False
         now = time.monotonic()
         if now - self._t_stats >= self.cfg.stats_every_s:
             self._t_stats = now
@@ -339,12 +343,45 @@ class EnginePlan:
                   "wait_share_window": round(self._window.ratio(), 6)})
         return s
 
+    def _chain_signals(self) -> None:
+        """SIGTERM / SIGINT first write the `final` record (nothing else: the rank keeps
+        joining the exchange until vLLM stops stepping), then run vLLM's own handler.
+
+        vLLM's engine core installs its handlers before it builds the scheduler
+        (vllm/v1/engine/core.py `run_engine_core`), and under `vllm serve` the process manager
+        SIGTERMs the engine cores and kills them at once (--shutdown-timeout 0), which can
+        come before the executor's shutdown writes the record. Python runs this handler in the
+        main thread between two bytecodes, never inside a plugin call; a handler that finds a
+        record being written leaves the record to the shutdown."""
+        import signal
+        import threading
+        if threading.current_thread() is not threading.main_thread():
+            return  # not an engine core's main thread (a test): signals stay as they are
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous = signal.getsignal(sig)
+            if not callable(previous):
+                continue
+
+            def handler(signum, frame, previous=previous):
+                if not self._writing:
+                    try:
+                        self._write_final()  # the plugin and the exchange stay as they are
+                    except Exception as e:  # noqa: BLE001 - vLLM's handler must still run
+                        log.error("dpbalance: DP rank %d: final record on signal %d: %s",
+                                  self.dp_rank, signum, e)
+                previous(signum, frame)
+            signal.signal(sig, handler)
+
     def _write_stats(self, kind: str) -> None:
         """A `stats` (periodic) or `final` record in the step log, and one summary line."""
         s = self.stats()
         if self._log is not None:
-            self._log.write(json.dumps({kind: s, "t": round(time.time(), 4)}) + "\n")
-            self._log.flush()
+            self._writing = True
+            try:
+                self._log.write(json.dumps({kind: s, "t": round(time.time(), 4)}) + "\n")
+                self._log.flush()
+            finally:
+                self._writing = False
         fb = sum(self.fallbacks.values())
         why = " (" + ", ".join(f"{k} {v}" for k, v in sorted(self.fallbacks.items())) + ")" \
             if fb else ""
@@ -358,6 +395,16 @@ class EnginePlan:
         else:
             log.info(line)
 
+    def _write_final(self) -> None:
+        """The rank's `final` record and summary line, once."""
+        if getattr(self, "_final_written", False) or not (self.enabled or self.cfg.error):
+            return
+        self._final_written = True
+        try:
+            self._write_stats("final")
+        except (OSError, ValueError) as e:
+            log.error("dpbalance: DP rank %d: cannot write the final record: %s", self.dp_rank, e)
+
     def close(self) -> None:
         """Writes the rank's `final` record and releases the plugin. Idempotent: the executor's
         shutdown (the first thing vLLM's EngineCore.shutdown does) calls it before vLLM tears
@@ -365,12 +412,7 @@ class EnginePlan:
         if self._closed:
             return
         self._closed = True
-        if self.enabled or self.cfg.error:
-            try:
-                self._write_stats("final")
-            except (OSError, ValueError) as e:
-                log.error("dpbalance: DP rank %d: cannot write the final record: %s",
-                          self.dp_rank, e)
+        self._write_final()
         if self._log is not None:
             self._log.close()
             self._log = None

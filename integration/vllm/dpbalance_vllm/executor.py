@@ -10,8 +10,9 @@ before the dummy forward: the same place in the step as the active ranks' exchan
 
 The executor's `shutdown` is also where a rank writes its `final` stats record: vLLM's
 `EngineCore.shutdown` (vllm/v1/engine/core.py, 0.32.0) shuts the executor down first and the
-scheduler last, and the engine-core process manager kills what is still running 5 s after its
-SIGTERM (vllm/v1/utils.py `shutdown`), which the workers' teardown can use up.
+scheduler last, and the engine-core process manager kills what is still running after its
+SIGTERM (vllm/v1/utils.py `shutdown`: at once under `vllm serve`'s default `--shutdown-timeout`
+0), before the workers' teardown would end.
 
 `DpbExecutor` is vLLM's `MultiprocExecutor` (what vLLM's CPU platform and multi-GPU workers
 use); `DpbUniProcExecutor` is its `UniProcExecutor` (one GPU per DP rank, in-process worker).
