@@ -165,6 +165,8 @@ class EngineConfig:
                 check = _plugin_check(library)
             ok, error, settings = check(c.plugin_config, dp_size)
             if not ok:
+                if "exceeds 'k_max'" in error and "DPB_K_MAX" not in os.environ:
+                    error += f" (k_max is vLLM's num_speculative_tokens={c.k_spec})"
                 raise ConfigError(error)
             c.settings = dict(settings)
             if "DPB_DEFAULT_K" in os.environ:

@@ -208,9 +208,13 @@ class RankMetrics:
         where = []
         try:
             if mp_dir:
-                if not os.path.isdir(mp_dir) or not os.access(mp_dir, os.W_OK | os.X_OK):
+                try:  # a file made and removed: what prometheus_client will do, as this user
+                    import tempfile
+                    with tempfile.NamedTemporaryFile(dir=mp_dir, prefix=".dpbalance-probe-"):
+                        pass
+                except OSError as e:
                     raise PermissionError(f"PROMETHEUS_MULTIPROC_DIR '{mp_dir}' is not a "
-                                          f"writable directory")
+                                          f"writable directory ({e.strerror})") from None
                 # prometheus_client picks multiprocess values when it is first imported; a
                 # process that imported it before PROMETHEUS_MULTIPROC_DIR was set (a fork of
                 # one) would keep its values in memory, where /metrics never sees them.
