@@ -360,8 +360,7 @@ def value(samples: dict, name: str, **labels) -> float:
 def test_prometheus_units() -> None:
     """The exporter's failures, in this process: each is one line and no exception."""
     import logging
-    sys.path.insert(0, os.path.join(ROOT, "integration", "vllm"))
-    from dpbalance_vllm import metrics  # the source tree's, as the installed one
+    from dpbalance_vllm import metrics  # the venv's: installed from this checkout
     seen = []
 
     class Catch(logging.Handler):
@@ -373,7 +372,23 @@ def test_prometheus_units() -> None:
     check(m is None and any("Prometheus series not exported" in s and "/proc/self/fdinfo" in s
                             for s in seen),
           "an unwritable multiprocess directory is one line, no series", (seen or ["-"])[-1])
-    del os.environ["PROMETHEUS_MULTIPROC_DIR"]
+    if m is None and seen:
+        print("FIGURE unwritable-directory line: " + seen[-1])
+    # ... and the rank balances all the same (the installed package, its bundled plugin).
+    import types
+    from dpbalance_vllm import engine_plan
+    os.environ.update(DPB_PLUGIN="dpbalance", DPB_LOG_LEVEL="warn")
+    cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(
+        data_parallel_size=1, data_parallel_rank=0))
+    plan = engine_plan.EnginePlan(cfg, 7, "ngram")
+    lens = [plan.exchange([("a", 4000, 7), ("b", 100, 7)]) for _ in range(3)]
+    balancing = plan.dpb is not None and plan.dpb.last_result == 0
+    plan.close()
+    check(plan.metrics is None and balancing and not plan.fallbacks and plan.exchanges == 3
+          and all(len(x) == 2 for x in lens), "with the directory unwritable the rank still "
+          "balances", f"lens {lens}, fallbacks {plan.fallbacks}")
+    for k in ("PROMETHEUS_MULTIPROC_DIR", "DPB_PLUGIN", "DPB_LOG_LEVEL"):
+        del os.environ[k]
 
 
 def test_prometheus(work: str) -> None:
@@ -411,7 +426,6 @@ def test_prometheus(work: str) -> None:
         a = b = {}
         parsed = str(e)
     check(parsed is True, "both scrapes parse with prometheus_client's parser", str(parsed))
-    sys.path.insert(0, os.path.join(ROOT, "integration", "vllm"))
     from dpbalance_vllm import metrics
     for name, kind, _ in metrics.SERIES:
         sample = name + ("_total" if kind == "counter" else "_count" if kind == "histogram" else "")
