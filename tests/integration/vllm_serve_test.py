@@ -381,7 +381,11 @@ def test_prometheus_units() -> None:
     cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(
         data_parallel_size=1, data_parallel_rank=0))
     plan = engine_plan.EnginePlan(cfg, 7, "ngram")
-    lens = [plan.exchange([("a", 4000, 7), ("b", 100, 7)]) for _ in range(3)]
+    lens = []
+    for _ in range(3):  # three engine steps: plan, then report
+        lens.append(plan.exchange([("a", 4000, 7), ("b", 100, 7)]))
+        plan.after_step(800.0, 5000.0, [("a", lens[-1][0], 1, False),
+                                        ("b", lens[-1][1], 1, False)], 2 + sum(lens[-1]))
     balancing = plan.dpb is not None and plan.dpb.last_result == 0
     plan.close()
     check(plan.metrics is None and balancing and not plan.fallbacks and plan.exchanges == 3

@@ -149,10 +149,10 @@ class EnginePlan:
     def _collective(self, send: bytes) -> bytes:
         """All-gather of equal-size byte strings over the engine core's DP group: a
         (dp_size, n) uint8 all-reduce in which each rank fills its own row."""
-        import torch
-        import torch.distributed as dist
         if self.dp_size == 1:
             return bytes(send)
+        import torch
+        import torch.distributed as dist
         n = len(send)
         t = torch.zeros(self.dp_size, n, dtype=torch.uint8)
         t[self.dp_rank] = torch.frombuffer(bytearray(send), dtype=torch.uint8)
