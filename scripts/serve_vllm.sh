@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 case "${1:-}" in
   --no-install) ;;
   "") scripts/live_vllm.sh --install-only ;;
-  -h|--help) sed -n 2,14p "$0"; exit 0 ;;
+  -h|--help) sed -n 2,13p "$0"; exit 0 ;;
   *) echo "serve_vllm.sh: unknown flag '$1' (see --help)" >&2; exit 2 ;;
 esac
 set +u  # the venv's activate script reads unset variables
