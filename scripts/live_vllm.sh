@@ -5,6 +5,8 @@
 # writes the figures (docs/live_vllm.md).
 #
 #   scripts/live_vllm.sh [--json FILE] [--quick] [--keep-logs DIR]
+#   scripts/live_vllm.sh --install-only   (the venv and the plugin package, nothing run;
+#                                          scripts/serve_vllm.sh and the README's quickstart)
 #
 # The virtual environment lives outside the work tree, in $DPBALANCE_VLLM_VENV (default
 # ~/.cache/dpb-vllm/venv), made once and reused; it holds the pinned versions of
@@ -16,18 +18,20 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 JSON="$ROOT/out/live_vllm.json"
 QUICK=0
 KEEP=""
+INSTALL_ONLY=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --json) JSON="${2:?--json needs a file}"; shift 2 ;;
     --json=*) JSON="${1#--json=}"; shift ;;
     --quick) QUICK=1; shift ;;
     --keep-logs) KEEP="${2:?--keep-logs needs a directory}"; shift 2 ;;
-    -h|--help) sed -n 2,13p "$0"; exit 0 ;;
+    --install-only) INSTALL_ONLY=1; shift ;;
+    -h|--help) sed -n 2,15p "$0"; exit 0 ;;
     *) echo "live_vllm.sh: unknown flag '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$(dirname "$JSON")" 2>/dev/null || true
-if ! touch "$JSON" 2>/dev/null; then
+if [ "$INSTALL_ONLY" = 0 ] && ! touch "$JSON" 2>/dev/null; then
   echo "live_vllm.sh: --json '$JSON' cannot be written" >&2; exit 2
 fi
 
@@ -74,6 +78,10 @@ fi
   || install_failed "pip install integration/vllm (tail: $(tail -n 5 "$CACHE/plugin-install.log" | tr '\n' ' '))"
 "$PY" -c 'import importlib.metadata as m; eps = [e.value for e in m.entry_points(group="vllm.general_plugins")]; assert "dpbalance_vllm:register" in eps, eps' \
   || install_failed "the vllm.general_plugins entry point dpbalance_vllm:register is not registered"
+if [ "$INSTALL_ONLY" = 1 ]; then
+  echo "live_vllm.sh: vLLM and the plugin package are installed in $VENV"
+  exit 0
+fi
 
 # --- the runs ----------------------------------------------------------------------------
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/dpb-live.XXXXXX")"

@@ -209,7 +209,8 @@ std::map<std::string, std::string> DpbEnvironment() {
     const size_t eq = kv.find('=');
     if (eq == std::string::npos || kv.rfind("DPB_", 0) != 0) continue;
     const std::string name = kv.substr(0, eq);
-    if (name == "DPB_PLUGIN") continue;  // the host's: which library to load
+    // The host's: which library to load, and whether a refused flag stops the engine.
+    if (name == "DPB_PLUGIN" || name == "DPB_STRICT") continue;
     out[name] = kv.substr(eq + 1);
   }
   return out;
@@ -221,7 +222,7 @@ absl::StatusOr<PluginFlags> ParseFlags(const std::map<std::string, std::string>&
   f.balancer.planner.max_step_slack = 0.03;
   f.routing.strategy = RoutingStrategy::kCostAware;  // the router ABI recommends ours (E)
   for (const auto& [name, value] : env) {
-    if (name.rfind("DPB_", 0) != 0 || name == "DPB_PLUGIN") continue;
+    if (name.rfind("DPB_", 0) != 0 || name == "DPB_PLUGIN" || name == "DPB_STRICT") continue;
     const std::string key = absl::AsciiStrToLower(name.substr(4));
     if (absl::Status s = Apply(f, key, value, absl::StrCat("environment variable ", name)); !s.ok()) return s;
   }

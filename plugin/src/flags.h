@@ -26,7 +26,8 @@ struct PluginFlags {
 // Errors name the flag, its source (environment or config string) and the value.
 absl::StatusOr<PluginFlags> ParseFlags(const std::map<std::string, std::string>& env,
                                        const std::string& config);
-// The DPB_* variables of this process's environment (DPB_PLUGIN, the host's, excluded).
+// The DPB_* variables of this process's environment (DPB_PLUGIN and DPB_STRICT, the host's,
+// excluded).
 std::map<std::string, std::string> DpbEnvironment();
 
 }  // namespace dpbalance::plugin

@@ -11,6 +11,7 @@
 #include "dpbalance/inprocess_allgather.h"
 #include "dpbalance/log.h"
 #include "dpbalance/nccl_allgather.h"
+#include "dpbalance/plugin/dpbalance_inspect_v1.h"
 #include "dpbalance/plugin/dpbalance_plugin_v1.h"
 #include "dpbalance/plugin/dpbalance_plugin_v2.h"
 #include "dpbalance/summary.h"
@@ -478,8 +479,73 @@ dpbResult_t StatsV2(void* context, dpbStats_v2_t* out) {
   return dpbSuccess;
 }
 
+// --- dpbalance_inspect_v1.h ---------------------------------------------------------------
+
+// `text` into the caller's buffer of `bytes`, NUL-terminated and cut to fit (nothing when the
+// buffer is NULL or empty).
+void CopyOut(const std::string& text, char* out, size_t bytes) {
+  if (out == nullptr || bytes == 0) return;
+  const size_t n = std::min(text.size(), bytes - 1);
+  std::memcpy(out, text.data(), n);
+  out[n] = '\0';
+}
+
+// init's checks without a balancer: the flags (ParseFlags), then the planner's settings for
+// dp_size ranks with the model (Planner::Create, as Balancer::Create runs it).
+dpbResult_t CheckFlags(const char* config, int32_t dp_size, char* error, size_t error_bytes,
+                       char* settings, size_t settings_bytes) {
+  CopyOut("", error, error_bytes);
+  CopyOut("", settings, settings_bytes);
+  try {
+    if (dp_size < 1 || dp_size > 65536) {
+      CopyOut(absl::StrFormat("dp_size %d is not in 1..65536", dp_size), error, error_bytes);
+      return dpbInvalidArgument;
+    }
+    absl::StatusOr<PluginFlags> f = ParseFlags(DpbEnvironment(), config ? config : "");
+    if (!f.ok()) {
+      CopyOut(std::string(f.status().message()), error, error_bytes);
+      return dpbInvalidArgument;
+    }
+    f->balancer.planner.num_ranks = dp_size;
+    if (absl::StatusOr<Planner> p = Planner::Create(f->balancer.planner, f->balancer.model); !p.ok()) {
+      CopyOut(std::string(p.status().message()), error, error_bytes);
+      return dpbInvalidArgument;
+    }
+    const PlannerConfig& pc = f->balancer.planner;
+    CopyOut(absl::StrFormat("mode=%s k_max=%d default_k=%d cost_model=%s draft_us=%g ffn_fixed_us=%g "
+                            "ffn_per_token_us=%g step_overhead_us=%g online=%d tpot_slo_ms=%g "
+                            "log_every=%d metrics_file=%s",
+                            PlanModeName(pc.mode), pc.k_max, pc.default_k, f->balancer.model.name(),
+                            pc.global.draft_per_step_us, pc.global.ffn_fixed_us,
+                            pc.global.ffn_per_token_us, pc.global.step_overhead_us,
+                            f->balancer.online_calibration ? 1 : 0, f->balancer.tpot_slo_us / 1000,
+                            f->balancer.log_every_steps,
+                            f->balancer.metrics_file.empty() ? "-" : f->balancer.metrics_file),
+            settings, settings_bytes);
+    return dpbSuccess;
+  } catch (...) {
+    CopyOut("internal error while checking the flags", error, error_bytes);
+    return dpbInternalError;
+  }
+}
+
+dpbResult_t LastStep(void* context, dpbStepInfo_v1_t* out) {
+  auto* ctx = static_cast<Context*>(context);
+  if (ctx == nullptr || out == nullptr) return dpbInvalidArgument;
+  const ReportedStep& r = ctx->balancer->LastReport();
+  out->plan_id = r.step == UINT64_MAX ? -1 : static_cast<int64_t>(r.step);
+  out->predicted_attention_us = r.predicted_us;
+  out->measured_attention_us = r.measured_us;
+  out->planned_barrier_us = r.barrier_us;
+  out->extend = r.extra_work ? 1 : 0;
+  return dpbSuccess;
+}
+
 }  // namespace
 }  // namespace dpbalance::plugin
+
+extern "C" __attribute__((visibility("default"))) const dpbalanceInspect_v1_t dpbalanceInspect_v1 = {
+    "dpbalance", dpbalance::plugin::CheckFlags, dpbalance::plugin::LastStep};
 
 extern "C" __attribute__((visibility("default"))) const dpbalancePlugin_v1_t dpbalancePlugin_v1 = {
     "dpbalance", dpbalance::plugin::Init, dpbalance::plugin::Plan, dpbalance::plugin::Report,

@@ -573,10 +573,16 @@ absl::Status Balancer::Report(uint64_t step, double attention_us, double step_us
   }
   measured_ = Measured{};
   measured_.fresh = true;  // the next record says "unknown" rather than repeating older times
+  last_report_ = ReportedStep{};
+  last_report_.step = step;
+  last_report_.measured_us = attention_us;
   if (plan != nullptr) {
     measured_.planned = true;
     measured_.arm_on = plan->arm_on;
     measured_.barrier_us = plan->barrier_us;
+    last_report_.predicted_us = plan->predicted_us;
+    last_report_.barrier_us = plan->barrier_us;
+    last_report_.extra_work = plan->extra_work;
   }
   if (!(std::isfinite(attention_us) && attention_us >= 0 && std::isfinite(step_us) && step_us >= 0)) {
     return absl::InvalidArgumentError(absl::StrFormat(

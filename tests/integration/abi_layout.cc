@@ -1,8 +1,9 @@
-/* Prints the C ABI v1 struct layouts (plugin and router) (offset and size of every field, and each struct's
+/* Prints the C ABI v1 struct layouts (plugin, router and inspection) (offset and size of every field, and each struct's
  * size) so python_adapter_test.py can check the ctypes mirror against the compiler. */
 #include <cstddef>
 #include <cstdio>
 
+#include "dpbalance/plugin/dpbalance_inspect_v1.h"
 #include "dpbalance/plugin/dpbalance_plugin_v1.h"
 #include "dpbalance/plugin/dpbalance_router_v1.h"
 
@@ -76,5 +77,15 @@ int main() {
   FIELD(dpbalanceRouter_v1_t, observe_finished);
   FIELD(dpbalanceRouter_v1_t, destroy);
   SIZE(dpbalanceRouter_v1_t);
+  FIELD(dpbStepInfo_v1_t, plan_id);
+  FIELD(dpbStepInfo_v1_t, predicted_attention_us);
+  FIELD(dpbStepInfo_v1_t, measured_attention_us);
+  FIELD(dpbStepInfo_v1_t, planned_barrier_us);
+  FIELD(dpbStepInfo_v1_t, extend);
+  SIZE(dpbStepInfo_v1_t);
+  FIELD(dpbalanceInspect_v1_t, name);
+  FIELD(dpbalanceInspect_v1_t, check_flags);
+  FIELD(dpbalanceInspect_v1_t, last_step);
+  SIZE(dpbalanceInspect_v1_t);
   return 0;
 }

@@ -188,7 +188,8 @@ class AdapterTest(unittest.TestCase):
         mirror = {"dpbInitArgs_v1_t": dpb._InitArgs, "dpbRequest_v1_t": dpb._Request,
                   "dpbAccepted_v1_t": dpb._Accepted, "dpbStats_v1_t": dpb._Stats,
                   "dpbalancePlugin_v1_t": dpb._Plugin, "dpbRouterArgs_v1_t": dpb._RouterArgs,
-                  "dpbRankLoad_v1_t": dpb._RankLoad, "dpbalanceRouter_v1_t": dpb._Router}
+                  "dpbRankLoad_v1_t": dpb._RankLoad, "dpbalanceRouter_v1_t": dpb._Router,
+                  "dpbStepInfo_v1_t": dpb._StepInfo, "dpbalanceInspect_v1_t": dpb._Inspect}
         seen = {name: [] for name in mirror}
         out = subprocess.run([ABI_LAYOUT], check=True, capture_output=True, text=True).stdout
         for line in out.splitlines():
@@ -386,6 +387,42 @@ class AdapterTest(unittest.TestCase):
             dpb.DpBalance(1, 0, "k_max=nine", allgather=lambda s, t: s, library=PLUGIN)
         self.assertIn("k_max=nine", str(e.exception))
         self.assertIn("dpbInvalidArgument", str(e.exception))
+
+    def test_check_flags_names_a_bad_value_before_any_init(self):
+        old = os.environ.get("DPB_MODE")
+        try:
+            os.environ["DPB_MODE"] = "bogus"
+            bad = dpb.check_flags("", 2, library=PLUGIN)
+            self.assertFalse(bad.ok)
+            self.assertIn("environment variable DPB_MODE: 'bogus'", bad.error)
+            del os.environ["DPB_MODE"]
+            good = dpb.check_flags("default_k=2;draft_us=0", 2, library=PLUGIN)
+            self.assertTrue(good.ok, good.error)
+            self.assertEqual((good.settings["default_k"], good.settings["draft_us"],
+                              good.settings["mode"]), ("2", "0", "goodput"))
+            self.assertFalse(dpb.check_flags("k_max=nine", 1, library=PLUGIN).ok)
+        finally:
+            os.environ.pop("DPB_MODE", None)
+            if old is not None:
+                os.environ["DPB_MODE"] = old
+
+    def test_last_step_gives_the_reported_plans_prediction(self):
+        bal = dpb.DpBalanceV2(1, 0, COMMON, allgather=lambda s, t: s, library=PLUGIN)
+        self.assertEqual(bal.last_step()["plan_id"], -1)
+        reqs = [dpb.Request(f"r{i}", 4000 + 100 * i, k_cap=7) for i in range(6)]
+        predicted = 0
+        for step in range(8):
+            res = bal.plan(reqs)
+            bal.report(800.0 + step, 5000.0, [dpb.Accepted(q.request_id, n, n)
+                                               for q, n in zip(reqs, res.verify_len)])
+            info = bal.last_step()
+            self.assertEqual(info["plan_id"], res.plan_id)
+            self.assertEqual(info["measured_attention_us"], 800.0 + step)
+            self.assertFalse(info["extend"])
+            predicted += info["predicted_attention_us"] > 0
+        self.assertGreater(predicted, 4)
+        bal.close()
+        self.assertIsNone(bal.last_step())
 
     def test_bad_arguments_name_the_field(self):
         with self.assertRaises(ValueError) as e:

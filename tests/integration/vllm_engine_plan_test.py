@@ -5,7 +5,10 @@ The module's engine-facing contract: every rank joins exactly one exchange per e
 (from schedule() with requests, or from the idle rank's dummy batch), a step whose schedule()
 already joined does not join again from the dummy batch, the verify lengths come back within
 each request's cap, the ranks' exchange indices agree, and refused flags leave vLLM's defaults
-with the exchange still running. vLLM's string ids go to the plugin (ABI v2) as they are.
+with the exchange still running (also when only one rank refuses them), refused under
+DPB_STRICT=1, the engine defaults the package gives the plugin (fallback = vLLM's
+num_speculative_tokens, no draft cost for ngram), and the `stats` and `final` records of the step
+log. vLLM's string ids go to the plugin (ABI v2) as they are.
 
   vllm_engine_plan_test.py LIBDPBALANCE_SO
 """
@@ -42,10 +45,10 @@ class ThreadGroup:
         return run
 
 
-def make_plan(rank, n, group, k_spec=7):
+def make_plan(rank, n, group, k_spec=7, method="ngram", check=None):
     cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(
         data_parallel_size=n, data_parallel_rank=rank))
-    plan = engine_plan.EnginePlan(cfg, k_spec)
+    plan = engine_plan.EnginePlan(cfg, k_spec, method, check=check)
     plan._find_group = lambda: object()
     plan._collective = group.collective(rank)
     return plan
@@ -74,7 +77,9 @@ class EnginePlanTest(unittest.TestCase):
         self.env = dict(os.environ)
         os.environ["DPB_PLUGIN"] = LIB
         os.environ["DPB_LOG_LEVEL"] = "warn"
-        os.environ.pop("DPBALANCE_VLLM_STEP_LOG", None)
+        for name in ("DPBALANCE_VLLM_STEP_LOG", "DPB_DEFAULT_K", "DPB_STRICT", "DPB_DRAFT_US",
+                     "PROMETHEUS_MULTIPROC_DIR", "DPBALANCE_VLLM_METRICS_PORT"):
+            os.environ.pop(name, None)
 
     def tearDown(self):
         os.environ.clear()
@@ -222,10 +227,117 @@ class EnginePlanTest(unittest.TestCase):
             return f
 
         res = run_ranks([rank(0), rank(1)])
-        self.assertEqual(res[0], [[3, 1]] * 3)           # DPB_DEFAULT_K=3, capped
-        self.assertIn("dpbInvalidArgument", plans[0].disabled_reason)
-        self.assertEqual(plans[0].fallbacks.get("dpbDisabled"), 3)
-        self.assertEqual(group.calls, [3, 3])            # no handshake, one exchange per step
+        # The fallback is vLLM's own length, num_speculative_tokens = 7, capped by each request.
+        self.assertEqual(res[0], [[7, 1]] * 3)
+        self.assertIn("environment variable DPB_MODE: 'sideways'", plans[0].disabled_reason)
+        self.assertEqual(plans[0].fallbacks.get("config"), 3)
+        self.assertIsNone(plans[0].dpb)
+        # The handshake's stand-in (peers' plugins may run one), then one exchange per step.
+        self.assertEqual(group.calls, [4, 4])
+
+    def test_refused_flags_under_strict_stop_the_engine_core(self):
+        os.environ["DPB_MODE"] = "sideways"
+        os.environ["DPB_STRICT"] = "1"
+        with self.assertRaises(RuntimeError) as e:
+            make_plan(0, 2, ThreadGroup(2))
+        self.assertIn("DPB_MODE: 'sideways' is not", str(e.exception))
+        self.assertIn("DPB_STRICT=1: refusing to start", str(e.exception))
+        os.environ["DPB_STRICT"] = "yes"  # neither 0 nor 1: strict, and said so
+        os.environ.pop("DPB_MODE")
+        with self.assertRaises(RuntimeError) as e:
+            make_plan(0, 2, ThreadGroup(2))
+        self.assertIn("DPB_STRICT: 'yes' is not 0 or 1", str(e.exception))
+
+    def test_package_settings_are_checked_at_start(self):
+        cases = {"DPBALANCE_VLLM_STATS_EVERY_S": ("soon", "'soon' is not a number"),
+                 "DPBALANCE_VLLM_METRICS_PORT": ("70000", "70000 is not in 0..65535"),
+                 "DPBALANCE_VLLM_STEP_LOG": ("/proc/no/such", "'/proc/no/such' cannot be created"),
+                 "DPB_COST_MODEL": ("/nonexistent/model.json", "/nonexistent/model.json")}
+        for name, (value, says) in cases.items():
+            os.environ[name] = value
+            plan = make_plan(0, 1, ThreadGroup(1))
+            self.assertIn(says, plan.disabled_reason, name)
+            self.assertIn(name, plan.disabled_reason)
+            self.assertTrue(plan.enabled)      # still joins the exchange
+            self.assertEqual(plan.exchange([("a", 10, 5)]), [5])  # at vLLM's own length
+            del os.environ[name]
+
+    def test_a_rank_refused_alone_leaves_no_peer_waiting(self):
+        # Rank 0's settings are refused (a file missing on its node, say), rank 1's are fine:
+        # rank 0 joins rank 1's handshake with a zero record, so both step on, at the fallback.
+        group = ThreadGroup(2)
+        refuse = lambda config, dp: (False, "flag 'cost_model' ...: no such file", {})  # noqa: E731
+        plans = [make_plan(0, 2, group, check=refuse), make_plan(1, 2, group)]
+        reqs = [("x", 500, 7), ("y", 50, 2)]
+
+        def rank(r):
+            def f():
+                out = []
+                for _ in range(5):
+                    out.append(plans[r].exchange(reqs))
+                    plans[r].after_step(100.0, 1000.0, [], 2)
+                return out
+            return f
+
+        res = run_ranks([rank(0), rank(1)])
+        self.assertEqual(res, [[[7, 2]] * 5] * 2)
+        self.assertEqual(group.calls, [6, 6])
+        self.assertEqual(plans[0].fallbacks, {"config": 5})
+        self.assertNotIn("dpbSuccess", plans[1].fallbacks)
+        self.assertEqual(sum(plans[1].fallbacks.values()), 5)
+
+    def test_engine_defaults_for_the_plugin(self):
+        plan = make_plan(0, 1, ThreadGroup(1), k_spec=5, method="ngram")
+        self.assertEqual(plan.cfg.plugin_config, "k_max=5;default_k=5;draft_us=0")
+        self.assertEqual(plan.cfg.settings["draft_us"], "0")
+        self.assertEqual(plan.default_k, 5)
+        plan = make_plan(0, 1, ThreadGroup(1), k_spec=3, method="eagle")  # a model drafts
+        self.assertEqual(plan.cfg.plugin_config, "k_max=3;default_k=3")
+        self.assertEqual(plan.cfg.settings["draft_us"], "1500")
+        os.environ.update(DPB_DEFAULT_K="2", DPB_DRAFT_US="40")
+        plan = make_plan(0, 1, ThreadGroup(1), k_spec=7, method="ngram")
+        self.assertEqual(plan.cfg.plugin_config, "k_max=7")
+        self.assertEqual((plan.default_k, plan.cfg.settings["draft_us"]), (2, "40"))
+        self.assertIn("fallback verify length 2 (DPB_DEFAULT_K=2)", plan.cfg.startup_line())
+
+    def test_final_and_periodic_stats_records(self):
+        import json
+        import tempfile
+        d = tempfile.mkdtemp()
+        os.environ.update(DPBALANCE_VLLM_STEP_LOG=d, DPBALANCE_VLLM_STATS_EVERY_S="0.1")
+        group = ThreadGroup(2)
+        plans = [make_plan(r, 2, group) for r in range(2)]
+        reqs = [("a", 3000, 7), ("b", 200, 7)]
+
+        def rank(r):
+            def f():
+                import time
+                for step in range(6):
+                    lens = plans[r].exchange(reqs if r == 0 else [])
+                    time.sleep(0.05)
+                    plans[r].after_step(900.0 if r == 0 else 300.0, 2000.0,
+                                        [(q[0], n, n, False) for q, n in zip(reqs, lens)]
+                                        if r == 0 else [], 5)
+                plans[r].close()
+                plans[r].close()  # idempotent: the scheduler's shutdown comes after the executor's
+            return f
+
+        run_ranks([rank(0), rank(1)])
+        for r in range(2):
+            rows = [json.loads(line) for line in open(os.path.join(d, f"engine_dp{r}.jsonl"))]
+            self.assertEqual(sum("final" in row for row in rows), 1, r)
+            self.assertIn("final", rows[-1])
+            self.assertGreaterEqual(sum("stats" in row for row in rows), 1, r)
+            final = rows[-1]["final"]
+            self.assertEqual((final["dp_rank"], final["exchanges"], final["desyncs"]), (r, 6, 0))
+            steps = [row for row in rows if "x" in row]
+            self.assertEqual(len(steps), 6)
+        # Rank 0 waited 0 at the barrier (slowest), rank 1 waited 600 of every 900 us.
+        self.assertAlmostEqual(plans[0]._window.ratio(), 0.0)
+        self.assertAlmostEqual(plans[1]._window.ratio(), 600 / 900)
+        # The prediction of a balanced step is in rank 0's step rows.
+        rows = [json.loads(line) for line in open(os.path.join(d, "engine_dp0.jsonl"))]
+        self.assertTrue(any(row.get("pred_us") for row in rows if "x" in row), rows)
 
     def test_unset_plugin_does_nothing(self):
         os.environ["DPB_PLUGIN"] = "none"

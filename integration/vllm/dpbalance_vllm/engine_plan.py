@@ -15,6 +15,21 @@ before the scheduler there). The exchange is an all-reduce over the engine core'
 (`DPEngineCoreProc.dp_group`, gloo, the group `_has_global_unfinished_reqs` syncs on), each rank
 filling its row, carried through the adapter's `Piggyback` so that it runs every step even when
 the plugin has disabled itself on some rank (a zero record: every rank then falls back).
+
+Start-up (config.py): the scheduler creates the EnginePlan while vLLM builds the engine core,
+before the engine reports ready, and every setting is checked there. A refused setting is one
+error line; with DPB_STRICT=1 the constructor raises (vLLM does not start), else the rank runs
+vLLM's own draft lengths and still joins the exchange (zero records), so a rank whose settings
+differ from its peers' never leaves them waiting.
+
+Fallback: any step the plugin does not balance runs the engine's default verify length,
+`default_k`: vLLM's num_speculative_tokens (its drafts as they are), or DPB_DEFAULT_K when set.
+
+What a rank reports (beside the plugin's own log): the per-rank `final` record of the step log,
+written before vLLM tears the engine core down (the executor's shutdown, the first step of
+`EngineCore.shutdown`) and, every DPBALANCE_VLLM_STATS_EVERY_S seconds, a `stats` record with
+the same fields, so a rank that is killed loses at most one interval; and its Prometheus series
+(metrics.py).
 """
 from __future__ import annotations
 
@@ -26,7 +41,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
-log = logging.getLogger("dpbalance.vllm")
+log = logging.getLogger("vllm.dpbalance")
 
 try:  # the installed package bundles the adapter next to this file
     from . import dpbalance_plugin as adapter  # type: ignore
@@ -35,9 +50,14 @@ except ImportError:  # the source tree: integration/adapters/python
     sys.path.insert(0, os.path.join(_here, "..", "..", "adapters", "python"))
     import dpbalance_plugin as adapter  # type: ignore  # noqa: E402
 
+from . import config as _config  # noqa: E402
+from . import metrics as _metrics  # noqa: E402
+
 # What each rank adds to the exchange besides the plugin's record: its exchange index (the ranks
-# must agree, else the exchange is out of step), its number of planned requests and its tokens.
-_PAYLOAD = struct.Struct("<qii")
+# must agree, else the exchange is out of step), its number of planned requests and its tokens,
+# and for the metrics its previous step's measured attention time (us; < 0: unknown) and whether
+# that step ran prompt tokens (1) or not (0).
+_PAYLOAD = struct.Struct("<qiidi")
 
 
 def library_path() -> Optional[str]:
@@ -72,13 +92,16 @@ def _find_dp_group():
 class EnginePlan:
     """One DP rank's dpbalance state inside vLLM's engine-core process."""
 
-    def __init__(self, vllm_config, k_spec: int):
+    def __init__(self, vllm_config, k_spec: int, method: str = "", check=None):
         pc = vllm_config.parallel_config
         self.dp_size = int(pc.data_parallel_size)
         self.dp_rank = int(pc.data_parallel_rank)
         self.k_spec = int(k_spec)          # vLLM's num_speculative_tokens (the draft limit)
-        self.lib = library_path()
-        self.enabled = self.lib is not None
+        self.cfg = _config.EngineConfig.resolve(self.dp_size, self.dp_rank, self.k_spec,
+                                                method, library_path(), check=check)
+        self.lib = self.cfg.library
+        self.enabled = self.cfg.enabled    # joins the exchange every step
+        self.default_k = self.cfg.default_k  # the fallback verify length
         self.dpb = None
         self.pb = None
         self._group = None
@@ -87,21 +110,38 @@ class EnginePlan:
         self.fallbacks = {}                # plugin result name -> steps
         self.desyncs = 0                   # steps whose exchange indices differed across ranks
         self.stale_steps = 0               # see begin_step
-        self.disabled_reason = ""
-        self.ab_epoch = int(os.environ.get("DPB_AB_EPOCH", "0") or 0)
-        self.default_k = int(os.environ.get("DPB_DEFAULT_K", "3") or 3)
+        self.disabled_reason = self.cfg.error
+        # DPB_AB_EPOCH is the plugin's flag (checked above); the step log marks the arms with it.
+        self.ab_epoch = int(os.environ.get("DPB_AB_EPOCH") or 0) if self.cfg.usable else 0
         self._last = None                  # (requests, lens, result, extra) of this step
         self.last_plan = None
+        self.last_step = None              # the plugin's dpbStepInfo of the latest report
         self._t_step = None
-        log_dir = os.environ.get("DPBALANCE_VLLM_STEP_LOG", "")
+        self._exchange_s = None            # this step's time in the collective
+        self._prev = (-1.0, 0)             # this rank's previous step: (attention us, prefill)
+        self._window = _metrics.BubbleWindow(self.cfg.bubble_window)
+        self._closed = False
+        self._balancing = self.cfg.usable  # what dpbalance_enabled says
         self._log = None
-        if log_dir:
-            os.makedirs(log_dir, exist_ok=True)
-            self._log = open(os.path.join(log_dir, f"engine_dp{self.dp_rank}.jsonl"), "a",
-                             buffering=1)
-        if self.enabled:
-            log.warning("dpbalance: enabled on DP rank %d/%d with %s (k_spec=%d)", self.dp_rank,
-                        self.dp_size, self.lib, self.k_spec)
+        self.metrics = None
+        if not self.enabled:
+            return
+        if self.cfg.error:
+            log.error(self.cfg.refused_line())
+            if self.cfg.strict:
+                raise RuntimeError(self.cfg.refused_line())
+        if self.cfg.step_log:
+            self._log = open(os.path.join(self.cfg.step_log, f"engine_dp{self.dp_rank}.jsonl"),
+                             "a", buffering=1)
+        self._t_stats = time.monotonic()
+        self._writing = False
+        self._chain_signals()
+        self.metrics = _metrics.RankMetrics.create(self.dp_rank, self.cfg.metrics_port)
+        if self.metrics is not None:
+            self.metrics.set_enabled(self.cfg.usable)
+        if self.cfg.usable:
+            log.warning("%s; Prometheus %s", self.cfg.startup_line(),
+                        self.metrics.served if self.metrics is not None else "off")
 
     # --- the exchange ---------------------------------------------------------------------
     _find_group = staticmethod(_find_dp_group)  # a test replaces it and _collective
@@ -109,15 +149,22 @@ class EnginePlan:
     def _collective(self, send: bytes) -> bytes:
         """All-gather of equal-size byte strings over the engine core's DP group: a
         (dp_size, n) uint8 all-reduce in which each rank fills its own row."""
-        import torch
-        import torch.distributed as dist
         if self.dp_size == 1:
             return bytes(send)
+        import torch
+        import torch.distributed as dist
         n = len(send)
         t = torch.zeros(self.dp_size, n, dtype=torch.uint8)
         t[self.dp_rank] = torch.frombuffer(bytearray(send), dtype=torch.uint8)
         dist.all_reduce(t, group=self._group)
         return t.numpy().tobytes()
+
+    def _timed_collective(self, send: bytes) -> bytes:
+        t0 = time.perf_counter()
+        try:
+            return self._collective(send)
+        finally:
+            self._exchange_s = time.perf_counter() - t0
 
     def _ensure_loaded(self) -> bool:
         if self.pb is not None:
@@ -130,27 +177,35 @@ class EnginePlan:
                 # this on its first step, so none waits for another.
                 self.enabled = False
                 self.disabled_reason = "no DP group found on the engine core's stack"
-                log.error("dpbalance: %s; running without balancing", self.disabled_reason)
+                log.error("dpbalance: DP rank %d: %s; balancing is OFF, fallback %s",
+                          self.dp_rank, self.disabled_reason, self.cfg.fallback_text())
+                if self.metrics is not None:
+                    self.metrics.set_enabled(False)
+                    self.metrics.step(fallback="no_dp_group", changed=False, planned=0,
+                                      accepted=0, output_tokens=0, attention_s=None,
+                                      exchange_s=None, error_ratio=None)
                 return False
-        self.pb = adapter.Piggyback(self._collective, self.dp_size)
-        config = []
-        if "DPB_K_MAX" not in os.environ:
-            config.append(f"k_max={min(8, self.k_spec)}")
-        if "DPB_DEFAULT_K" not in os.environ:
-            config.append(f"default_k={min(self.default_k, min(8, self.k_spec))}")
-        self.default_k = min(self.default_k, self.k_spec)
+        self.pb = adapter.Piggyback(self._timed_collective, self.dp_size)
+        if self.cfg.error:
+            # Refused at start-up: no plugin here, but the peers' init runs a handshake through
+            # this collective on their first step; join it with a zero record (which their
+            # plugin refuses, so they fall back too) and then every step with zero records.
+            self.pb(bytes(self.pb.record_bytes), 0)
+            return True
         # init's handshake runs through the same collective, on every rank's first step.
         try:
-            self.dpb = adapter.DpBalance.load(self.dp_size, self.dp_rank, ";".join(config),
+            self.dpb = adapter.DpBalance.load(self.dp_size, self.dp_rank, self.cfg.plugin_config,
                                               allgather=self.pb, library=self.lib, abi=2)
         except adapter.DpBalanceError as e:
-            # Refused flags (the plugin logs which): the same environment reaches every rank,
-            # so every rank refuses them here, before init's handshake, and all go on with
-            # vLLM's own draft lengths while still joining the exchange each step (zero
-            # records). Never a reason to stop vLLM.
+            # Checked at start-up, so only what the check cannot see (the handshake with the
+            # peers) lands here. Never a reason to stop vLLM: every rank goes on at the
+            # fallback length and still joins the exchange each step (zero records).
             self.dpb = None
             self.disabled_reason = str(e)
-            log.error("%s; vLLM's own draft lengths from now on", e)
+            log.error("dpbalance: DP rank %d: %s; balancing is OFF, fallback %s", self.dp_rank,
+                      e, self.cfg.fallback_text())
+            if self.metrics is not None:
+                self.metrics.set_enabled(False)
         return True
 
     def exchange(self, requests: Sequence[tuple], extra_tokens: int = 0) -> Optional[list]:
@@ -166,28 +221,48 @@ class EnginePlan:
         self._t_step = time.perf_counter()
         if not self._ensure_loaded():
             return None
-        reqs = [adapter.Request(str(r[0]), int(r[1]), 0, max(0, min(int(r[2]), 8)))
+        reqs = [adapter.Request(str(r[0]), int(r[1]), 0,
+                                max(0, min(int(r[2]), _config.PLUGIN_K_LIMIT)))
                 for r in requests]
-        payload = _PAYLOAD.pack(self.exchanges, len(reqs), sum(1 + q.k_cap for q in reqs))
         extra = max(0, int(extra_tokens))
+        payload = _PAYLOAD.pack(self.exchanges, len(reqs), sum(1 + q.k_cap for q in reqs) + extra,
+                                self._prev[0], self._prev[1])
         kind = "extend" if extra > 0 else ("decode" if reqs else "idle")
+        self._exchange_s = None
         res = self.pb.step(self.dpb, reqs, payload, kind=kind, extra_tokens=extra)
         self.last_plan = res.plan  # the ABI v2 PlanResult (every rank's tokens and flags), or None
         self.exchanged_this_step = True
-        idx = {_PAYLOAD.unpack(p)[0] for p in res.payloads}
+        rows = [_PAYLOAD.unpack(p) for p in res.payloads]
+        idx = {row[0] for row in rows}
         if len(idx) != 1:
             self.desyncs += 1
             log.error("dpbalance: DP rank %d exchange %d met indices %s", self.dp_rank,
                       self.exchanges, sorted(idx))
+        else:
+            self._previous_barrier(rows)
         self.exchanges += 1
-        result = adapter.RESULT_NAMES.get(self.dpb.last_result, str(self.dpb.last_result)) \
-            if self.dpb is not None else "dpbDisabled"
-        if result != "dpbSuccess":
+        if self.dpb is not None:
+            result = adapter.RESULT_NAMES.get(self.dpb.last_result, str(self.dpb.last_result))
+        else:
+            result = "config" if self.cfg.error else "dpbDisabled"
+        if result == "dpbSuccess" and res.verify_len is not None:
+            lens = list(res.verify_len)   # balanced, or the defaults of an A/B off epoch
+        else:
             self.fallbacks[result] = self.fallbacks.get(result, 0) + 1
-        lens = list(res.verify_len) if res.verify_len is not None else \
-            [min(self.default_k, q.k_cap) for q in reqs]
+            lens = [min(self.default_k, int(r[2])) for r in requests]  # the engine's default
         self._last = (requests, lens, result, extra)
         return lens
+
+    def _previous_barrier(self, rows) -> None:
+        """The previous step's wait at the barrier, from every rank's attention time in this
+        exchange: into the bubble window and the metrics, for steps without prompt tokens."""
+        atts = [row[3] for row in rows]
+        if self._prev[0] < 0 or min(atts) < 0 or any(row[4] for row in rows):
+            return
+        slowest = max(atts)
+        ratio = self._window.add(slowest, self._prev[0])
+        if self.metrics is not None:
+            self.metrics.barrier((slowest - self._prev[0]) / 1e6, ratio)
 
     def begin_step(self) -> None:
         """schedule() starts a new engine step: a flag left set by an earlier step (one whose
@@ -215,45 +290,146 @@ class EnginePlan:
         if step_us is None and self._t_step is not None:
             step_us = (time.perf_counter() - self._t_step) * 1e6
         att = float(attention_us) if attention_us is not None else 0.0
+        info = None
         if self.dpb is not None:
             acc = [adapter.Accepted(str(a[0]), int(a[1]), int(a[2]), bool(a[3]))
                    for a in accepted]
             self.dpb.report(att, float(step_us or 0.0), acc)
+            info = self.dpb.last_step()
+        self.last_step = info
+        # The model's error on this step: balanced (a prediction) and no prefill beside it.
+        pred = info["predicted_attention_us"] if info else -1.0
+        err = abs(pred - att) / att if pred > 0 and att > 0 and not info["extend"] else None
+        requests, lens, result, extra = planned if planned is not None else ([], [], "", 0)
+        self._prev = (att if attention_us is not None else -1.0, 1 if extra > 0 else 0)
+        defaults = [min(self.default_k, int(r[2])) for r in requests]
+        changed = any(a != b for a, b in zip(lens, defaults))
+        n_acc = sum(int(a[2]) for a in accepted)
+        n_verified = sum(int(a[1]) for a in accepted)
+        if self.metrics is not None:
+            self.metrics.step(fallback=None if result == "dpbSuccess" else result,
+                              changed=changed, planned=n_verified, accepted=n_acc,
+                              output_tokens=n_acc + len(accepted),
+                              attention_s=att / 1e6 if attention_us is not None else None,
+                              exchange_s=self._exchange_s, error_ratio=err)
+            balancing = result == "dpbSuccess" or result == "dpbFallback"
+            if balancing != self._balancing:  # the plugin disabled itself (or came back)
+                self._balancing = balancing
+                self.metrics.set_enabled(balancing)
         if self._log is not None and planned is not None:
-            requests, lens, result, extra = planned
-            defaults = [min(self.default_k, int(r[2])) for r in requests]
+            self._writing = True
             arm_on = self.ab_epoch <= 0 or ((self.exchanges - 1) // self.ab_epoch) % 2 == 0
             self._log.write(json.dumps({
                 "x": self.exchanges - 1, "n": len(requests), "result": result, "arm_on": arm_on,
                 "extra": extra,
                 "lens": lens, "defaults": defaults, "ctx": [int(r[1]) for r in requests],
-                "changed": any(a != b for a, b in zip(lens, defaults)),
-                "accepted": sum(int(a[2]) for a in accepted),
-                "drafted": sum(int(a[1]) for a in accepted), "tokens": scheduled_tokens,
-                "att_us": att, "desyncs": self.desyncs}) + "\n")
+                "changed": changed, "accepted": n_acc, "drafted": n_verified,
+                "tokens": scheduled_tokens, "att_us": att,
+                "pred_us": round(pred, 1) if pred > 0 else None,
+                "xchg_us": round(self._exchange_s * 1e6, 1) if self._exchange_s else None,
+                "t": round(time.time(), 4), "desyncs": self.desyncs}) + "\n")
+            self._writing = False
+        now = time.monotonic()
+        if now - self._t_stats >= self.cfg.stats_every_s:
+            self._t_stats = now
+            self._write_stats("stats")
 
     def stats(self) -> dict:
         s = self.dpb.stats() if self.dpb is not None else {}
-        s.update({"exchanges": self.exchanges, "fallback_results": dict(self.fallbacks),
-                  "desyncs": self.desyncs, "stale_steps": self.stale_steps,
-                  "disabled_reason": self.disabled_reason})
+        s.update({"dp_rank": self.dp_rank, "exchanges": self.exchanges,
+                  "fallback_results": dict(self.fallbacks), "desyncs": self.desyncs,
+                  "stale_steps": self.stale_steps, "disabled_reason": self.disabled_reason,
+                  "default_k": self.default_k,
+                  "wait_share_window": round(self._window.ratio(), 6)})
         return s
 
-    def close(self) -> None:
+    def _chain_signals(self) -> None:
+        """SIGTERM / SIGINT first write the `final` record (nothing else: the rank keeps
+        joining the exchange until vLLM stops stepping), then run vLLM's own handler.
+
+        vLLM's engine core installs its handlers before it builds the scheduler
+        (vllm/v1/engine/core.py `run_engine_core`), and under `vllm serve` the process manager
+        SIGTERMs the engine cores and kills them at once (--shutdown-timeout 0), which can
+        come before the executor's shutdown writes the record. Python runs this handler in the
+        main thread between two bytecodes, never inside a plugin call; a handler that finds a
+        record being written leaves the record to the shutdown."""
+        import signal
+        import threading
+        if threading.current_thread() is not threading.main_thread():
+            return  # not an engine core's main thread (a test): signals stay as they are
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous = signal.getsignal(sig)
+            if not callable(previous):
+                continue
+
+            def handler(signum, frame, previous=previous):
+                if not self._writing:
+                    try:
+                        self._write_final()  # the plugin and the exchange stay as they are
+                    except Exception as e:  # noqa: BLE001 - vLLM's handler must still run
+                        log.error("dpbalance: DP rank %d: final record on signal %d: %s",
+                                  self.dp_rank, signum, e)
+                previous(signum, frame)
+            signal.signal(sig, handler)
+
+    def _write_stats(self, kind: str) -> None:
+        """A `stats` (periodic) or `final` record in the step log, and one summary line."""
+        s = self.stats()
         if self._log is not None:
-            self._log.write(json.dumps({"final": self.stats()}) + "\n")
-            self._log.flush()
+            self._writing = True
+            try:
+                self._log.write(json.dumps({kind: s, "t": round(time.time(), 4)}) + "\n")
+                self._log.flush()
+            finally:
+                self._writing = False
+        fb = sum(self.fallbacks.values())
+        why = " (" + ", ".join(f"{k} {v}" for k, v in sorted(self.fallbacks.items())) + ")" \
+            if fb else ""
+        line = (f"dpbalance: DP rank {self.dp_rank} {kind}: {self.exchanges} steps, "
+                f"{s.get('balanced_steps', 0)} balanced, {fb} at the fallback length{why}; "
+                f"instance bubble {s.get('bubble_fraction', 0):.3f}, this rank's wait share "
+                f"{self._window.ratio():.3f} (last {self._window.steps} steps); model error "
+                f"{s.get('predicted_error', 0):.3f}; desyncs {self.desyncs}")
+        if kind == "final":
+            log.warning(line)
+        else:
+            log.info(line)
+
+    def _write_final(self) -> None:
+        """The rank's `final` record and summary line, once."""
+        if getattr(self, "_final_written", False) or not (self.enabled or self.cfg.error):
+            return
+        self._final_written = True
+        try:
+            self._write_stats("final")
+        except (OSError, ValueError) as e:
+            log.error("dpbalance: DP rank %d: cannot write the final record: %s", self.dp_rank, e)
+
+    def close(self) -> None:
+        """Writes the rank's `final` record and releases the plugin. Idempotent: the executor's
+        shutdown (the first thing vLLM's EngineCore.shutdown does) calls it before vLLM tears
+        the workers down, the scheduler's shutdown again."""
+        if self._closed:
+            return
+        self._closed = True
+        self._write_final()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        if self.metrics is not None:
+            self.metrics.close()
         if self.dpb is not None:
             self.dpb.close()
             self.dpb = None
+        self.enabled = False
 
 
 _PLAN: Optional[EnginePlan] = None
 
 
-def get(vllm_config=None, k_spec: int = 0) -> Optional[EnginePlan]:
+def get(vllm_config=None, k_spec: int = 0, method: str = "") -> Optional[EnginePlan]:
     """This process's EnginePlan (created by the scheduler, found by the executor)."""
     global _PLAN
     if _PLAN is None and vllm_config is not None:
-        _PLAN = EnginePlan(vllm_config, k_spec)
+        _PLAN = EnginePlan(vllm_config, k_spec, method)
     return _PLAN

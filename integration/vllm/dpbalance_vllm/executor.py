@@ -8,6 +8,12 @@ still joins every MoE collective. The rank joins dpbalance's exchange there, wit
 before the dummy forward: the same place in the step as the active ranks' exchange in
 `schedule()`, before their forward. With DPB_PLUGIN unset the executors are vLLM's.
 
+The executor's `shutdown` is also where a rank writes its `final` stats record: vLLM's
+`EngineCore.shutdown` (vllm/v1/engine/core.py, 0.32.0) shuts the executor down first and the
+scheduler last, and the engine-core process manager kills what is still running after its
+SIGTERM (vllm/v1/utils.py `shutdown`: at once under `vllm serve`'s default `--shutdown-timeout`
+0), before the workers' teardown would end.
+
 `DpbExecutor` is vLLM's `MultiprocExecutor` (what vLLM's CPU platform and multi-GPU workers
 use); `DpbUniProcExecutor` is its `UniProcExecutor` (one GPU per DP rank, in-process worker).
 """
@@ -31,13 +37,27 @@ def _idle_step(run_dummy):
     return timing
 
 
+def _close_plan() -> None:
+    plan = engine_plan.get()
+    if plan is not None:
+        plan.close()
+
+
 class DpbExecutor(MultiprocExecutor):
     def execute_dummy_batch(self) -> None:
         _idle_step(lambda: self.collective_rpc(
             "execute_dummy_batch", unique_reply_rank=self.output_rank,
             timeout=envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS))
 
+    def shutdown(self) -> None:
+        _close_plan()
+        super().shutdown()
+
 
 class DpbUniProcExecutor(UniProcExecutor):
     def execute_dummy_batch(self) -> None:
         _idle_step(lambda: (self.collective_rpc("execute_dummy_batch") or [None])[0])
+
+    def shutdown(self) -> None:
+        _close_plan()
+        super().shutdown()

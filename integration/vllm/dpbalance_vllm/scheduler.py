@@ -7,7 +7,8 @@ request's draft tokens (`request.spec_token_ids`, proposed after the previous st
 planned verify length, so vLLM schedules and verifies only those (`scheduled_spec_decode_tokens`).
 A step that will also run prompt tokens (the rest of a running request's prompt, or waiting
 requests') is planned as an `extend` step with that many extra tokens. After the forward it
-reports the accepted drafts and the measured attention time.
+reports the accepted drafts and the measured attention time. A step the plugin does not balance
+runs the fallback length: vLLM's num_speculative_tokens, or DPB_DEFAULT_K when set (config.py).
 
 Hooked in vLLM 0.32.0 (vllm/v1/core/sched/scheduler.py): `Scheduler.schedule` (its running-request
 loop schedules `num_tokens_with_spec - num_computed_tokens`, which includes the drafts) and
@@ -25,14 +26,16 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from . import engine_plan
 
-log = logging.getLogger("dpbalance.vllm")
+log = logging.getLogger("vllm.dpbalance")
 
 
 class _DpbMixin:
     def _dpb_init(self):
         spec = self.vllm_config.speculative_config
         k_spec = int(spec.num_speculative_tokens) if spec is not None else 0
-        self._dpb = engine_plan.get(self.vllm_config, k_spec)
+        method = str(getattr(spec, "method", "") or "") if spec is not None else ""
+        # Checks every setting now, before the engine core reports ready (config.py).
+        self._dpb = engine_plan.get(self.vllm_config, k_spec, method)
         self._dpb_planned = {}
 
     def _dpb_requests(self):

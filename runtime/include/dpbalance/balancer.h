@@ -122,6 +122,17 @@ struct ArmSummary {
   double goodput_tok_per_s = 0, goodput_ci95 = 0;
 };
 
+// The step of the latest Report, as it was planned and measured (Balancer::LastReport): what a
+// host exports per step (e.g. a histogram of the prediction error) beside the running means of
+// BalancerStats.
+struct ReportedStep {
+  uint64_t step = UINT64_MAX;  // the plan reported; UINT64_MAX: no report yet
+  double predicted_us = -1;    // this rank's predicted attention for it; < 0: not balanced
+  double measured_us = -1;     // the attention time the report gave
+  double barrier_us = -1;      // the agreed barrier; < 0: not balanced
+  bool extra_work = false;     // the rank ran prefill beside the plan (not priced by it)
+};
+
 struct BalancerStats {
   int64_t steps = 0;
   int64_t balanced_steps = 0;
@@ -167,6 +178,9 @@ class Balancer {
   absl::Status Report(uint64_t step, double attention_us, double step_us,
                       absl::Span<const BalancerAccepted> accepted);
   BalancerStats Stats() const;
+  // The latest reported step (its plan's prediction and the measured time); `step` is
+  // UINT64_MAX before the first report, and its prediction < 0 when the plan was not found.
+  const ReportedStep& LastReport() const { return last_report_; }
   // The model this rank prices with now (the online refit's latest, when it runs).
   const CostModel& model() const { return planner_.model(); }
   bool enabled() const { return enabled_; }
@@ -257,6 +271,7 @@ class Balancer {
   };
   std::array<Planned, 2> planned_;
   Measured measured_;
+  ReportedStep last_report_;
   std::vector<RequestLoad> planned_loads_;
   std::unique_ptr<OnlineCostModel> online_;
   int64_t epoch_ = -1;

@@ -11,6 +11,7 @@
 #include "dpbalance/metrics.h"
 #include "dpbalance/nccl_allgather.h"
 #include "dpbalance/planner.h"
+#include "dpbalance/plugin/dpbalance_inspect_v1.h"
 #include "dpbalance/plugin/dpbalance_plugin.h"
 #include "dpbalance/plugin/dpbalance_plugin_v1.h"
 #include "dpbalance/plugin/dpbalance_router_v1.h"

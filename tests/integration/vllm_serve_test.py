@@ -1,0 +1,491 @@
+#!/usr/bin/env python3
+"""`vllm serve` with dpbalance on, as a user runs it: the README's quickstart (scripts/serve_vllm.sh,
+DP = 2 on the CPUs, the random-weight Qwen2-MoE), driven with the `openai` client.
+
+  vllm_serve_test.py serve        the quickstart block is the same text in README.md,
+                                  docs/live_vllm.md and scripts/serve_vllm.sh; the server starts,
+                                  answers concurrent requests (streaming and not, two streams
+                                  aborted by the client) completely; both ranks logged `enabled`
+                                  and planned steps; Ctrl-C leaves a `final` record per rank and no
+                                  process; DPB_MODE=bogus is one error line per rank at start-up
+                                  and the server serves without balancing; under DPB_STRICT=1 it
+                                  refuses to start
+  vllm_serve_test.py prometheus   dpbalance's series in vLLM's /metrics for both ranks, scraped
+                                  twice (parsed by prometheus_client, counters moved), a metrics
+                                  port in use (one line, serving and balancing go on), an
+                                  unwritable multiprocess directory (one line), and
+                                  scripts/dpbalance-report on the run's step logs
+
+Run with the vLLM venv's python (ctest does: tests/integration/CMakeLists.txt). It prints the
+figures the docs quote: start-up time, request latencies, the start-up error lines, the final
+records, the dpbalance_ lines of /metrics.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+SERVE = os.path.join(ROOT, "scripts", "serve_vllm.sh")
+BEGIN, END = "# --- quickstart: vLLM on CPUs (begin) ---", "# --- quickstart: vLLM on CPUs (end) ---"
+START_TIMEOUT_S = float(os.environ.get("VLLM_SERVE_TEST_START_S", "600"))
+MAX_TOKENS = 48
+
+FAILED = []
+
+
+def check(ok: bool, what: str, detail: str = "") -> None:
+    print(f"{'PASS' if ok else 'FAIL'} {what}" + (f": {detail}" if detail else ""), flush=True)
+    if not ok:
+        FAILED.append(what)
+
+
+def block_of(path: str) -> str:
+    text = open(path).read()
+    if BEGIN not in text or END not in text:
+        return ""
+    return text[text.index(BEGIN):text.index(END) + len(END)]
+
+
+def free_port(n: int = 1) -> int:
+    """A port p with p .. p + n - 1 free now."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p + n < 65535 and all(_free(p + i) for i in range(n)):
+            return p
+    raise RuntimeError("no free port range")
+
+
+def _free(p: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", p))
+            return True
+        except OSError:
+            return False
+
+
+class Server:
+    """scripts/serve_vllm.sh --no-install in its own process group (Ctrl-C stops the group)."""
+
+    def __init__(self, name: str, work: str, env: dict):
+        self.name = name
+        self.port = free_port()
+        self.model = os.path.join(work, "model")
+        self.steps = os.path.join(work, f"steps-{name}")
+        self.log_path = os.path.join(work, f"{name}.log")
+        e = dict(os.environ)
+        for k in list(e):  # a clean start: only the flags the case names
+            if k.startswith("DPB_") or k.startswith("DPBALANCE_") or k == "PROMETHEUS_MULTIPROC_DIR":
+                del e[k]
+        e.update(DPBALANCE_PORT=str(self.port), DPBALANCE_MODEL=self.model,
+                 DPBALANCE_STEP_DIR=self.steps, VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+                 HF_HUB_OFFLINE="1")
+        e.update(env)
+        self.t0 = time.monotonic()
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(["bash", SERVE, "--no-install"], cwd=ROOT, env=e,
+                                     stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.pgid = self.proc.pid
+        self.ready_s = None
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def wait_healthy(self, timeout_s: float = START_TIMEOUT_S) -> bool:
+        while time.monotonic() - self.t0 < timeout_s:
+            if self.proc.poll() is not None:
+                return False
+            try:
+                with urllib.request.urlopen(self.url("/health"), timeout=2) as r:
+                    if r.status == 200:
+                        self.ready_s = time.monotonic() - self.t0
+                        return True
+            except OSError:
+                pass
+            time.sleep(1)
+        return False
+
+    def text(self) -> str:
+        self.log.flush()
+        return open(self.log_path, errors="replace").read()
+
+    def alive(self) -> list:
+        """Processes still running in the server's process group (zombies not counted: the
+        script's own bash is one until this test reaps it)."""
+        self.proc.poll()
+        out = []
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                stat = open(f"/proc/{d}/stat").read()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+            if fields[0] != "Z" and int(fields[2]) == self.pgid:
+                out.append(int(d))
+        return out
+
+    def stop(self, timeout_s: float = 90) -> tuple:
+        """Ctrl-C (SIGINT to the group), as in a terminal; then waits for every process.
+        Returns (seconds it took, the processes still running after timeout_s, which it then
+        kills)."""
+        t = time.monotonic()
+        try:
+            os.killpg(self.pgid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
+        while time.monotonic() - t < timeout_s and self.alive():
+            time.sleep(0.5)
+        took = time.monotonic() - t
+        left = self.alive()
+        if left:
+            os.killpg(self.pgid, signal.SIGKILL)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        self.log.close()
+        return took, left
+
+    def step_rows(self, rank: int) -> list:
+        path = os.path.join(self.steps, f"engine_dp{rank}.jsonl")
+        if not os.path.exists(path):
+            return []
+        return [json.loads(line) for line in open(path) if line.strip()]
+
+
+def prompt(i: int, n: int = 24) -> list:
+    # Token ids: the test model has no tokenizer (--skip-tokenizer-init), so vLLM takes ids.
+    return [3 + (i * 37 + j * 11) % 2000 for j in range(n)]
+
+
+async def one_request(client, model: str, i: int, stream: bool, abort_after: int = 0) -> dict:
+    t0 = time.monotonic()
+    out = {"i": i, "stream": stream, "aborted": bool(abort_after)}
+    kw = dict(model=model, prompt=prompt(i), max_tokens=MAX_TOKENS, temperature=0.0,
+              extra_body={"return_token_ids": True})
+    if not stream:
+        r = await client.completions.create(**kw)
+        c = r.choices[0]
+        out.update(tokens=len(c.model_extra.get("token_ids") or []), finish=c.finish_reason,
+                   usage=r.usage.completion_tokens, latency_s=time.monotonic() - t0)
+        return out
+    s = await client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    tokens, chunks, finish, usage, first = 0, 0, None, None, None
+    async for chunk in s:
+        if chunk.choices:
+            c = chunk.choices[0]
+            ids = c.model_extra.get("token_ids") or []
+            if ids and first is None:
+                first = time.monotonic() - t0
+            tokens += len(ids)
+            finish = c.finish_reason or finish
+            chunks += 1
+        if chunk.usage is not None:
+            usage = chunk.usage.completion_tokens
+        if abort_after and chunks >= abort_after:
+            await s.close()  # the client goes away mid-stream: vLLM aborts the request
+            break
+    out.update(tokens=tokens, finish=finish, usage=usage, ttft_s=first,
+               latency_s=time.monotonic() - t0)
+    return out
+
+
+async def traffic(port: int, model: str, n_plain: int, n_stream: int, n_abort: int) -> list:
+    from openai import AsyncOpenAI
+    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=300)
+    jobs = [one_request(client, model, i, False) for i in range(n_plain)]
+    jobs += [one_request(client, model, 100 + i, True) for i in range(n_stream)]
+    jobs += [one_request(client, model, 200 + i, True, abort_after=3) for i in range(n_abort)]
+    res = await asyncio.gather(*jobs)
+    await client.close()
+    return res
+
+
+def complete(results: list) -> tuple:
+    done = [r for r in results if not r["aborted"]]
+    ok = all(r["tokens"] == MAX_TOKENS and r["finish"] == "length" and r["usage"] == MAX_TOKENS
+             for r in done)
+    return ok, [(r["i"], r["tokens"], r["finish"], r["usage"]) for r in done]
+
+
+def latency_line(results: list) -> str:
+    lat = sorted(r["latency_s"] for r in results if not r["aborted"])
+    ttft = sorted(r["ttft_s"] for r in results if r.get("ttft_s") is not None and not r["aborted"])
+    mid = lambda xs: xs[len(xs) // 2] if xs else float("nan")  # noqa: E731
+    return (f"{len(lat)} complete requests of {MAX_TOKENS} tokens: latency min/median/max "
+            f"{lat[0]:.2f}/{mid(lat):.2f}/{lat[-1]:.2f} s; streams' time to first token median "
+            f"{mid(ttft):.2f} s")
+
+
+def lines_with(text: str, needle: str) -> list:
+    return [ln for ln in text.splitlines() if needle in ln]
+
+
+# --- serve ------------------------------------------------------------------------------------
+
+def test_serve(work: str) -> None:
+    blocks = {p: block_of(os.path.join(ROOT, p)) for p in
+              ("README.md", "docs/live_vllm.md", "scripts/serve_vllm.sh")}
+    check(all(blocks.values()) and len(set(blocks.values())) == 1,
+          "the quickstart block is the same in README.md, docs/live_vllm.md and serve_vllm.sh",
+          ", ".join(f"{p}: {len(b)} chars" for p, b in blocks.items()))
+
+    s = Server("serve", work, {})
+    healthy = s.wait_healthy()
+    check(healthy, "the documented command serves: /health OK", f"after {s.ready_s or -1:.0f} s")
+    if not healthy:
+        print(s.text()[-6000:])
+        s.stop()
+        return
+    print(f"FIGURE start-up (scripts/serve_vllm.sh to /health OK): {s.ready_s:.1f} s")
+    t = time.monotonic()
+    results = asyncio.run(traffic(s.port, s.model, n_plain=4, n_stream=4, n_abort=2))
+    print(f"FIGURE {latency_line(results)}; wall {time.monotonic() - t:.1f} s for "
+          f"{len(results)} concurrent requests (2 aborted)")
+    ok, detail = complete(results)
+    check(ok, "every answer is complete (48 tokens, finish_reason length)", str(detail))
+    aborted = [r for r in results if r["aborted"]]
+    check(all(0 < r["tokens"] < MAX_TOKENS for r in aborted), "the two streams were aborted "
+          "mid-answer", str([(r["i"], r["tokens"]) for r in aborted]))
+    after = asyncio.run(traffic(s.port, s.model, n_plain=1, n_stream=0, n_abort=0))
+    check(complete(after)[0], "the server answers after the aborts", str(complete(after)[1]))
+    text = s.text()
+    for r in (0, 1):
+        check(bool(lines_with(text, f"dpbalance: enabled on DP rank {r}/2")),
+              f"DP rank {r} logged enabled at start-up",
+              (lines_with(text, f"dpbalance: enabled on DP rank {r}/2") or ["-"])[0][-200:])
+    rows = [s.step_rows(r) for r in (0, 1)]
+    planned = [sum(1 for x in rr if "x" in x and x["result"] == "dpbSuccess") for rr in rows]
+    busy = [sum(1 for x in rr if "x" in x and x["n"] > 0) for rr in rows]
+    check(all(p > 0 for p in planned) and all(b > 0 for b in busy),
+          "both ranks planned steps (dpbSuccess) and ran requests",
+          f"planned steps {planned}, steps with requests {busy}")
+
+    took, left = s.stop()
+    check(not left, "Ctrl-C stops every process", f"in {took:.1f} s, left {left}")
+    print(f"FIGURE stop (Ctrl-C to every process gone): {took:.1f} s")
+    finals = [[x["final"] for x in s.step_rows(r) if "final" in x] for r in (0, 1)]
+    check(all(len(f) == 1 for f in finals), "one final record per rank", str([len(f) for f in finals]))
+    if all(finals):
+        f0, f1 = finals[0][0], finals[1][0]
+        check(f0["dp_rank"] == 0 and f1["dp_rank"] == 1 and f0["exchanges"] == f1["exchanges"]
+              and f0["desyncs"] == f1["desyncs"] == 0 and f0["enabled"] == f1["enabled"] == 1,
+              "the final records: both ranks, the same exchanges, no desync, enabled")
+        for f in (f0, f1):
+            keep = ("dp_rank", "exchanges", "steps", "balanced_steps", "fallbacks", "enabled",
+                    "bubble_fraction", "predicted_error", "goodput_tok_per_s", "max_exchange_ms",
+                    "fallback_results", "desyncs", "default_k", "wait_share_window")
+            print("FIGURE final " + json.dumps({k: f.get(k) for k in keep}))
+
+    # DPB_MODE=bogus: one line per rank at start-up, before /health; the server serves anyway.
+    b = Server("bogus", work, {"DPB_MODE": "bogus"})
+    healthy = b.wait_healthy()
+    text = b.text()
+    bad = lines_with(text, "bad configuration")
+    check(healthy, "DPB_MODE=bogus: the server still starts (balancing off)",
+          f"after {b.ready_s or -1:.0f} s")
+    for r in (0, 1):
+        mine = [ln for ln in bad if f"DP rank {r}:" in ln]
+        check(len(mine) == 1 and "DPB_MODE: 'bogus'" in mine[0] and "Balancing is OFF" in mine[0],
+              f"DPB_MODE=bogus: one start-up error line on DP rank {r}", (mine or ["-"])[0])
+        if mine:
+            print("FIGURE start-up error line: " + mine[0].strip())
+    check(not lines_with(text, "dpbalance: enabled on DP rank"), "DPB_MODE=bogus: no rank says "
+          "enabled")
+    if healthy:
+        res = asyncio.run(traffic(b.port, b.model, n_plain=2, n_stream=1, n_abort=0))
+        check(complete(res)[0], "DPB_MODE=bogus: answers complete", str(complete(res)[1]))
+    b.stop()
+    configs = [sum(1 for x in b.step_rows(r) if x.get("result") == "config") for r in (0, 1)]
+    check(healthy and all(c > 0 for c in configs), "DPB_MODE=bogus: steps ran at vLLM's own "
+          "length, counted as refused configuration", str(configs))
+
+    # DPB_STRICT=1: refuses to start.
+    t0 = time.monotonic()
+    st = Server("strict", work, {"DPB_MODE": "bogus", "DPB_STRICT": "1"})
+    healthy = st.wait_healthy(timeout_s=300)
+    rc = st.proc.poll()
+    took = time.monotonic() - t0
+    text = st.text()
+    refuse = lines_with(text, "DPB_STRICT=1: refusing to start")
+    check(not healthy and rc not in (None, 0), "DPB_STRICT=1 with DPB_MODE=bogus: vLLM exits "
+          "without serving", f"exit status {rc} after {took:.0f} s")
+    check(bool(refuse) and "DPB_MODE: 'bogus'" in refuse[0], "DPB_STRICT=1: the refusal names "
+          "the flag and the value", (refuse or ["-"])[0].strip())
+    if refuse:
+        print("FIGURE strict refusal line: " + refuse[0].strip())
+    _, left = st.stop(timeout_s=30)
+    check(not left, "DPB_STRICT=1: no process left", str(left))
+
+
+# --- prometheus -------------------------------------------------------------------------------
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        return r.read().decode()
+
+
+def dpb_samples(text: str) -> dict:
+    """{(sample name, labels as a sorted tuple): value} of the dpbalance_ series, parsed by
+    prometheus_client's own parser (which raises on malformed text)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if smp.name.startswith("dpbalance_"):
+                out[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
+    return out
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    want = tuple(sorted((k, str(v)) for k, v in labels.items()))
+    return sum(v for (n, lab), v in samples.items() if n == name and set(want) <= set(lab))
+
+
+def test_prometheus_units() -> None:
+    """The exporter's failures, in this process: each is one line and no exception."""
+    import logging
+    from dpbalance_vllm import metrics  # the venv's: installed from this checkout
+    seen = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+    logging.getLogger("vllm.dpbalance").addHandler(Catch())
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = "/proc/self/fdinfo"  # no file can be made there
+    m = metrics.RankMetrics.create(0)
+    check(m is None and any("Prometheus series not exported" in s and "/proc/self/fdinfo" in s
+                            for s in seen),
+          "an unwritable multiprocess directory is one line, no series", (seen or ["-"])[-1])
+    if m is None and seen:
+        print("FIGURE unwritable-directory line: " + seen[-1])
+    # ... and the rank balances all the same (the installed package, its bundled plugin).
+    import types
+    from dpbalance_vllm import engine_plan
+    os.environ.update(DPB_PLUGIN="dpbalance", DPB_LOG_LEVEL="warn")
+    cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(
+        data_parallel_size=1, data_parallel_rank=0))
+    plan = engine_plan.EnginePlan(cfg, 7, "ngram")
+    lens = []
+    for _ in range(3):  # three engine steps: plan, then report
+        lens.append(plan.exchange([("a", 4000, 7), ("b", 100, 7)]))
+        plan.after_step(800.0, 5000.0, [("a", lens[-1][0], 1, False),
+                                        ("b", lens[-1][1], 1, False)], 2 + sum(lens[-1]))
+    balancing = plan.dpb is not None and plan.dpb.last_result == 0
+    plan.close()
+    check(plan.metrics is None and balancing and not plan.fallbacks and plan.exchanges == 3
+          and all(len(x) == 2 for x in lens), "with the directory unwritable the rank still "
+          "balances", f"lens {lens}, fallbacks {plan.fallbacks}")
+    for k in ("PROMETHEUS_MULTIPROC_DIR", "DPB_PLUGIN", "DPB_LOG_LEVEL"):
+        del os.environ[k]
+
+
+def test_prometheus(work: str) -> None:
+    test_prometheus_units()
+    # A metrics port in use for rank 0 (DPBALANCE_VLLM_METRICS_PORT serves rank r on port + r):
+    # rank 0 says so and goes on, rank 1 serves its own; vLLM's /metrics has both either way.
+    mport = free_port(2)
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", mport))
+    blocker.listen(1)
+    s = Server("prometheus", work, {"DPBALANCE_VLLM_METRICS_PORT": str(mport)})
+    healthy = s.wait_healthy()
+    check(healthy, "the server starts", f"after {s.ready_s or -1:.0f} s")
+    if not healthy:
+        print(s.text()[-6000:])
+        s.stop()
+        return
+    asyncio.run(traffic(s.port, s.model, n_plain=3, n_stream=1, n_abort=0))
+    first = scrape(s.port)
+    asyncio.run(traffic(s.port, s.model, n_plain=3, n_stream=1, n_abort=0))
+    second = scrape(s.port)
+    own = ""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{mport + 1}/metrics", timeout=10) as r:
+            own = r.read().decode()
+    except OSError as e:
+        own = f"unreachable: {e}"
+    text = s.text()
+    took, _ = s.stop()
+    blocker.close()
+    try:
+        a, b = dpb_samples(first), dpb_samples(second)
+        parsed = True
+    except Exception as e:  # noqa: BLE001 - a parse error fails the check below
+        a = b = {}
+        parsed = str(e)
+    check(parsed is True, "both scrapes parse with prometheus_client's parser", str(parsed))
+    from dpbalance_vllm import metrics
+    for name, kind, _ in metrics.SERIES:
+        sample = name + ("_total" if kind == "counter" else "_count" if kind == "histogram" else "")
+        for r in (0, 1):
+            check(any(n == sample and ("dp_rank", str(r)) in lab for n, lab in b),
+                  f"{sample} for dp_rank {r}")
+    for r in (0, 1):
+        for name in ("dpbalance_steps_total", "dpbalance_attention_seconds_count",
+                     "dpbalance_exchange_seconds_count"):
+            check(value(b, name, dp_rank=r) > value(a, name, dp_rank=r) > 0,
+                  f"{name} moved between the scrapes on dp_rank {r}",
+                  f"{value(a, name, dp_rank=r)} -> {value(b, name, dp_rank=r)}")
+        check(value(b, "dpbalance_enabled", dp_rank=r) == 1, f"dpbalance_enabled is 1 on dp_rank {r}")
+        check(value(b, "dpbalance_fallbacks_total", dp_rank=r) == 0, f"no fallback on dp_rank {r}")
+    check(sum(value(b, "dpbalance_verify_tokens_planned_total", dp_rank=r) for r in (0, 1))
+          > sum(value(a, "dpbalance_verify_tokens_planned_total", dp_rank=r) for r in (0, 1)) > 0,
+          "verify tokens planned moved")
+    check(sum(value(b, "dpbalance_barrier_wait_seconds_count", dp_rank=r) for r in (0, 1)) > 0,
+          "barrier waits observed")
+    port_lines = lines_with(text, f"cannot serve Prometheus series on port {mport}")
+    check(len(port_lines) == 1 and "balancing is not affected" in port_lines[0],
+          "a metrics port in use: one line on DP rank 0", (port_lines or ["-"])[0].strip())
+    if port_lines:
+        print("FIGURE port-in-use line: " + port_lines[0].strip())
+    check('dpbalance_steps_total{dp_rank="1"}' in own, "rank 1 serves its own series on "
+          "DPBALANCE_VLLM_METRICS_PORT + 1", own[:120])
+    check(all(lines_with(text, f"dpbalance: enabled on DP rank {r}/2") for r in (0, 1)),
+          "both ranks balanced while the port was in use")
+    print(f"FIGURE stop {took:.1f} s; dpbalance_ lines of the second scrape "
+          f"(histogram buckets left out):")
+    for ln in second.splitlines():
+        if ln.startswith("dpbalance_") and "_bucket" not in ln:
+            print("  " + ln)
+    # The step report of this live run (scripts/dpbalance-report): one self-contained page.
+    html = os.path.join(work, "report_live.html")
+    r = subprocess.run([os.path.join(ROOT, "scripts", "dpbalance-report"), "--step-log", s.steps,
+                        "--out", html], capture_output=True, text=True, timeout=600)
+    size = os.path.getsize(html) if os.path.exists(html) else 0
+    check(r.returncode == 0 and size > 10000 and "<svg" in open(html).read(),
+          "dpbalance-report writes one page from the run's step logs",
+          f"exit {r.returncode}, {size} bytes; {r.stderr.strip()[-300:]}")
+
+
+def main() -> int:
+    mode = sys.argv[1] if len(sys.argv) > 1 else ""
+    if mode not in ("serve", "prometheus"):
+        print(__doc__)
+        return 2
+    work = tempfile.mkdtemp(prefix=f"dpb-{mode}-")
+    try:
+        (test_serve if mode == "serve" else test_prometheus)(work)
+    finally:
+        print(f"(logs in {work})")
+    print(f"{'FAILED: ' + ', '.join(FAILED) if FAILED else 'all passed'}")
+    return 1 if FAILED else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
