@@ -431,6 +431,11 @@ absl::Status Balancer::ToPlanBatch(absl::Span<const BalancerRequest> batch) {
     } else {
       p.acceptance = estimator_.Curve(q.request_id);
     }
+    if (planner_.dspark()) {  // DSpark's budget reads survivals two decode steps back
+      int32_t& planned = dspark_steps_[q.request_id];
+      p.no_lagged_survival = planned < dspark::kConfidenceLagSteps;
+      planned = std::min(planned + 1, dspark::kConfidenceLagSteps);
+    }
     // The SLO floor is never above k_cap (DefaultVerifyLen); a bad k_min fails in Summarize.
     p.k_min = std::max(q.k_min, slo_.Floor(q.request_id, DefaultVerifyLen(config_.planner.default_k, q.k_cap),
                                            p.acceptance));
@@ -606,6 +611,7 @@ absl::Status Balancer::Report(uint64_t step, double attention_us, double step_us
     if (a.finished) {
       estimator_.Forget(a.request_id);
       slo_.Forget(a.request_id);
+      dspark_steps_.erase(a.request_id);
     }
   }
   measured_.attention_us = attention_us;

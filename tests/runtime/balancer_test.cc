@@ -101,6 +101,46 @@ std::vector<RankLog> RunRanks(int ranks, int steps, std::function<void(int, Bala
 
 auto Normal = [](int r, int s, std::mt19937_64& rng) { return Batch(rng, 8 + r % 5, 1000 * r + s % 3); };
 
+// DPB_MODE=dspark_fill (SGLang DSpark with tier fill, the baseline arm) through the balancer:
+// every rank derives the same tier from the one exchange and fills its lengths up to it; a
+// request's first two steps count survival 1 in the budget (no lagged survivals yet), so the
+// ranks' first tier is the full window of the largest batch and later ones, once accept counts
+// say drafts fail, are lower.
+TEST(Balancer, DsparkFillAgreesOnOneTierFromTheExchange) {
+  constexpr int kRanks = 4, kSteps = 8;
+  auto group = *InProcessGroup::Create(kRanks, sizeof(RankSummary));
+  std::vector<std::vector<int64_t>> tiers(kRanks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      BalancerConfig c = Config(kRanks);
+      c.planner.mode = PlanMode::kDsparkFill;
+      c.planner.token_tiers = {8, 16, 24, 32, 40, 48, 56, 64, 80, 96};
+      auto b = *Balancer::Create(c, r, *group->Join(r));
+      std::mt19937_64 rng(r);
+      const std::vector<BalancerRequest> batch = Batch(rng, 4 + r, 100 * r);  // the same ids each step
+      for (int s = 0; s < kSteps; ++s) {
+        std::vector<int32_t> v(batch.size(), -1);
+        StepTotals totals;
+        const PlanOutcome o = b->Plan(StepInput{batch, -1, 0, 0}, absl::MakeSpan(v), &totals);
+        ASSERT_TRUE(o.balanced) << o.status;
+        int64_t own = 0;
+        for (int32_t len : v) own += 1 + len;
+        EXPECT_LE(own, totals.padded_tokens);
+        for (int64_t t : totals.rank_tokens) EXPECT_EQ(t, totals.padded_tokens);  // every rank runs it
+        tiers[r].push_back(totals.padded_tokens);
+        std::vector<BalancerAccepted> acc;
+        for (size_t i = 0; i < batch.size(); ++i) acc.push_back({batch[i].request_id, v[i], 0, false});
+        b->Report(20000, 60000, acc).IgnoreError();  // every draft rejected
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 1; r < kRanks; ++r) EXPECT_EQ(tiers[r], tiers[0]);
+  EXPECT_EQ(tiers[0][0], 7 * 8);  // the largest batch (7 requests) at its full window
+  EXPECT_LT(tiers[0].back(), tiers[0][0]);
+}
+
 TEST(Balancer, RanksAgreeOnDepthForRankCountsOneToSixtyFour) {
   for (int ranks : {1, 2, 5, 16, 64}) {
     const auto logs = RunRanks(ranks, 6, nullptr, Normal);

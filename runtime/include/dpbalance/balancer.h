@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -247,6 +248,9 @@ class Balancer {
   Planner planner_;
   AcceptanceEstimator estimator_;
   TpotSlo slo_;
+  // DSpark modes: decode steps each running request has been planned for (capped at the lag of
+  // DSpark's survivals), so a request without lagged survivals counts 1 in the budget.
+  absl::flat_hash_map<int64_t, int32_t> dspark_steps_;
   bool enabled_ = true;
   bool handshake_ok_ = false;  // every rank agreed on versions, ABI, group and config
   std::string disabled_reason_;
