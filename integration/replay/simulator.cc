@@ -332,7 +332,11 @@ absl::StatusOr<Simulation::Admission> Simulation::Admit() {
     a.remaining = t.output_tokens;
     a.output = t.output_tokens;
     a.start_us = now_us_;
-    a.rates = ShiftedProfile(profile_, shift_(rng_));
+    a.rates = ShiftedProfile(profile_, shift_(rng_));  // drawn for every request: same stream
+    if (!t.acceptance.empty()) {  // the trace's measured rates (positions past them: 0)
+      a.rates.fill(0.0);
+      std::copy(t.acceptance.begin(), t.acceptance.end(), a.rates.begin());
+    }
     a.truth_curve = *AcceptanceCurve::FromConditional(a.rates);
     ranks_[*r].push_back(a);
     AddToLoad(loads_[*r], a);

@@ -91,6 +91,19 @@ absl::StatusOr<std::vector<TraceRequest>> LoadMooncake(std::ifstream& in, const 
     r.input_tokens = *in_tokens;
     r.output_tokens = *out_tokens;
     if (absl::Status s = CheckLengths(path, line, r.input_tokens, r.output_tokens); !s.ok()) return s;
+    if (j.contains("acceptance")) {  // a request's measured conditional acceptance rates
+      const nlohmann::json& a = j["acceptance"];
+      if (!a.is_array() || a.size() > 8) {
+        return LineError(path, line, absl::StrCat("'acceptance' ", a.dump(),
+                                                  " is not a list of at most 8 rates"));
+      }
+      for (const nlohmann::json& v : a) {
+        if (!v.is_number() || !(v.get<double>() >= 0 && v.get<double>() <= 1)) {
+          return LineError(path, line, absl::StrCat("'acceptance' rate ", v.dump(), " is not in [0, 1]"));
+        }
+        r.acceptance.push_back(v.get<double>());
+      }
+    }
     out.push_back(r);
   }
   // Spread arrivals inside each quantisation bucket (the gap to the next distinct timestamp).

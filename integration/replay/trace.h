@@ -24,6 +24,10 @@ struct TraceRequest {
   double arrival_ms = 0;
   int64_t input_tokens = 0;
   int64_t output_tokens = 0;
+  // Optional (Mooncake JSONL key "acceptance"): the request's own conditional acceptance rates
+  // a_1..a_n, each in [0, 1] (n <= 8), as measured live; the replay then draws its accept counts
+  // from them instead of the instance profile with a random shift. Empty: not given.
+  std::vector<double> acceptance;
 };
 
 enum class TraceFormat { kAuto, kMooncakeJsonl, kAzureCsv };

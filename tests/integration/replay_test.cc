@@ -47,6 +47,34 @@ TEST(Trace, ErrorsNameFileLineAndValue) {
   EXPECT_FALSE(ParseTraceFormat("parquet").ok());
 }
 
+// A request's own measured acceptance rides in the trace ("acceptance": conditional rates); the
+// replay draws its accept counts from it: a request that accepts every draft emits k + 1 tokens a
+// step at static k, one that accepts none emits one.
+TEST(Trace, MeasuredAcceptanceDrivesTheReplaysDraws) {
+  std::string all, none;
+  for (int i = 0; i < 40; ++i) {
+    all += "{\"timestamp\": 0, \"input_length\": 100, \"output_length\": 30, \"acceptance\": [1, 1, 1]}\n";
+    none += "{\"timestamp\": 0, \"input_length\": 100, \"output_length\": 30, \"acceptance\": [0]}\n";
+  }
+  const auto every = *LoadTrace(WriteTemp("all.jsonl", all), TraceFormat::kAuto, 1);
+  ASSERT_EQ(every[0].acceptance, (std::vector<double>{1, 1, 1}));
+  SimConfig c;
+  c.num_ranks = 2;
+  c.inflight = 8;
+  c.static_k = 2;
+  const RunResult r_all = *Simulate(c, TruthModel{}, every);
+  const RunResult r_none = *Simulate(c, TruthModel{}, *LoadTrace(WriteTemp("none.jsonl", none), TraceFormat::kAuto, 1));
+  EXPECT_NEAR(r_all.tokens / r_none.tokens, 1.0, 0.05);  // the same outputs, emitted
+  EXPECT_LT(3 * r_all.steps, r_none.steps + 12);          // three tokens a step against one
+  // Bad rates are errors naming the line and the value.
+  absl::StatusOr<std::vector<TraceRequest>> bad = LoadTrace(
+      WriteTemp("badacc.jsonl", "{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 2, \"acceptance\": [0.5, 1.5]}\n"),
+      TraceFormat::kAuto, 1);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("badacc.jsonl:1"), std::string::npos) << bad.status();
+  EXPECT_NE(bad.status().message().find("1.5"), std::string::npos) << bad.status();
+}
+
 TEST(Trace, AzureTimestampsAreMillisecondsFromFirst) {
   const std::string csv = WriteTemp("ok.csv",
       "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.5,374,44\n"
