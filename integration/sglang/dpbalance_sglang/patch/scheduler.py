@@ -1,0 +1,21 @@
+"""Hook on sglang/srt/managers/scheduler.py (SGLang 0.5.23): the report.
+
+  Scheduler.process_batch_result   AFTER: the batch's accepted drafts per request
+                                   (GenerationBatchResult.num_correct_drafts_per_req_cpu, or
+                                   accept_lens minus the bonus) go to the plugin for the plan the
+                                   batch ran (plan_id), idle and prefill batches with none.
+"""
+from __future__ import annotations
+
+from .. import engine_step
+
+TARGET = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
+
+SIGNATURES = {TARGET: ("self", "batch", "result")}
+
+
+def after_process_batch_result(_ret, self, batch, result, *args, **kwargs):
+    engine_step.state().report(batch, result)
+
+
+HOOKS = ((TARGET, after_process_batch_result, "AFTER"),)
