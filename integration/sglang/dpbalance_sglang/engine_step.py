@@ -108,11 +108,10 @@ def _spec_width(model_runner) -> tuple[str, int]:
     from sglang.srt.runtime_context import get_spec
 
     spec = get_spec()
-    if alg.is_dspark():
-        return "dspark", max(0, int(spec.speculative_num_draft_tokens) - 1)
     if alg.is_eagle():
-        return "eagle", int(spec.speculative_num_steps)
-    return alg.name.lower(), max(0, int(spec.speculative_num_draft_tokens or 1) - 1)
+        return "eagle", int(spec.speculative_num_steps or 0)
+    name = "dspark" if alg.is_dspark() else alg.name.lower()
+    return name, max(0, int(spec.speculative_num_draft_tokens or 1) - 1)
 
 
 def _ragged_tiers(model_runner) -> Optional[list]:
@@ -269,24 +268,13 @@ class RankState:
         g.run = exchange
         plan = None
         try:
-            if not self.initialised:
-                self._init(info, group, model_runner)
-            elif self.dpb is not None:
-                kind, reqs, extra = step_of(batch, self.k_draft)
-                t0 = time.monotonic()
-                try:
-                    res = self.dpb.plan(reqs, kind=kind, extra_tokens=extra)
-                except (TypeError, ValueError) as e:  # this rank's batch cannot be marshalled
-                    log.error("dpbalance_sglang: DP rank %d: %s; SGLang's own lengths this step",
-                              self.dpb.dp_rank, e)
-                    res = None
-                ms = (time.monotonic() - t0) * 1e3
-                self.max_plan_ms = max(self.max_plan_ms, ms)
-                if res is not None:
-                    self.plans += 1
-                    name = adapter.RESULT_NAMES.get(res.result, str(res.result))
-                    self.results[name] = self.results.get(name, 0) + 1
-                    plan = BatchPlan(res, tuple(r.request_id for r in reqs), kind, t0)
+            try:
+                plan = self._init_or_plan(info, group, batch, model_runner)
+            except Exception as e:  # noqa: BLE001 - ours must never stop SGLang
+                if g.engine_error is not None:
+                    raise g.engine_error from None
+                self._stop(f"{type(e).__name__}: {e}")
+                plan = None
             if g.engine_error is not None:
                 raise g.engine_error
             if not g.ran:  # no plugin, a failed init, a disabled plugin: SGLang's sync runs anyway
@@ -294,6 +282,41 @@ class RankState:
         finally:
             g.run = None
         self.last_plan = self.last_sync_plan = plan
+
+    def _stop(self, why: str) -> None:
+        """An error of ours (or SGLang state we did not expect): log it once with its trace,
+        stop planning on this rank; it keeps joining SGLang's sync with a zero record, so every
+        rank runs SGLang's own lengths from here on."""
+        log.exception("dpbalance_sglang: %s; this rank stops planning and SGLang runs its own "
+                      "verify lengths", why)
+        self.init_error = self.init_error or why
+        if self.dpb is not None:
+            try:
+                self.dpb.close()
+            except Exception:  # noqa: BLE001
+                pass
+        self.dpb = None
+
+    def _init_or_plan(self, info, group, batch, model_runner) -> Optional[BatchPlan]:
+        """The first sync: init (the handshake rides it). Later ones: plan this rank's batch."""
+        if not self.initialised:
+            self._init(info, group, model_runner)
+            return None
+        if self.dpb is None:
+            return None
+        kind, reqs, extra = step_of(batch, self.k_draft)
+        t0 = time.monotonic()
+        try:
+            res = self.dpb.plan(reqs, kind=kind, extra_tokens=extra)
+        except (TypeError, ValueError) as e:  # this rank's batch cannot be marshalled
+            log.error("dpbalance_sglang: DP rank %d: %s; SGLang's own lengths this step",
+                      self.dpb.dp_rank, e)
+            return None
+        self.max_plan_ms = max(self.max_plan_ms, (time.monotonic() - t0) * 1e3)
+        self.plans += 1
+        name = adapter.RESULT_NAMES.get(res.result, str(res.result))
+        self.results[name] = self.results.get(name, 0) + 1
+        return BatchPlan(res, tuple(r.request_id for r in reqs), kind, t0)
 
     def take_plan(self) -> Optional[BatchPlan]:
         p, self.last_plan = self.last_plan, None

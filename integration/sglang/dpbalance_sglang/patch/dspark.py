@@ -58,7 +58,10 @@ def around_forward_decode(original, self, batch, *args, **kwargs):
 def around_tier(original, self, batch):
     tier = original(self, batch)
     bp = usable_plan(batch)
-    if tier is None or bp is None:
+    # A step where some rank prefills: padded_tokens counts prefill tokens, not a verify tier
+    # (DSpark verifies nothing then, except under SGLang's prefill coordination, where its own
+    # tier stays; the plan's lengths fit under it, at most the block per request).
+    if tier is None or bp is None or bp.plan.any_rank_flags & engine_step.adapter.RANK_EXTEND:
         return tier
     return int(bp.plan.padded_tokens)
 
