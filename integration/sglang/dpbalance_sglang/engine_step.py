@@ -136,7 +136,8 @@ def step_of(batch, k_draft: int) -> tuple[str, list, int]:
     if mode.is_decode():
         reqs = []
         for req in batch.reqs:
-            left = int(req.sampling_params.max_new_tokens) - len(req.output_ids)
+            cap = req.sampling_params.max_new_tokens
+            left = k_draft + 1 if cap is None else int(cap) - len(req.output_ids)
             reqs.append(adapter.Request(req.rid, int(req.seqlen), k_min=0,
                                         k_cap=max(0, min(k_draft, left - 1))))
         return ("decode" if k_draft > 0 else "no_verify"), reqs, 0

@@ -74,8 +74,11 @@ def around_schedule_verify_lens(original, self, *args, **kwargs):
         return lens
     import torch
 
-    ours = torch.tensor([1 + k for k in bp.plan.verify_len], dtype=lens.dtype)
-    lens.copy_(ours.to(lens.device))
+    try:
+        ours = torch.tensor([1 + k for k in bp.plan.verify_len], dtype=lens.dtype)
+        lens.copy_(ours.to(lens.device))
+    except Exception:  # noqa: BLE001 - SGLang's own lengths on this rank then (never seen)
+        engine_step.log.exception("dpbalance_sglang: the plan's lengths could not be written")
     return lens
 
 

@@ -15,7 +15,10 @@ SIGNATURES = {TARGET: ("self", "batch", "result")}
 
 
 def after_process_batch_result(_ret, self, batch, result, *args, **kwargs):
-    engine_step.state().report(batch, result)
+    try:
+        engine_step.state().report(batch, result)
+    except Exception:  # noqa: BLE001 - a report of ours must never stop SGLang's scheduler
+        engine_step.log.exception("dpbalance_sglang: report failed; SGLang goes on")
 
 
 HOOKS = ((TARGET, after_process_batch_result, "AFTER"),)
