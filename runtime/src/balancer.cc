@@ -331,16 +331,7 @@ PlanOutcome Balancer::PlanStep(const StepInput& in, absl::Span<int32_t> verify_l
   out.draft_depth = config_.planner.default_k;
   const absl::Span<const BalancerRequest> batch = in.batch;
   Fallback(batch, verify_len);
-  if (totals != nullptr) {  // until the exchange says more: only this rank's own total is known
-    const size_t dp = static_cast<size_t>(config_.planner.num_ranks);
-    totals->known = false;
-    totals->rank_tokens.assign(dp, -1);
-    totals->rank_flags.assign(dp, 0);
-    totals->rank_tokens[rank_] = OwnTokens(in, verify_len);
-    totals->rank_flags[rank_] = in.kind;
-    totals->padded_tokens = 0;
-    totals->any_flags = in.kind;
-  }
+  StartTotals(in, verify_len, totals);
   const uint64_t step = step_++;
   out.step = step;
   // The latest reported step goes out with this record, once; its accounting follows the
@@ -355,7 +346,7 @@ PlanOutcome Balancer::PlanStep(const StepInput& in, absl::Span<int32_t> verify_l
   if (local.ok()) local = ToPlanBatch(batch);
   if (local.ok()) local = planner_.Summarize(rank_, plan_batch_, in.kv_free_tokens, &own_summary_);
   StampOwnSummary(local, step, in, verify_len, measured);
-  // Step 2: the exchange.
+  // Step 2: the exchange, and what the records say before anyone plans.
   if (absl::Status s = Exchange(own_summary_, config_.timeout); !s.ok()) {
     Fail(s);
     out.status = s;
@@ -369,38 +360,12 @@ PlanOutcome Balancer::PlanStep(const StepInput& in, absl::Span<int32_t> verify_l
     }
     ApplyLeaderMeasurements();
   }
-  // A disabled peer is seen by every rank in the same bytes: all disable together. An empty
-  // record (a rank without the plugin, or an engine's fallback row for an inactive rank) pauses
-  // balancing for the step on every rank alike: that rank drafts the engine's default depth.
-  const absl::Span<const RankSummary> recs = DpRecords();
-  for (size_t r = 0; r < recs.size(); ++r) {
-    if (recs[r].flags & kSummaryDisabled) {
-      Disable(absl::StrFormat("rank %d is disabled", r));
-      FillTotals(nullptr, false, in, verify_len, false, totals);
-      return out;
-    }
-  }
-  for (size_t r = 0; r < recs.size(); ++r) {
-    if (recs[r].magic == 0 && recs[r].version == 0) {
-      ++fallbacks_;
-      out.status = absl::UnavailableError(absl::StrFormat(
-          "rank %d sent an empty record (no plugin there, or the engine's row for an inactive "
-          "rank): default lengths on every rank this step", r));
-      FillTotals(nullptr, false, in, verify_len, false, totals);
-      return out;
-    }
-  }
+  if (PeersStopStep(in, verify_len, out, totals)) return out;
   // Step 3: everyone agrees on the step and so on the A/B arm.
   const bool arm_on = AgreeOnStep(step, measured);
   planned_[step % planned_.size()] = Planned{step, arm_on, -1, -1, false, {}};
   if (!local.ok()) {
-    // This rank runs its defaults, but must draft as deep as every other rank agrees to.
-    absl::StatusOr<GlobalDecision> d = absl::UnavailableError("off arm");
-    if (arm_on) d = planner_.Decide(recs);
-    if (d.ok()) out.draft_depth = d->draft_depth;
-    Fail(local);
-    out.status = local;
-    FillTotals(d.ok() ? &*d : nullptr, d.ok(), in, verify_len, false, totals);
+    FailLocally(local, arm_on, in, verify_len, out, totals);
     return out;
   }
   if (!arm_on) {
@@ -412,6 +377,57 @@ PlanOutcome Balancer::PlanStep(const StepInput& in, absl::Span<int32_t> verify_l
   const GlobalDecision* applied = DecideAndAssign(batch, verify_len, out);
   FillTotals(applied, applied != nullptr, in, verify_len, !out.balanced, totals);
   return out;
+}
+
+void Balancer::StartTotals(const StepInput& in, absl::Span<const int32_t> own_len,
+                           StepTotals* totals) const {
+  if (totals == nullptr) return;
+  const size_t dp = static_cast<size_t>(config_.planner.num_ranks);
+  totals->known = false;
+  totals->rank_tokens.assign(dp, -1);
+  totals->rank_flags.assign(dp, 0);
+  totals->rank_tokens[rank_] = OwnTokens(in, own_len);
+  totals->rank_flags[rank_] = in.kind;
+  totals->padded_tokens = 0;
+  totals->any_flags = in.kind;
+}
+
+bool Balancer::PeersStopStep(const StepInput& in, absl::Span<const int32_t> own_len,
+                             PlanOutcome& out, StepTotals* totals) {
+  // A disabled peer is seen by every rank in the same bytes: all disable together. An empty
+  // record (a rank without the plugin, or an engine's fallback row for an inactive rank) pauses
+  // balancing for the step on every rank alike: that rank drafts the engine's default depth.
+  const absl::Span<const RankSummary> recs = DpRecords();
+  for (size_t r = 0; r < recs.size(); ++r) {
+    if (recs[r].flags & kSummaryDisabled) {
+      Disable(absl::StrFormat("rank %d is disabled", r));
+      FillTotals(nullptr, false, in, own_len, false, totals);
+      return true;
+    }
+  }
+  for (size_t r = 0; r < recs.size(); ++r) {
+    if (recs[r].magic == 0 && recs[r].version == 0) {
+      ++fallbacks_;
+      out.status = absl::UnavailableError(absl::StrFormat(
+          "rank %d sent an empty record (no plugin there, or the engine's row for an inactive "
+          "rank): default lengths on every rank this step", r));
+      FillTotals(nullptr, false, in, own_len, false, totals);
+      return true;
+    }
+  }
+  return false;
+}
+
+void Balancer::FailLocally(const absl::Status& local, bool arm_on, const StepInput& in,
+                           absl::Span<const int32_t> own_len, PlanOutcome& out,
+                           StepTotals* totals) {
+  // This rank runs its defaults, but must draft as deep as every other rank agrees to.
+  absl::StatusOr<GlobalDecision> d = absl::UnavailableError("off arm");
+  if (arm_on) d = planner_.Decide(DpRecords());
+  if (d.ok()) out.draft_depth = d->draft_depth;
+  Fail(local);
+  out.status = local;
+  FillTotals(d.ok() ? &*d : nullptr, d.ok(), in, own_len, false, totals);
 }
 
 absl::Status Balancer::ToPlanBatch(absl::Span<const BalancerRequest> batch) {

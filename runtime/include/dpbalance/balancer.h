@@ -212,6 +212,16 @@ class Balancer {
   // Returns the decision it applied (null when it fell back).
   const GlobalDecision* DecideAndAssign(absl::Span<const BalancerRequest> batch,
                                         absl::Span<int32_t> verify_len, PlanOutcome& out);
+  // Before the exchange only this rank's own total (of `own_len`, its defaults) is known.
+  void StartTotals(const StepInput& in, absl::Span<const int32_t> own_len, StepTotals* totals) const;
+  // After the exchange: true when a peer's record ends the step before planning (a disabled
+  // peer disables this rank too; an empty record pauses balancing for the step), with `out`
+  // and `totals` filled.
+  bool PeersStopStep(const StepInput& in, absl::Span<const int32_t> own_len, PlanOutcome& out,
+                     StepTotals* totals);
+  // This rank's own input failed (`local`): its defaults, at the depth the others agree on.
+  void FailLocally(const absl::Status& local, bool arm_on, const StepInput& in,
+                   absl::Span<const int32_t> own_len, PlanOutcome& out, StepTotals* totals);
   // Disabled, on an ordered backend or with always_exchange: join this step's exchange with a
   // record marked kSummaryDisabled that still carries this rank's token total.
   void KeepInStep(const StepInput& in, absl::Span<const int32_t> fallback_len,
