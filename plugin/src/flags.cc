@@ -169,7 +169,7 @@ void AddRouterFlags(FlagTable& t) {
          f.routing.group_choice = v == "A" ? RoutingStrategy::kMinBatch : RoutingStrategy::kMinContext;
          return absl::OkStatus();
        }},
-      {"split_percentile", Double(1e-6, 1 - 1e-6, [](PluginFlags& f, double x) { f.routing.split_percentile = x; })},
+      {"split_percentile", Double(1e-6, 0.999999, [](PluginFlags& f, double x) { f.routing.split_percentile = x; })},
       {"split_window", Int(1, 100000000, [](PluginFlags& f, int x) { f.routing.split_window = x; })},
       {"route_query_tokens", Double(1, 1 + kMaxDraftLen, [](PluginFlags& f, double x) { f.routing.query_tokens_per_request = x; })},
       {"route_initial_output", Double(0, 1e9, [](PluginFlags& f, double x) { f.routing.initial_output_tokens = x; })},
@@ -213,6 +213,12 @@ std::map<std::string, std::string> DpbEnvironment() {
     out[name] = kv.substr(eq + 1);
   }
   return out;
+}
+
+std::vector<std::string> FlagNames() {
+  std::vector<std::string> names;
+  for (const auto& [name, setter] : Table()) names.push_back(name);
+  return names;
 }
 
 absl::StatusOr<PluginFlags> ParseFlags(const std::map<std::string, std::string>& env,

@@ -28,5 +28,7 @@ absl::StatusOr<PluginFlags> ParseFlags(const std::map<std::string, std::string>&
                                        const std::string& config);
 // The DPB_* variables of this process's environment (DPB_PLUGIN, the host's, excluded).
 std::map<std::string, std::string> DpbEnvironment();
+// Every flag's name, lower case without the prefix, sorted (what docs/flags.md must list).
+std::vector<std::string> FlagNames();
 
 }  // namespace dpbalance::plugin
