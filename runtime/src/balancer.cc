@@ -95,6 +95,7 @@ Balancer::Balancer(BalancerConfig config, int rank, std::unique_ptr<AllGather> c
       estimator_(config_.acceptance_prior_strength, MtpK8ConditionalProfile()),
       slo_(config_.tpot_slo_us) {
   gathered_.resize(static_cast<size_t>(config_.planner.num_ranks) * config_.attn_tp_size);
+  idle_rows_.assign(config_.planner.num_ranks, false);
   if (config_.attn_tp_size > 1) leaders_.resize(config_.planner.num_ranks);
   // The refit learns the weights of the terms the planner prices: from the planner's copy.
   if (config_.online_calibration) online_ = std::make_unique<OnlineCostModel>(planner_.model());
@@ -198,8 +199,27 @@ void Balancer::KeepInStep(const StepInput& in, absl::Span<const int32_t> fallbac
   StampOwnSummary(absl::CancelledError("disabled"), step_ - 1, in, fallback_len, measured);
   own_summary_.flags |= kSummaryDisabled;
   if (!Exchange(own_summary_, config_.timeout).ok()) return;
+  ReadIdleRows();
   if (config_.attn_tp_size > 1) GatherLeaders();
   FillTotals(nullptr, false, in, fallback_len, false, totals);
+}
+
+void Balancer::ReadIdleRows() {
+  // An idle row carries no config hash, rank or step: it becomes a record of this config that
+  // every check accepts and the planner excludes (no kSummaryValid), with no tokens, no
+  // measurements (-1: unknown) and no say in the agreed step (the largest index).
+  const RankSummary idle = IdleRowRecord();
+  const int tp = config_.attn_tp_size;
+  std::fill(idle_rows_.begin(), idle_rows_.end(), false);
+  for (size_t p = 0; p < gathered_.size(); ++p) {
+    if (std::memcmp(&gathered_[p], &idle, sizeof(idle)) != 0) continue;
+    RankSummary& r = gathered_[p];
+    r.config_hash = planner_.config_hash();
+    r.rank_idx = static_cast<uint32_t>(p / tp);
+    r.step_idx = UINT32_MAX;
+    r.prev_attention_us = r.prev_step_us = r.prev_accepted_tokens = -1.f;
+    if (p % tp == 0) idle_rows_[p / tp] = true;  // the DP rank's record is its member 0's
+  }
 }
 
 absl::Span<const RankSummary> Balancer::DpRecords() const {
@@ -282,8 +302,8 @@ void Balancer::FillTotals(const GlobalDecision* decision, bool balanced, const S
   // Every record says what its rank runs, this rank's own included, except when this rank alone
   // failed to apply the decision the others planned it into (Assign's error): it runs its
   // defaults, which it says here (the others cannot know; the result is a fallback).
-  // The same when the engine replaced this rank's own record (an inactive rank's fallback row).
-  if (fell_back_alone || totals->rank_tokens[rank_] < 0) {
+  // The same when the engine replaced this rank's own record (an empty record, or an idle row).
+  if (fell_back_alone || totals->rank_tokens[rank_] < 0 || idle_rows_[rank_]) {
     totals->rank_tokens[rank_] = OwnTokens(in, own_len);
     totals->rank_flags[rank_] = in.kind;
   }
@@ -352,6 +372,7 @@ PlanOutcome Balancer::PlanStep(const StepInput& in, absl::Span<int32_t> verify_l
     out.status = s;
     return out;
   }
+  ReadIdleRows();
   if (config_.attn_tp_size > 1) {
     if (!GatherLeaders() && local.ok()) {
       ++tp_mismatches_;
@@ -364,6 +385,10 @@ PlanOutcome Balancer::PlanStep(const StepInput& in, absl::Span<int32_t> verify_l
   // Step 3: everyone agrees on the step and so on the A/B arm.
   const bool arm_on = AgreeOnStep(step, measured);
   planned_[step % planned_.size()] = Planned{step, arm_on, -1, -1, false, {}};
+  if (idle_rows_[rank_] && local.ok()) {  // the engine's choice, not a failure (FailLocally)
+    local = absl::UnavailableError(absl::StrFormat(
+        "the engine sent an idle row for rank %d: its default lengths this step", rank_));
+  }
   if (!local.ok()) {
     FailLocally(local, arm_on, in, verify_len, out, totals);
     return out;
@@ -395,8 +420,10 @@ void Balancer::StartTotals(const StepInput& in, absl::Span<const int32_t> own_le
 bool Balancer::PeersStopStep(const StepInput& in, absl::Span<const int32_t> own_len,
                              PlanOutcome& out, StepTotals* totals) {
   // A disabled peer is seen by every rank in the same bytes: all disable together. An empty
-  // record (a rank without the plugin, or an engine's fallback row for an inactive rank) pauses
-  // balancing for the step on every rank alike: that rank drafts the engine's default depth.
+  // record (a rank without a working plugin) pauses balancing for the step on every rank alike:
+  // that rank drafts the engine's default depth. An idle row (ReadIdleRows) pauses nobody: the
+  // others plan that rank as one that runs nothing (PlanStep: the rank itself, when the engine
+  // wrote its row so, runs its defaults at the agreed depth).
   const absl::Span<const RankSummary> recs = DpRecords();
   for (size_t r = 0; r < recs.size(); ++r) {
     if (recs[r].flags & kSummaryDisabled) {
@@ -425,7 +452,11 @@ void Balancer::FailLocally(const absl::Status& local, bool arm_on, const StepInp
   absl::StatusOr<GlobalDecision> d = absl::UnavailableError("off arm");
   if (arm_on) d = planner_.Decide(DpRecords());
   if (d.ok()) out.draft_depth = d->draft_depth;
-  Fail(local);
+  if (idle_rows_[rank_]) {
+    ++fallbacks_;
+  } else {
+    Fail(local);
+  }
   out.status = local;
   FillTotals(d.ok() ? &*d : nullptr, d.ok(), in, own_len, false, totals);
 }
@@ -544,8 +575,13 @@ const GlobalDecision* Balancer::DecideAndAssign(absl::Span<const BalancerRequest
 void Balancer::AccountPreviousStep(absl::Span<const RankSummary> all, bool prev_arm_on,
                                    double planned_barrier) {
   double max_attn = 0, sum_attn = 0, tokens = 0, step_us = 0;
-  int known = 0;
-  for (const RankSummary& r : all) {
+  int known = 0, idle = 0;
+  for (size_t i = 0; i < all.size(); ++i) {
+    const RankSummary& r = all[i];
+    if (idle_rows_[i]) {  // a rank that runs nothing is not part of the step
+      ++idle;
+      continue;
+    }
     if (!(r.prev_attention_us >= 0) || !(r.prev_step_us >= 0) || !(r.prev_accepted_tokens >= 0)) continue;
     ++known;
     max_attn = std::max<double>(max_attn, r.prev_attention_us);
@@ -553,7 +589,7 @@ void Balancer::AccountPreviousStep(absl::Span<const RankSummary> all, bool prev_
     tokens += r.prev_accepted_tokens;
     step_us = std::max<double>(step_us, r.prev_step_us);
   }
-  if (known != static_cast<int>(all.size()) || max_attn <= 0 || step_us <= 0) return;
+  if (known + idle != static_cast<int>(all.size()) || known == 0 || max_attn <= 0 || step_us <= 0) return;
   if (planned_barrier > 0) {
     barrier_over_plan_.Add(max_attn / planned_barrier);
     // The known way to lose the gain (docs/results.md 3a): a model without the kernel's launch

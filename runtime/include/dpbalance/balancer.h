@@ -187,6 +187,9 @@ class Balancer {
   absl::Status Exchange(const RankSummary& send, absl::Duration timeout);
   PlanOutcome PlanStep(const StepInput& step, absl::Span<int32_t> verify_len, absl::Status local,
                        StepTotals* totals);
+  // Idle rows (IdleRowRecord) in gathered_ into records of this config that plan nothing, and
+  // which DP ranks sent one (idle_rows_).
+  void ReadIdleRows();
   // The DP ranks' records of the exchange: gathered_ itself, or with attention TP each DP rank's
   // member 0, marked unusable where its members' digests differ.
   absl::Span<const RankSummary> DpRecords() const;
@@ -219,7 +222,8 @@ class Balancer {
   // and `totals` filled.
   bool PeersStopStep(const StepInput& in, absl::Span<const int32_t> own_len, PlanOutcome& out,
                      StepTotals* totals);
-  // This rank's own input failed (`local`): its defaults, at the depth the others agree on.
+  // This rank's own input failed (`local`), or the engine sent an idle row for it: its
+  // defaults, at the depth the others agree on (a failure counted only in the first case).
   void FailLocally(const absl::Status& local, bool arm_on, const StepInput& in,
                    absl::Span<const int32_t> own_len, PlanOutcome& out, StepTotals* totals);
   // Disabled, on an ordered backend or with always_exchange: join this step's exchange with a
@@ -251,6 +255,7 @@ class Balancer {
   std::vector<PlanRequest> plan_batch_;
   std::vector<RankSummary> gathered_;  // the group's records: num_ranks x attn_tp_size
   std::vector<RankSummary> leaders_;   // attention TP: member 0 of each DP rank
+  std::vector<bool> idle_rows_;        // per DP rank: the engine sent its idle row this step
   GlobalDecision decision_;            // the last decision applied
   RankSummary own_summary_{};  // this rank's record of the step
   // The last two plans, by step index (an engine may report step t after planning t+1).
