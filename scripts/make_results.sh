@@ -82,6 +82,14 @@ for routing in D E; do
     --json docs/generated/reference_engine_routing_$routing.json \
     2>/dev/null | tee docs/generated/reference_engine_routing_$routing.txt
 done
+# An idle rank (docs/results.md section 4): the last of 8 ranks idle in every other block of 10
+# steps, its row in the engine's sync the idle row or zeros; the online refit off (it learns
+# from wall-clock times).
+for row in idle zeros; do
+  DPB_ONLINE=0 $B/integration/dpbalance-reference-engine --idle_ranks 1 --idle_row $row \
+    --json docs/generated/reference_engine_idle_$row.json 2>/dev/null \
+    | tee docs/generated/reference_engine_idle_$row.txt
+done
 $B/bench/dpbalance_planner_bench --benchmark_repetitions=5 --benchmark_report_aggregates_only=true \
   | tee docs/generated/planner_bench.txt
 PY=python3

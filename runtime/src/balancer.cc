@@ -302,8 +302,10 @@ void Balancer::FillTotals(const GlobalDecision* decision, bool balanced, const S
   // Every record says what its rank runs, this rank's own included, except when this rank alone
   // failed to apply the decision the others planned it into (Assign's error): it runs its
   // defaults, which it says here (the others cannot know; the result is a fallback).
-  // The same when the engine replaced this rank's own record (an empty record, or an idle row).
-  if (fell_back_alone || totals->rank_tokens[rank_] < 0 || idle_rows_[rank_]) {
+  // The same when the engine replaced this rank's own record with an empty one.
+  // An idle row the engine wrote for this rank stays 0 here, as on every rank: the engine chose
+  // that this rank runs nothing.
+  if (fell_back_alone || totals->rank_tokens[rank_] < 0) {
     totals->rank_tokens[rank_] = OwnTokens(in, own_len);
     totals->rank_flags[rank_] = in.kind;
   }
