@@ -25,6 +25,14 @@ for v in gqa packed; do
   $B/integration/dpbalance-calibrate --train integration/calibrate/data/attention_fa2_$v.train.jsonl \
     --kernel fa2-$v-h200 --cv 5 --target step | tee docs/generated/calibrate_${v}_step.txt
 done
+# Where gqa's tail lies, its noise floor, a held-out sample's spread (docs/cost-model.md).
+for p in 1 2; do
+  $B/integration/dpbalance-calibrate --train integration/calibrate/data/attention_fa2_gqa.train.jsonl \
+    --kernel fa2-gqa-h200 --cv 5 --loss_power $p --dump /tmp/dpb_gqa_dump_$p.txt > /dev/null
+  n=$([ $p = 1 ] && echo gqa_tail || echo gqa_tail_loss2)
+  python3 scripts/gqa_tail.py integration/calibrate/data/attention_fa2_gqa.train.jsonl \
+    /tmp/dpb_gqa_dump_$p.txt | tee docs/generated/$n.txt
+done
 $B/integration/dpbalance-calibrate --gemm integration/calibrate/data/projection_gemm_sweep.jsonl \
   | tee docs/generated/calibrate_gemm.txt
 # Truth from the real H200 kernel: the packed-attention fit, 61 attention layers per step.

@@ -121,6 +121,10 @@ Eigen::VectorXd SolveNnlsGram(const Eigen::MatrixXd& g, const Eigen::VectorXd& c
 
 absl::StatusOr<CostModel> FitCostModel(absl::Span<const TimingSample> samples,
                                        const FitOptions& options) {
+  if (!(options.loss_power >= 1 && options.loss_power <= 3)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("fit: loss_power %g must be in [1, 3]", options.loss_power));
+  }
   std::vector<const TimingSample*> rows;
   for (const TimingSample& s : samples) {
     if (s.measured_us > 0 && std::isfinite(s.measured_us)) rows.push_back(&s);
@@ -146,14 +150,16 @@ absl::StatusOr<CostModel> FitCostModel(absl::Span<const TimingSample> samples,
   for (Eigen::Index c = 0; c < a.cols(); ++c) {
     if (norm(c) > 0) a.col(c) /= norm(c);
   }
-  // Least absolute relative error by iteratively reweighted NNLS: each row weighted by
-  // 1/sqrt(|r_i|) turns its squared residual into |r_i|, which is what MAPE measures and keeps
-  // the noisy tail of the measurements from dragging the fit.
+  // The loss sum |r_i|^p by iteratively reweighted NNLS: each row weighted by |r_i|^((p-2)/2)
+  // turns its squared residual into |r_i|^p. p = 1 (least absolute relative error) is what MAPE
+  // measures and keeps the noisy tail of the measurements from dragging the fit; p = 2 needs no
+  // reweighting.
   const Eigen::VectorXd ones = Eigen::VectorXd::Ones(rows.size());
   Eigen::VectorXd sol = SolveNnls(a, ones);
-  for (int iter = 0; iter < options.irls_iterations; ++iter) {
+  const double exponent = (options.loss_power - 2) / 2;
+  for (int iter = 0; exponent != 0 && iter < options.irls_iterations; ++iter) {
     const Eigen::VectorXd r = (a * sol - ones).cwiseAbs();
-    const Eigen::VectorXd wt = r.cwiseMax(options.irls_floor).cwiseSqrt().cwiseInverse();
+    const Eigen::VectorXd wt = r.cwiseMax(options.irls_floor).array().pow(exponent).matrix();
     sol = SolveNnls(wt.asDiagonal() * a, wt);
   }
   CostModel::Weights w{};

@@ -128,6 +128,40 @@ TEST(Fit, KernelGridTermsCutTheHeldOutErrorOnRealH200Rows) {
   }
 }
 
+// FitOptions::loss_power: the fit minimises sum |relative error|^p. On the gqa rows with the
+// grid, the least-absolute fit (p = 1) has the smaller in-sample sum |r| and the least-squares
+// fit (p = 2) the smaller sum r^2 (each is the other's loss, so neither can lose on its own);
+// a power outside [1, 3] is an error naming it.
+TEST(Fit, LossPowerMinimisesItsOwnLoss) {
+  const KernelGrid grid = *KernelGrid::Named("fa2-gqa-h200");
+  const std::vector<TimingSample> rows = Rows("gqa", grid);
+  auto losses = [&](double p) {
+    FitOptions o;
+    o.grid = grid;
+    o.loss_power = p;
+    absl::StatusOr<CostModel> m = FitCostModel(rows, o);
+    EXPECT_TRUE(m.ok()) << m.status();
+    double l1 = 0, l2 = 0;
+    for (const TimingSample& s : rows) {
+      const double r = m->AttentionUs(s.agg) / s.measured_us - 1;
+      l1 += std::abs(r);
+      l2 += r * r;
+    }
+    return std::pair<double, double>{l1, l2};
+  };
+  const auto [l1_of_1, l2_of_1] = losses(1);
+  const auto [l1_of_2, l2_of_2] = losses(2);
+  std::printf("gqa rows: p = 1: sum|r| %.3f, sum r^2 %.4f; p = 2: sum|r| %.3f, sum r^2 %.4f\n", l1_of_1,
+              l2_of_1, l1_of_2, l2_of_2);
+  EXPECT_LT(l1_of_1, l1_of_2);
+  EXPECT_LT(l2_of_2, l2_of_1);
+  FitOptions bad;
+  bad.loss_power = 0.5;
+  absl::StatusOr<CostModel> refused = FitCostModel(rows, bad);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("loss_power 0.5"), std::string::npos) << refused.status();
+}
+
 // The shared H200 rows of both kernels, streamed in three random orders, without and with the
 // measured kernel's grid (the model family dpbalance-calibrate fits):
 // (1) the online refit, started from the published V2 weights, errs after 200 rows on the rest

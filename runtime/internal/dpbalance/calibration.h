@@ -57,8 +57,11 @@ struct FitOptions {
   KernelGrid grid;
   // Features the fit may use (empty: all). The published form's refit uses three.
   std::vector<int> features;
-  // Least-absolute-error refinement (0: plain least squares on relative errors).
-  int irls_iterations = 30;
+  // The loss on relative errors r: sum |r|^loss_power, by iteratively reweighted NNLS from the
+  // least-squares fit. 1 (default): least absolute error, what MAPE measures; 2: least squares,
+  // which weighs large errors more: the tail (p90) shrinks, MAPE may grow (docs/cost-model.md).
+  double loss_power = 1;
+  int irls_iterations = 30;   // 0: plain least squares whatever loss_power says
   double irls_floor = 0.005;  // residuals below 0.5% weigh as 0.5% (keeps weights bounded)
 };
 absl::StatusOr<CostModel> FitCostModel(absl::Span<const TimingSample> samples,
