@@ -215,6 +215,20 @@ std::map<std::string, std::string> DpbEnvironment() {
   return out;
 }
 
+absl::Duration TimeoutFlag(const std::map<std::string, std::string>& env, const std::string& config) {
+  std::map<std::string, std::string> only;
+  if (const auto it = env.find("DPB_TIMEOUT_MS"); it != env.end()) only[it->first] = it->second;
+  std::string entry;
+  for (absl::string_view item : absl::StrSplit(config, ';', absl::SkipWhitespace())) {
+    const size_t eq = item.find('=');
+    if (eq != absl::string_view::npos && absl::StripAsciiWhitespace(item.substr(0, eq)) == "timeout_ms") {
+      entry = std::string(item);  // the last one wins, as in ParseFlags
+    }
+  }
+  absl::StatusOr<PluginFlags> f = ParseFlags(only, entry);
+  return f.ok() ? f->balancer.timeout : BalancerConfig{}.timeout;
+}
+
 std::vector<std::string> FlagNames() {
   std::vector<std::string> names;
   for (const auto& [name, setter] : Table()) names.push_back(name);

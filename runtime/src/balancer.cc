@@ -37,6 +37,8 @@ struct Hello {
   uint64_t config_hash;
   int32_t num_ranks;     // DP ranks
   int32_t attn_tp_size;  // processes per DP rank
+  uint32_t refused;      // 1: the sender's init failed (Balancer::Refuse); `why` says why
+  char why[400];         // NUL-terminated
 };
 static_assert(sizeof(Hello) <= sizeof(RankSummary));
 
@@ -105,10 +107,26 @@ Balancer::~Balancer() {
   if (config_.log_every_steps > 0 && step_ > 0) MaybeLog();
 }
 
+absl::Status Balancer::Refuse(std::unique_ptr<AllGather> comm, int num_ranks, int attn_tp_size,
+                              int abi_version, absl::Duration timeout, std::string_view why) {
+  if (comm == nullptr || comm->record_bytes() != sizeof(RankSummary)) {
+    return absl::InvalidArgumentError("refuse: no all-gather backend of summary records");
+  }
+  RankSummary slot{};
+  Hello hello{kHelloMagic, kSummaryVersion, static_cast<uint16_t>(abi_version), 0, num_ranks,
+              attn_tp_size, 1, {}};
+  why.copy(hello.why, std::min(why.size(), sizeof(hello.why) - 1));
+  std::memcpy(&slot, &hello, sizeof(hello));
+  std::vector<RankSummary> all(static_cast<size_t>(comm->num_ranks()));
+  return comm->Gather(absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(&slot), sizeof(slot)),
+                      absl::MakeSpan(reinterpret_cast<uint8_t*>(all.data()), all.size() * sizeof(RankSummary)),
+                      timeout);
+}
+
 absl::Status Balancer::Handshake() {
   RankSummary slot{};
   const Hello hello{kHelloMagic, kSummaryVersion, static_cast<uint16_t>(config_.abi_version),
-                    config_.Hash(), config_.planner.num_ranks, config_.attn_tp_size};
+                    config_.Hash(), config_.planner.num_ranks, config_.attn_tp_size, 0, {}};
   std::memcpy(&slot, &hello, sizeof(hello));
   absl::Status s = Exchange(slot, config_.timeout);  // DPB_TIMEOUT_MS, as every exchange
   if (!s.ok()) return absl::UnavailableError(absl::StrCat("handshake all-gather failed: ", s.message()));
@@ -118,6 +136,11 @@ absl::Status Balancer::Handshake() {
     const std::string who = config_.attn_tp_size > 1
                                 ? absl::StrFormat("process %d (DP rank %d)", r, r / config_.attn_tp_size)
                                 : absl::StrFormat("rank %d", r);
+    if (h.magic == kHelloMagic && h.refused == 1) {
+      h.why[sizeof(h.why) - 1] = '\0';
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "handshake: %s failed its init: %s (every rank disables itself)", who, h.why));
+    }
     if (h.magic == kHelloMagic && h.abi_version != hello.abi_version) {
       return absl::FailedPreconditionError(absl::StrFormat(
           "handshake: %s calls plugin ABI v%d, rank %d calls v%d (every rank disables itself)",

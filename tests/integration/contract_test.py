@@ -15,7 +15,8 @@ engine's per-step sync (its docstring names the engine files, functions and comm
   vllm       vLLM V2's (6, dp) int32 all-reduce, the record in a second gloo all-gather beside
              it; dp=3; a rank late within the timeout, a rank late past it, a disabled rank
   allgather  a plain all-gather (torch_allgather) as the step's only collective; dp=4
-  faults     dp=4 over a plain all-gather: a rank whose init fails, v1 and v2 ranks mixed, a
+  faults     dp=4 over a plain all-gather: a rank whose init fails (and refuses the handshake,
+             so its peers fail at once), v1 and v2 ranks mixed, a
              rank on another config, a callback that returns fewer bytes than asked, one that
              returns more than the receive buffer holds, a receive buffer too small
 Cases: idle ranks, mixed steps (decode, idle, extend, no_verify), string ids, attn-TP members.
@@ -117,9 +118,15 @@ def suites():
                  granularity="budget"),
         ]),
         "faults": (4, [
+            # Rank 2's flags are bad: its init fails, but it joins the handshake with a refusal
+            # naming why, so its peers fail their init at once (well inside DPB_TIMEOUT_MS,
+            # which they used to wait out), each log naming rank 2 and the flag.
             case("faults_init_fails", "plain", 4,
                  [spec(0), spec(1), spec(2, config=CONFIG + ";k_max=nine"), spec(3)], steps=20,
-                 expect=dict(init_fails={0, 1, 2, 3}, log={2: ["k_max", "nine"]})),
+                 expect=dict(init_fails={0, 1, 2, 3}, init_within_timeout=True,
+                             log={2: ["k_max", "nine"],
+                                  **{p: ["rank 2 failed its init: rank 2: flag 'k_max'"]
+                                     for p in (0, 1, 3)}})),
             case("faults_v1_and_v2_ranks", "plain", 4,
                  [spec(0), spec(1), spec(2, abi=1), spec(3, abi=1)], steps=20,
                  expect=dict(init_fails={0, 1, 2, 3},
@@ -183,6 +190,9 @@ def check_init(c, recs, logs, f):
             f"{MARGIN_MS}")
     f.check(max_init <= c["timeout_ms"] + MARGIN_MS,
             f"{name}: an init waited {max_init:.0f} ms > DPB_TIMEOUT_MS {c['timeout_ms']} + {MARGIN_MS}")
+    if exp.get("init_within_timeout"):  # nobody waited the timeout out
+        f.check(max_init < c["timeout_ms"],
+                f"{name}: an init waited {max_init:.0f} ms, DPB_TIMEOUT_MS {c['timeout_ms']} or more")
     return max_ms, max_init
 
 

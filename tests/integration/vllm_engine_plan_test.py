@@ -225,7 +225,9 @@ class EnginePlanTest(unittest.TestCase):
         self.assertEqual(res[0], [[3, 1]] * 3)           # DPB_DEFAULT_K=3, capped
         self.assertIn("dpbInvalidArgument", plans[0].disabled_reason)
         self.assertEqual(plans[0].fallbacks.get("dpbDisabled"), 3)
-        self.assertEqual(group.calls, [3, 3])            # no handshake, one exchange per step
+        # The refused init still joins the handshake once (its refusal names the flag, so no
+        # peer waits out the timeout), then one exchange per step.
+        self.assertEqual(group.calls, [4, 4])
 
     def test_unset_plugin_does_nothing(self):
         os.environ["DPB_PLUGIN"] = "none"

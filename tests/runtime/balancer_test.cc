@@ -426,7 +426,9 @@ TEST(Balancer, AnIdleRowPlansNothingWhileAZeroRowStillPausesEveryRank) {
         EXPECT_EQ(t.rank_tokens[kRow], 0) << where;
         EXPECT_EQ(t.rank_flags[kRow], kSummaryIdle) << where;
       }
-      if (zero_row && r != kRow) EXPECT_EQ(t.rank_tokens[kRow], -1) << where;
+      if (zero_row && r != kRow) {
+        EXPECT_EQ(t.rank_tokens[kRow], -1) << where;
+      }
     }
   }
   for (int r = 0; r < kRanks; ++r) {
@@ -468,6 +470,37 @@ TEST(Balancer, OnAnOrderedBackendADisabledRankStillJoinsEveryStep) {
   for (int r = 0; r < 4; ++r) {
     EXPECT_FALSE(logs[r].enabled) << "rank " << r;
     for (int s = 3; s < 8; ++s) EXPECT_EQ(logs[r].depth[s], 1) << "rank " << r << " step " << s;
+  }
+}
+
+// A rank whose init failed (Balancer::Refuse) still joins the handshake: its peers disable at
+// once, naming it and why, instead of waiting out their 20 s timeout.
+TEST(Balancer, ARefusingRankDisablesItsPeersAtOnceNamingWhy) {
+  constexpr int kRanks = 4;
+  auto group = *InProcessGroup::Create(kRanks, sizeof(RankSummary));
+  std::vector<std::string> reasons(kRanks);
+  std::vector<double> waited_s(kRanks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      const auto start = std::chrono::steady_clock::now();
+      if (r == 2) {
+        EXPECT_TRUE(Balancer::Refuse(*group->Join(r), kRanks, 1, 1, absl::Seconds(20),
+                                     "rank 2: flag 'k_max' in the config string: 'nine'").ok());
+      } else {
+        auto b = Balancer::Create(Config(kRanks), r, *group->Join(r));
+        ASSERT_TRUE(b.ok()) << b.status();
+        EXPECT_FALSE((*b)->enabled());
+        reasons[r] = (*b)->Stats().disabled_reason;
+      }
+      waited_s[r] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r : {0, 1, 3}) {
+    EXPECT_NE(reasons[r].find("rank 2 failed its init: rank 2: flag 'k_max'"), std::string::npos)
+        << "rank " << r << ": " << reasons[r];
+    EXPECT_LT(waited_s[r], 5) << "rank " << r;  // the timeout is 20 s
   }
 }
 

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -147,6 +148,12 @@ class Balancer {
  public:
   static absl::StatusOr<std::unique_ptr<Balancer>> Create(BalancerConfig config, int rank,
                                                           std::unique_ptr<AllGather> comm);
+  // A rank whose init failed (a bad flag) once its group was known: it joins the peers'
+  // handshake on `comm` with a refusal carrying `why`, so every peer's Create fails the
+  // handshake at once, naming this rank and why, instead of waiting `timeout` for it. Returns
+  // the exchange's status (the peers may have given up already).
+  static absl::Status Refuse(std::unique_ptr<AllGather> comm, int num_ranks, int attn_tp_size,
+                             int abi_version, absl::Duration timeout, std::string_view why);
   ~Balancer();
 
   PlanOutcome Plan(absl::Span<const BalancerRequest> batch, int64_t kv_free_tokens,
