@@ -60,6 +60,14 @@ for v in gqa packed; do
   $B/integration/dpbalance-calibrate --train integration/calibrate/data/attention_fa2_$v.train.jsonl \
     --kernel fa2-$v-h200 --cv 5 --target step | tee docs/generated/calibrate_${v}_step.txt
 done
+# Where gqa's tail lies, its noise floor, a held-out sample's spread (docs/cost-model.md).
+for p in 1 2; do
+  $B/integration/dpbalance-calibrate --train integration/calibrate/data/attention_fa2_gqa.train.jsonl \
+    --kernel fa2-gqa-h200 --cv 5 --loss_power $p --dump /tmp/dpb_gqa_dump_$p.txt > /dev/null
+  n=$([ $p = 1 ] && echo gqa_tail || echo gqa_tail_loss2)
+  python3 scripts/gqa_tail.py integration/calibrate/data/attention_fa2_gqa.train.jsonl \
+    /tmp/dpb_gqa_dump_$p.txt | tee docs/generated/$n.txt
+done
 $B/integration/dpbalance-calibrate --gemm integration/calibrate/data/projection_gemm_sweep.jsonl \
   | tee docs/generated/calibrate_gemm.txt
 fi
@@ -95,6 +103,14 @@ for routing in D E; do
   $B/integration/dpbalance-reference-engine --routing $routing \
     --json docs/generated/reference_engine_routing_$routing.json \
     2>/dev/null | tee docs/generated/reference_engine_routing_$routing.txt
+done
+# An idle rank (docs/results.md section 4): the last of 8 ranks idle in every other block of 10
+# steps, its row in the engine's sync the idle row or zeros; the online refit off (it learns
+# from wall-clock times).
+for row in idle zeros; do
+  DPB_ONLINE=0 $B/integration/dpbalance-reference-engine --idle_ranks 1 --idle_row $row \
+    --json docs/generated/reference_engine_idle_$row.json 2>/dev/null \
+    | tee docs/generated/reference_engine_idle_$row.txt
 done
 $B/bench/dpbalance_planner_bench --benchmark_repetitions=5 --benchmark_report_aggregates_only=true \
   | tee docs/generated/planner_bench.txt
