@@ -125,12 +125,15 @@ $PY scripts/plot_results.py docs/generated/replay_h200truth.json docs/results_h2
   "Mooncake trace, DP64, truth = H200 packed-attention fit x 61 layers"
 # Routing rows A, D z1.2 / z1.3 and E at k = 1 over twenty acceptance seeds (docs/results.md
 # section 1): how far apart they are against the seed-to-seed spread, with paired differences.
-$PY scripts/routing_seeds.py $B/integration/dpbalance-replay 20 | tee docs/generated/routing_seeds.txt
-$PY scripts/routing_seeds.py $B/integration/dpbalance-replay 20 \
+# These two studies ran at lag 0, the replay's default before issue #30 (--stale_steps 0 gives
+# the same outputs byte for byte, as checked on the default comparison's unpadded rows);
+# results.md says so beside them.
+$PY scripts/routing_seeds.py $B/integration/dpbalance-replay 20 --stale_steps 0 | tee docs/generated/routing_seeds.txt
+$PY scripts/routing_seeds.py $B/integration/dpbalance-replay 20 --stale_steps 0 \
   --trace integration/replay/data/azure_conv_2023.csv | tee docs/generated/routing_seeds_azure.txt
 # The planner's TPOT guard (step slack) against the goodput target, over five seeds.
-$PY scripts/guard_frontier.py $B/integration/dpbalance-replay 5 | tee docs/generated/guard_frontier.txt
-$PY scripts/guard_frontier.py $B/integration/dpbalance-replay 5 \
+$PY scripts/guard_frontier.py $B/integration/dpbalance-replay 5 --stale_steps 0 | tee docs/generated/guard_frontier.txt
+$PY scripts/guard_frontier.py $B/integration/dpbalance-replay 5 --stale_steps 0 \
   --trace integration/replay/data/azure_conv_2023.csv | tee docs/generated/guard_frontier_azure.txt
 # What the Python adapter adds to a step (docs/results.md section 5).
 [ "$PART" = all ] && $PY bench/python_adapter_bench.py $B/plugin/libdpbalance.so | tee docs/generated/python_adapter_bench.txt
