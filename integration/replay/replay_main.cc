@@ -971,7 +971,7 @@ void PrintRoutingSummary(const std::vector<Row>& rows, const CostModel& planner_
   if (!best_d) return;
   const RunResult& e = cost_aware->result;
   const RunResult& d = best_d->result;
-  std::printf("\nrouting E vs the best D (%s) on attention cost ratio (target: E <= D):\n"
+  std::printf("\nrouting E vs the best D (%s) on attention cost ratio (lower is better):\n"
               "  v2 %.4f vs %.4f, v1 %.4f vs %.4f; bubble %.4f vs %.4f\n",
               best_d->name.c_str(), e.cost_ratio_v2, d.cost_ratio_v2, e.cost_ratio_v1, d.cost_ratio_v1,
               1 - e.balance_efficiency, 1 - d.balance_efficiency);
