@@ -22,7 +22,7 @@ def main(src, dst, title):
     for r in runs:
         if r["routing"] == "ideal":
             colors.append("#888888")
-        elif r["verify_mode"] == "dspark":
+        elif r["verify_mode"] in ("dspark", "dspark_fill"):
             colors.append("#e7298a")
         elif r["verify_mode"] in ("goodput", "oracle", "fill", "local"):
             colors.append("#d95f02" if r["verify_mode"] == "goodput" else "#fdb863")
