@@ -17,14 +17,15 @@ import sys
 import tempfile
 
 H200 = ["--truth", "docs/generated/model_packed.json", "--truth_layers", "61"]
-# (name, flags): the planner rows of the comparison, each at its section's default k and SLO
-# (docs/results.md gives the SLOs: the TPOT p99 of the static row each is measured against).
+# (name, flags): the planner rows of the comparison as it runs them: the DSpark section's row on
+# tiers with the block draft at its static_best k and no TPOT SLO; the MTP section's row at D
+# z1.2's best static k under the auto SLO (that static run's TPOT p99).
 ROWS = [
     ("Mooncake V2, D + goodput (tiers, block draft)",
-     ["--verify", "goodput", "--padded=true", "--draft", "block", "--k", "2"]),
+     ["--verify", "goodput", "--padded=true", "--draft", "block", "--k", "2", "--tpot_slo_ms=off"]),
     ("Mooncake V2, D + goodput (MTP draft)", ["--verify", "goodput", "--k", "1"]),
     ("H200 packed, D + goodput (tiers, block draft)",
-     H200 + ["--verify", "goodput", "--padded=true", "--draft", "block", "--k", "5"]),
+     H200 + ["--verify", "goodput", "--padded=true", "--draft", "block", "--k", "5", "--tpot_slo_ms=off"]),
     ("H200 packed, D + goodput (MTP draft)", H200 + ["--verify", "goodput", "--k", "5"]),
 ]
 CONFIGS = [

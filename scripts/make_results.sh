@@ -1,19 +1,54 @@
 #!/usr/bin/env bash
-# Regenerates every figure in docs/results.md and docs/cost-model.md (about 35 minutes on the
-# 2-core dev machine): the replay comparisons on both bundled traces, the calibration figures,
-# the reference engine and the planner benchmark. The plots need Debian's python3-matplotlib.
+# Regenerates every figure in docs/results.md and docs/cost-model.md (about two hours on the
+# 2-core dev machine): the replay comparisons on both bundled traces and the H200 truth over three
+# seeds at lag 1 and lag 0, the lag study, the step bound, the calibration figures, the reference
+# engine and the planner benchmark. The plots need Debian's python3-matplotlib.
+#   scripts/make_results.sh           everything
+#   scripts/make_results.sh replay    the replay figures only (no calibration, engine or bench)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PART="${1:-all}"
 scripts/install_deps.sh
 cmake --preset release >/dev/null
 cmake --build --preset release
 B=build/release
 mkdir -p docs/generated
+H200=(--truth docs/generated/model_packed.json --truth_layers 61)
+# The default comparison (lag 1), seed 1, as the tables show it; then seeds 1-3 at lag 1 and lag 0
+# (scripts/replay_seeds.py: every row's mean and range, the ratios each against its baseline).
 $B/integration/dpbalance-replay --json docs/generated/replay_mooncake.json | tee docs/generated/replay_mooncake.txt
 $B/integration/dpbalance-replay --trace integration/replay/data/azure_conv_2023.csv \
   --json docs/generated/replay_azure.json | tee docs/generated/replay_azure.txt
+for lag in 1 0; do
+  for c in "mooncake" "azure --trace integration/replay/data/azure_conv_2023.csv" "h200truth ${H200[*]}"; do
+    set -- $c
+    n=$1
+    shift
+    python3 scripts/replay_seeds.py $B/integration/dpbalance-replay 3 /tmp/dpb-seeds-$n-$lag \
+      --json-out docs/generated/seeds_${n}_lag$lag.json --stale_steps $lag "$@" \
+      | tee docs/generated/seeds_${n}_lag$lag.txt
+  done
+done
+# What one step of lag costs the planner rows, split by what they predict (lag.h).
+python3 scripts/lag_study.py $B/integration/dpbalance-replay 3 | tee docs/generated/lag_study.txt
+# The step bound on the V2 truth (Mooncake and Azure, DSpark's engine: tiers, block draft): each
+# row's expected tokens per second against the bound on its own steps, seeds 1-3.
+: > docs/generated/step_bound.txt
+for t in integration/replay/data/mooncake_conversation.jsonl integration/replay/data/azure_conv_2023.csv; do
+  for v in "off --k 2" "dspark" "dspark_fill" "goodput --k 2 --tpot_slo_ms=off" \
+           "oracle --k 2 --tpot_slo_ms=off" "oracle --k 2 --tpot_slo_ms=off --step_slack=-1"; do
+    for seed in 1 2 3; do
+      echo "== $(basename $t) --verify $v --seed $seed" | tee -a docs/generated/step_bound.txt
+      $B/integration/dpbalance-replay --trace $t --compare=false --routing D --padded=true --draft block \
+        --step_bound=true --seed $seed --verify $v --json /tmp/dpb-bound.json > /dev/null
+      python3 -c "import json; r = json.load(open('/tmp/dpb-bound.json'))['runs'][0]; print('goodput %.1f expected %.1f bound/expected %.4f tpot99 %.2f' % (r['goodput_tok_per_s'], r['expected_tok_per_s'], r['step_bound_over_expected'], r['tpot_p99_ms']))" \
+        | tee -a docs/generated/step_bound.txt
+    done
+  done
+done
 $B/integration/dpbalance-replay --eval_cost v1 --compare=false --routing D --k 1 \
   --json docs/generated/replay_mooncake_eval_v1.json > /dev/null
+if [ "$PART" = all ]; then
 for v in gqa packed; do
   # With the measured kernel's simulated grid (kernel_grid.h), and without it for comparison.
   $B/integration/dpbalance-calibrate --train integration/calibrate/data/attention_fa2_$v.train.jsonl \
@@ -25,8 +60,17 @@ for v in gqa packed; do
   $B/integration/dpbalance-calibrate --train integration/calibrate/data/attention_fa2_$v.train.jsonl \
     --kernel fa2-$v-h200 --cv 5 --target step | tee docs/generated/calibrate_${v}_step.txt
 done
+# Where gqa's tail lies, its noise floor, a held-out sample's spread (docs/cost-model.md).
+for p in 1 2; do
+  $B/integration/dpbalance-calibrate --train integration/calibrate/data/attention_fa2_gqa.train.jsonl \
+    --kernel fa2-gqa-h200 --cv 5 --loss_power $p --dump /tmp/dpb_gqa_dump_$p.txt > /dev/null
+  n=$([ $p = 1 ] && echo gqa_tail || echo gqa_tail_loss2)
+  python3 scripts/gqa_tail.py integration/calibrate/data/attention_fa2_gqa.train.jsonl \
+    /tmp/dpb_gqa_dump_$p.txt | tee docs/generated/$n.txt
+done
 $B/integration/dpbalance-calibrate --gemm integration/calibrate/data/projection_gemm_sweep.jsonl \
   | tee docs/generated/calibrate_gemm.txt
+fi
 # Truth from the real H200 kernel: the packed-attention fit, 61 attention layers per step.
 $B/integration/dpbalance-replay --truth docs/generated/model_packed.json --truth_layers 61 \
   --json docs/generated/replay_h200truth.json | tee docs/generated/replay_h200truth.txt
@@ -39,29 +83,6 @@ $B/integration/dpbalance-replay --truth docs/generated/model_packed.json --truth
 $B/integration/dpbalance-replay --truth docs/generated/model_packed.json --truth_layers 61 \
   --planner_model v2 --json docs/generated/replay_h200truth_v2planner.json \
   | tee docs/generated/replay_h200truth_v2planner.txt
-# Issue #17: what one and two steps of staleness cost (--stale_steps; docs/results.md section 8),
-# for the v2 planner on the engine's token tiers, SGLang's DSpark and the planner without tiers,
-# on the Mooncake trace with the V2 truth (best static k = 1) and the H200 packed truth (best
-# static k = 5). Stale 0 repeats the comparison's rows 'D z1.2 + goodput (v2, tiers)' and
-# 'D z1.2 dspark' (and 'D z1.2 + goodput'); then D at static k on the same tiers, for context.
-: > docs/generated/replay_stale.txt
-for c in "mooncake 1" "h200truth 5 --truth docs/generated/model_packed.json --truth_layers 61"; do
-  set -- $c
-  n=$1 k=$2
-  shift 2
-  for row in "v2tiers:goodput --padded=true" dspark:dspark goodput:goodput; do
-    v=${row#*:}
-    for s in 0 1 2; do
-      echo "== $n --verify $v --k $k --stale_steps $s" | tee -a docs/generated/replay_stale.txt
-      $B/integration/dpbalance-replay "$@" --compare=false --routing D --verify $v --k $k \
-        --stale_steps $s --json docs/generated/replay_stale_${n}_${row%%:*}_$s.json \
-        | grep -E '^(name|D )' | tee -a docs/generated/replay_stale.txt
-    done
-  done
-  echo "== $n --verify off --k $k --padded=true" | tee -a docs/generated/replay_stale.txt
-  $B/integration/dpbalance-replay "$@" --compare=false --routing D --verify off --k $k --padded=true \
-    | grep -E '^(name|D )' | tee -a docs/generated/replay_stale.txt
-done
 # Online planners that know the kernel: from the offline packed fit, and from V2 with the
 # packed grid's makespans seeded (what an engine without a calibration run can set).
 for start in docs/generated/model_packed.json v2+fa2-packed-h200; do
@@ -73,6 +94,7 @@ done
 # The same with the previous truth, the packed fit without the kernel grid (sums and maxima).
 $B/integration/dpbalance-replay --truth docs/generated/model_packed_nogrid.json --truth_layers 61 \
   --json docs/generated/replay_h200truth_nogrid.json | tee docs/generated/replay_h200truth_nogrid.txt
+if [ "$PART" = all ]; then
 $B/tests/runtime/calibration_test --gtest_filter='Online*' | tee docs/generated/online_calibration.txt
 $B/integration/dpbalance-reference-engine --json docs/generated/reference_engine.json \
   2>/dev/null | tee docs/generated/reference_engine.txt
@@ -82,8 +104,17 @@ for routing in D E; do
     --json docs/generated/reference_engine_routing_$routing.json \
     2>/dev/null | tee docs/generated/reference_engine_routing_$routing.txt
 done
+# An idle rank (docs/results.md section 4): the last of 8 ranks idle in every other block of 10
+# steps, its row in the engine's sync the idle row or zeros; the online refit off (it learns
+# from wall-clock times).
+for row in idle zeros; do
+  DPB_ONLINE=0 $B/integration/dpbalance-reference-engine --idle_ranks 1 --idle_row $row \
+    --json docs/generated/reference_engine_idle_$row.json 2>/dev/null \
+    | tee docs/generated/reference_engine_idle_$row.txt
+done
 $B/bench/dpbalance_planner_bench --benchmark_repetitions=5 --benchmark_report_aggregates_only=true \
   | tee docs/generated/planner_bench.txt
+fi
 PY=python3
 command -v /usr/bin/python3 >/dev/null && PY=/usr/bin/python3
 $PY scripts/plot_results.py docs/generated/replay_mooncake.json docs/results_mooncake.png \
@@ -102,7 +133,7 @@ $PY scripts/guard_frontier.py $B/integration/dpbalance-replay 5 | tee docs/gener
 $PY scripts/guard_frontier.py $B/integration/dpbalance-replay 5 \
   --trace integration/replay/data/azure_conv_2023.csv | tee docs/generated/guard_frontier_azure.txt
 # What the Python adapter adds to a step (docs/results.md section 5).
-$PY bench/python_adapter_bench.py $B/plugin/libdpbalance.so | tee docs/generated/python_adapter_bench.txt
+[ "$PART" = all ] && $PY bench/python_adapter_bench.py $B/plugin/libdpbalance.so | tee docs/generated/python_adapter_bench.txt
 # A dense draft that each rank runs to its own depth (docs/results.md section 1).
 $B/integration/dpbalance-replay --draft per_rank --json docs/generated/replay_mooncake_per_rank_draft.json \
   | tee docs/generated/replay_mooncake_per_rank_draft.txt

@@ -6,6 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 preset="${1:-release}"
 scripts/install_deps.sh
+# The pinned SGLang venv for the sglang_* tests (~/.cache/dpb-sglang; made once, a few minutes).
+if [ "$preset" = release ]; then scripts/install_sglang.sh; fi
 cmake --preset "$preset" >/dev/null
 cmake --build --preset "$preset"
 # The vLLM tests (vllm_serve, vllm_prometheus; release only) need the pinned vLLM venv and this

@@ -9,6 +9,14 @@
 // and the goodput (tokens per wall second), for three runs: plugin off, on, and A/B epochs (where
 // the plugin's own per-arm statistics are printed too).
 //
+// Idle ranks (`--idle_ranks N`): the last N ranks have no work in every other block of
+// --idle_block steps. The summaries then ride the engine's own per-step DP sync (the plugin's
+// callback backend, as SGLang's MLPSyncBatchInfo.all_gather would carry them), and an idle rank
+// makes no plan: the engine writes its row itself, the idle row (`--idle_row idle`,
+// IdleRowRecord in dpbalance/summary.h) or zeros (`--idle_row zeros`, what a row without a
+// working plugin holds). An idle rank spends no attention and drafts nothing, and its requests
+// wait; it still meets the others at the MoE barrier.
+//
 // Requests: `--routing rr` (default) keeps each rank at --reqs_per_rank, a finished request
 // replaced by the rank's next one from the trace (round robin). `--routing A..E` routes every new
 // request centrally through the same library's router ABI (dpbalanceRouter_v1), as an engine's
@@ -24,6 +32,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <random>
 #include <string>
@@ -44,6 +53,7 @@
 #include "dpbalance/cost_model.h"
 #include "dpbalance/metrics.h"
 #include "dpbalance/plugin/dpbalance_plugin.h"
+#include "dpbalance/summary.h"
 #include "cli.h"
 #include "trace.h"
 
@@ -69,6 +79,13 @@ ABSL_FLAG(std::string, json, "", "write the measured figures to this file");
 ABSL_FLAG(std::string, routing, "rr",
           "rr (each rank replaces its own finished requests) or A, B, C, D, E (every new request "
           "routed through the library's router ABI)");
+ABSL_FLAG(int, idle_ranks, 0,
+          "the last N ranks are idle (no work, no plan) in every other block of --idle_block "
+          "steps; the summaries then ride the engine's own per-step sync");
+ABSL_FLAG(int, idle_block, 10, "steps per block of --idle_ranks (idle in the odd blocks)");
+ABSL_FLAG(std::string, idle_row, "idle",
+          "the engine's row for an idle rank in its sync: idle (the idle row) or zeros (what a "
+          "rank without a working plugin sends)");
 
 namespace dpbalance::reference {
 namespace {
@@ -86,6 +103,9 @@ struct RunResult {
   double bubble_fraction = 0;  // engine-measured, wall clock
   double goodput = 0;          // tokens per wall second
   double model_goodput = 0;    // tokens per model second
+  // Tokens per second of truth time: each step priced by the truth model (the slowest active
+  // rank's attention + FFN and draft), not by the wall clock (for runs on a loaded machine).
+  double truth_goodput = 0;
   int64_t tokens = 0;
   int fallbacks = 0;
   dpbStats_v1_t stats{};       // rank 0's plugin stats
@@ -173,6 +193,9 @@ struct RunSettings {
   int default_k = 0;
   double time_scale = 0;  // wall-clock seconds per model second
   uint64_t seed = 0;
+  int idle_ranks = 0;       // the last ones, idle in the odd blocks of idle_block steps
+  int idle_block = 1;
+  bool idle_row = true;     // the engine's row for an idle rank: the idle row, else zeros
 
   static RunSettings FromFlags() {
     return RunSettings{.num_ranks = absl::GetFlag(FLAGS_dp),
@@ -181,9 +204,48 @@ struct RunSettings {
                        .k_max = absl::GetFlag(FLAGS_k_max),
                        .default_k = absl::GetFlag(FLAGS_default_k),
                        .time_scale = absl::GetFlag(FLAGS_time_scale),
-                       .seed = absl::GetFlag(FLAGS_seed)};
+                       .seed = absl::GetFlag(FLAGS_seed),
+                       .idle_ranks = absl::GetFlag(FLAGS_idle_ranks),
+                       .idle_block = absl::GetFlag(FLAGS_idle_block),
+                       .idle_row = absl::GetFlag(FLAGS_idle_row) == "idle"};
+  }
+  bool Idle(int rank_idx, int step) const {
+    return rank_idx >= num_ranks - idle_ranks && (step / idle_block) % 2 == 1;
   }
 };
+
+// The engine's own per-step DP sync (SGLang's MLPSyncBatchInfo.all_gather): every rank gives one
+// row a step, its plugin's record (the plugin's all-gather callback) or the engine's own row for
+// a rank that makes no plan, and reads every rank's rows.
+class EngineSync {
+ public:
+  explicit EngineSync(int num_ranks) : rows_(num_ranks * kSummaryBytes), sync_(num_ranks) {}
+  void Gather(int rank_idx, const void* row, void* all_rows) {
+    std::memcpy(&rows_[rank_idx * kSummaryBytes], row, kSummaryBytes);
+    sync_.arrive_and_wait();
+    std::memcpy(all_rows, rows_.data(), rows_.size());
+    sync_.arrive_and_wait();  // every rank has read before any writes the next step's row
+  }
+
+ private:
+  std::vector<uint8_t> rows_;
+  std::barrier<> sync_;
+};
+
+// One rank's end of the sync, as the plugin's all-gather callback (dpbBackendCallback).
+struct SyncMember {
+  EngineSync* sync = nullptr;
+  int rank_idx = 0;
+  bool gathered = false;  // the plugin ran the sync this step
+};
+
+int SyncCallback(void* user, const void* send, void* recv, size_t record_bytes, int32_t /*timeout_ms*/) {
+  auto* m = static_cast<SyncMember*>(user);
+  if (record_bytes != kSummaryBytes) return 1;
+  m->sync->Gather(m->rank_idx, send, recv);
+  m->gathered = true;
+  return 0;
+}
 
 // What one run needs: the plugin (null: none) with its config string, the trace, and the central
 // admission (null: `--routing rr`).
@@ -206,7 +268,11 @@ struct SharedState {
         query_tokens(num_ranks),
         draft_depth(num_ranks),
         batches(num_ranks),
-        finished_outputs(num_ranks) {}
+        finished_outputs(num_ranks),
+        engine_sync(num_ranks),
+        members(num_ranks),
+        idle(num_ranks),
+        truth_attention_us(num_ranks) {}
 
   std::barrier<> sync;
   std::vector<void*> plugin_ctx;
@@ -216,11 +282,16 @@ struct SharedState {
   std::vector<int32_t> draft_depth;    // this step's planned draft depth
   std::vector<std::vector<Req>> batches;
   std::vector<std::vector<int64_t>> finished_outputs;  // this step's, per rank (routing)
+  EngineSync engine_sync;               // with --idle_ranks: the engine's per-step DP sync
+  std::vector<SyncMember> members;
+  std::vector<uint8_t> idle;            // this step, per rank
   std::atomic<int> init_failures{0}, fallbacks{0};
   // Rank 0's measurement of the run.
   Clock::time_point start;
   BubbleMeter bubble;  // wall-clock attention times
   double model_time_us = 0;
+  std::vector<double> truth_attention_us;  // this step's attention per the truth model, per rank
+  double truth_time_us = 0;
   int64_t tokens = 0;
   RunResult result;
 };
@@ -248,7 +319,7 @@ class RankLoop {
     shared_.sync.arrive_and_wait();
     if (rank_idx_ == 0) shared_.start = Clock::now();
     shared_.sync.arrive_and_wait();
-    for (int s = 0; s < settings_.steps; ++s) Step();
+    for (int s = 0; s < settings_.steps; ++s) Step(s);
     Finish();
   }
 
@@ -270,18 +341,33 @@ class RankLoop {
     args.config = in_.config.c_str();
     args.backend = dpbBackendInProcess;
     args.cuda_device = -1;
+    if (settings_.idle_ranks > 0) {  // the records ride the engine's own sync
+      SyncMember& m = shared_.members[rank_idx_];
+      m = SyncMember{&shared_.engine_sync, rank_idx_, false};
+      args.backend = dpbBackendCallback;
+      args.allgather_fn = SyncCallback;
+      args.allgather_user = &m;
+    }
     if (in_.plugin->init(&args, &shared_.plugin_ctx[rank_idx_]) != dpbSuccess) shared_.init_failures++;
   }
 
-  void Step() {
-    Plan();
-    const Clock::time_point start = SpendAttention();
+  void Step(int step) {
+    const bool idle = settings_.Idle(rank_idx_, step);
+    shared_.idle[rank_idx_] = idle;
+    if (idle) {
+      JoinSyncIdle();
+    } else {
+      Plan();
+    }
+    const Clock::time_point start = idle ? Clock::now() : SpendAttention();
     shared_.sync.arrive_and_wait();  // the MoE layer: the slowest rank sets the pace
     SpendFfnAndDraft();
     const double step_wall_us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
-    SampleAcceptance();
-    Report(step_wall_us);
-    ReleaseFinished();
+    if (!idle) {
+      SampleAcceptance();
+      Report(step_wall_us);
+      ReleaseFinished();
+    }
     shared_.sync.arrive_and_wait();
     if (rank_idx_ == 0) {  // while the other ranks wait
       AdmitRouted();
@@ -300,12 +386,35 @@ class RankLoop {
       verify_len_[i] = std::min(settings_.default_k, k_cap);
     }
     int32_t draft_depth = settings_.default_k;
+    SyncMember& m = shared_.members[rank_idx_];
+    m.gathered = false;
     if (void* ctx = plugin_ctx()) {
       const dpbResult_t rc = in_.plugin->plan(ctx, reqs_.data(), static_cast<int32_t>(reqs_.size()), -1,
                                               verify_len_.data(), &draft_depth);
       if (rc != dpbSuccess) shared_.fallbacks++;
     }
+    if (settings_.idle_ranks > 0 && !m.gathered) {  // the engine's sync runs every step regardless
+      const std::array<uint8_t, kSummaryBytes> zeros{};
+      std::vector<uint8_t> rows(kSummaryBytes * settings_.num_ranks);
+      shared_.engine_sync.Gather(rank_idx_, zeros.data(), rows.data());
+    }
     shared_.draft_depth[rank_idx_] = draft_depth;
+  }
+
+  // An idle rank's step: no plan; the engine writes its row in the sync itself. It spends no
+  // attention, drafts nothing and emits nothing.
+  void JoinSyncIdle() {
+    const RankSummary idle_row = IdleRowRecord();
+    const std::array<uint8_t, kSummaryBytes> zeros{};
+    std::vector<uint8_t> rows(kSummaryBytes * settings_.num_ranks);
+    shared_.engine_sync.Gather(rank_idx_, settings_.idle_row ? static_cast<const void*>(&idle_row) : zeros.data(),
+                               rows.data());
+    shared_.attention_us[rank_idx_] = 0;
+    shared_.truth_attention_us[rank_idx_] = 0;
+    shared_.query_tokens[rank_idx_] = 0;
+    shared_.draft_depth[rank_idx_] = 0;
+    shared_.emitted_tokens[rank_idx_] = 0;
+    if (in_.admission) shared_.finished_outputs[rank_idx_].clear();
   }
 
   // Spends the batch's attention time from the truth cost model as wall-clock time; returns when
@@ -316,6 +425,7 @@ class RankLoop {
     for (size_t i = 0; i < batch_.size(); ++i) loads.push_back({batch_[i].ctx, 1 + verify_len_[i]});
     const BatchAggregates agg = truth_.Aggregate(loads);  // simulates a grid truth's kernel
     const double attention_us = truth_.AttentionUs(agg);
+    shared_.truth_attention_us[rank_idx_] = attention_us;
     const Clock::time_point start = Clock::now();
     SleepUntil(start + ScaledDuration(attention_us));
     shared_.attention_us[rank_idx_] = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
@@ -395,9 +505,21 @@ class RankLoop {
 
   // Rank 0: the engine's own measurement of the step (wall clock; model time from rank 0's step).
   void MeasureStep(double step_wall_us) {
-    shared_.bubble.AddStep(shared_.attention_us);
+    std::vector<double> active;  // an idle rank is not part of the step's bubble
+    for (int r = 0; r < settings_.num_ranks; ++r) {
+      if (!shared_.idle[r]) active.push_back(shared_.attention_us[r]);
+    }
+    shared_.bubble.AddStep(active);
     for (double tokens : shared_.emitted_tokens) shared_.tokens += static_cast<int64_t>(tokens);
     shared_.model_time_us += step_wall_us / settings_.time_scale;
+    int32_t depth = 0;
+    double query_tokens = 0, barrier_us = 0;
+    for (int r = 0; r < settings_.num_ranks; ++r) {
+      depth = std::max(depth, shared_.draft_depth[r]);
+      query_tokens += shared_.query_tokens[r];
+      barrier_us = std::max(barrier_us, shared_.truth_attention_us[r]);
+    }
+    shared_.truth_time_us += barrier_us + global_.StepUs(query_tokens, depth);
   }
 
   // Rank 0 takes the goodput and the plugin's statistics before any rank finalizes.
@@ -406,6 +528,7 @@ class RankLoop {
       const double wall_s = std::chrono::duration<double>(Clock::now() - shared_.start).count();
       shared_.result.goodput = shared_.tokens / wall_s;
       shared_.result.model_goodput = shared_.tokens / (shared_.model_time_us * 1e-6);
+      shared_.result.truth_goodput = shared_.tokens / (shared_.truth_time_us * 1e-6);
     }
     if (!in_.plugin) return;
     void* ctx = plugin_ctx();
@@ -547,6 +670,15 @@ void PrintResults(const ThreeRuns& runs) {
   }
   std::printf("measured bubble reduction on vs off: %.1f%% (target >= 30%%); goodput x%.4f\n",
               100 * (1 - runs.on.bubble_fraction / runs.off.bubble_fraction), runs.on.goodput / runs.off.goodput);
+  if (const int idle = absl::GetFlag(FLAGS_idle_ranks); idle > 0) {
+    std::printf("idle ranks: %d of %d idle in every other block of %d steps, the engine's row for them: %s;\n"
+                "  plugin on: rank 0 planned %lld of %lld steps (%lld fallbacks); goodput in truth time "
+                "(each step priced by the truth model): off %.1f, on %.1f tok/s (x%.4f)\n",
+                idle, absl::GetFlag(FLAGS_dp), absl::GetFlag(FLAGS_idle_block), absl::GetFlag(FLAGS_idle_row).c_str(),
+                static_cast<long long>(runs.on.stats.balanced_steps), static_cast<long long>(runs.on.stats.steps),
+                static_cast<long long>(runs.on.stats.fallbacks), runs.off.truth_goodput, runs.on.truth_goodput,
+                runs.on.truth_goodput / runs.off.truth_goodput);
+  }
   const dpbStats_v1_t& s = runs.ab.stats;
   std::printf("A/B (plugin's own measurement, %lld on / %lld off epochs of %d steps):\n"
               "  on : bubble %.4f +- %.4f, goodput %.1f +- %.1f tok/s (model time)\n"
@@ -564,12 +696,16 @@ void WriteJson(const std::string& path, const std::string& routing, const ThreeR
   f << absl::StrFormat(
       "{\"routing\":\"%s\",\"bubble_fraction_off\":%.6f,\"bubble_fraction_on\":%.6f,\"bubble_fraction_ab_run\":%.6f,"
       "\"goodput_off_tok_per_s\":%.3f,\"goodput_on_tok_per_s\":%.3f,\"goodput_ab_run_tok_per_s\":%.3f,"
-      "\"bubble_reduction\":%.6f,\"fallbacks_on\":%d,"
+      "\"bubble_reduction\":%.6f,\"fallbacks_on\":%d,\"model_goodput_on_tok_per_s\":%.3f,"
+      "\"steps_on\":%d,\"balanced_steps_on\":%d,\"idle_ranks\":%d,\"idle_row\":\"%s\","
+      "\"truth_goodput_off_tok_per_s\":%.3f,\"truth_goodput_on_tok_per_s\":%.3f,"
       "\"ab\":{\"on_epochs\":%d,\"on_bubble\":%.6f,\"on_bubble_ci95\":%.6f,\"on_goodput\":%.3f,"
       "\"on_goodput_ci95\":%.3f,\"off_epochs\":%d,\"off_bubble\":%.6f,\"off_bubble_ci95\":%.6f,"
       "\"off_goodput\":%.3f,\"off_goodput_ci95\":%.3f}}\n",
       routing, off.bubble_fraction, on.bubble_fraction, ab.bubble_fraction, off.goodput, on.goodput, ab.goodput,
-      1 - on.bubble_fraction / off.bubble_fraction, on.fallbacks, s.ab_on_epochs, s.ab_on_bubble,
+      1 - on.bubble_fraction / off.bubble_fraction, on.fallbacks, on.model_goodput, on.stats.steps,
+      on.stats.balanced_steps, absl::GetFlag(FLAGS_idle_ranks), absl::GetFlag(FLAGS_idle_row), off.truth_goodput,
+      on.truth_goodput, s.ab_on_epochs, s.ab_on_bubble,
       s.ab_on_bubble_ci95, s.ab_on_goodput, s.ab_on_goodput_ci95, s.ab_off_epochs, s.ab_off_bubble,
       s.ab_off_bubble_ci95, s.ab_off_goodput, s.ab_off_goodput_ci95);
 }
@@ -597,12 +733,17 @@ absl::Status CheckFlags() {
                          in_range("steps", absl::GetFlag(FLAGS_steps), 1, 1000000),
                          in_range("k_max", k_max, 0, kMaxDraftLen),
                          in_range("default_k", absl::GetFlag(FLAGS_default_k), 0, k_max),
-                         in_range("ab_epoch", absl::GetFlag(FLAGS_ab_epoch), 1, 1000000)}) {
+                         in_range("ab_epoch", absl::GetFlag(FLAGS_ab_epoch), 1, 1000000),
+                         in_range("idle_ranks", absl::GetFlag(FLAGS_idle_ranks), 0, absl::GetFlag(FLAGS_dp) - 1),
+                         in_range("idle_block", absl::GetFlag(FLAGS_idle_block), 1, 1000000)}) {
     if (!s.ok()) return s;
   }
   // Wall seconds per model second: above 100 a step sleeps minutes; 1e-4 already rounds phases to 0.
   if (const double t = absl::GetFlag(FLAGS_time_scale); !(std::isfinite(t) && t >= 1e-4 && t <= 100)) {
     return absl::InvalidArgumentError(absl::StrFormat("--time_scale = %g must be a number in [0.0001, 100]", t));
+  }
+  if (const std::string row = absl::GetFlag(FLAGS_idle_row); row != "idle" && row != "zeros") {
+    return absl::InvalidArgumentError(absl::StrFormat("--idle_row=%s: expected idle or zeros", row));
   }
   const std::string routing = absl::GetFlag(FLAGS_routing);
   if (!IsRouting(routing)) {

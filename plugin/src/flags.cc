@@ -169,7 +169,7 @@ void AddRouterFlags(FlagTable& t) {
          f.routing.group_choice = v == "A" ? RoutingStrategy::kMinBatch : RoutingStrategy::kMinContext;
          return absl::OkStatus();
        }},
-      {"split_percentile", Double(1e-6, 1 - 1e-6, [](PluginFlags& f, double x) { f.routing.split_percentile = x; })},
+      {"split_percentile", Double(1e-6, 0.999999, [](PluginFlags& f, double x) { f.routing.split_percentile = x; })},
       {"split_window", Int(1, 100000000, [](PluginFlags& f, int x) { f.routing.split_window = x; })},
       {"route_query_tokens", Double(1, 1 + kMaxDraftLen, [](PluginFlags& f, double x) { f.routing.query_tokens_per_request = x; })},
       {"route_initial_output", Double(0, 1e9, [](PluginFlags& f, double x) { f.routing.initial_output_tokens = x; })},
@@ -214,6 +214,26 @@ std::map<std::string, std::string> DpbEnvironment() {
     out[name] = kv.substr(eq + 1);
   }
   return out;
+}
+
+absl::Duration TimeoutFlag(const std::map<std::string, std::string>& env, const std::string& config) {
+  std::map<std::string, std::string> only;
+  if (const auto it = env.find("DPB_TIMEOUT_MS"); it != env.end()) only[it->first] = it->second;
+  std::string entry;
+  for (absl::string_view item : absl::StrSplit(config, ';', absl::SkipWhitespace())) {
+    const size_t eq = item.find('=');
+    if (eq != absl::string_view::npos && absl::StripAsciiWhitespace(item.substr(0, eq)) == "timeout_ms") {
+      entry = std::string(item);  // the last one wins, as in ParseFlags
+    }
+  }
+  absl::StatusOr<PluginFlags> f = ParseFlags(only, entry);
+  return f.ok() ? f->balancer.timeout : BalancerConfig{}.timeout;
+}
+
+std::vector<std::string> FlagNames() {
+  std::vector<std::string> names;
+  for (const auto& [name, setter] : Table()) names.push_back(name);
+  return names;
 }
 
 absl::StatusOr<PluginFlags> ParseFlags(const std::map<std::string, std::string>& env,

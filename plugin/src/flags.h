@@ -29,5 +29,11 @@ absl::StatusOr<PluginFlags> ParseFlags(const std::map<std::string, std::string>&
 // The DPB_* variables of this process's environment (DPB_PLUGIN and DPB_STRICT, the host's,
 // excluded).
 std::map<std::string, std::string> DpbEnvironment();
+// Every flag's name, lower case without the prefix, sorted (what docs/flags.md must list).
+std::vector<std::string> FlagNames();
+// The timeout_ms flag alone (the config string's wins), for a rank whose other flags failed:
+// its refusal joins the handshake for as long as its peers wait. A missing or bad value gives
+// the default (BalancerConfig::timeout).
+absl::Duration TimeoutFlag(const std::map<std::string, std::string>& env, const std::string& config);
 
 }  // namespace dpbalance::plugin

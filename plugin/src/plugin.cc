@@ -112,6 +112,26 @@ absl::StatusOr<std::unique_ptr<AllGather>> MakeBackend(const InitCommon& a, cons
   }
 }
 
+bool GroupInRange(const InitCommon& a) {
+  return a.dp_size >= 1 && a.dp_size <= 65536 && a.dp_rank >= 0 && a.dp_rank < a.dp_size &&
+         a.attn_tp_size >= 1 && a.attn_tp_size <= 1024 && a.attn_tp_rank >= 0 &&
+         a.attn_tp_rank < a.attn_tp_size;
+}
+
+// Init failed on a flag, after the group was known: where the engine's own callback carries
+// the exchange (named in the init arguments, not chosen by the failed flags), this rank joins
+// its peers' handshake with a refusal saying `why`, so they fail at once instead of waiting for
+// it. Not on NCCL: there an exchange is ordered on a communicator the peers keep using.
+void RefuseHandshake(const InitCommon& a, const absl::Status& why) {
+  if (!GroupInRange(a) || a.backend != dpbBackendCallback) return;
+  absl::StatusOr<std::unique_ptr<AllGather>> comm = MakeBackend(a, PluginFlags{});
+  if (!comm.ok()) return;
+  const absl::Duration timeout = TimeoutFlag(DpbEnvironment(), a.config ? a.config : "");
+  absl::Status s = Balancer::Refuse(*std::move(comm), a.dp_size, a.attn_tp_size, a.abi_version, timeout,
+                                    absl::StrFormat("rank %d: %s", a.dp_rank, why.message()));
+  if (!s.ok()) Logger()->warn("init rank {}: the refusal's exchange failed: {}", a.dp_rank, std::string(s.message()));
+}
+
 // Both ABIs' init: flags, then `adjust` (the v2 arguments that set flags), the backend, the
 // balancer.
 template <typename Adjust>
@@ -122,12 +142,11 @@ dpbResult_t InitWith(const InitCommon& a, void** context, Adjust adjust) {
     absl::StatusOr<PluginFlags> f = ParseFlags(DpbEnvironment(), a.config ? a.config : "");
     if (!f.ok()) {
       Logger()->error("init: {}", std::string(f.status().message()));
+      RefuseHandshake(a, f.status());
       return dpbInvalidArgument;
     }
     SetLogLevel(f->log_level);
-    if (a.dp_size < 1 || a.dp_rank < 0 || a.dp_rank >= a.dp_size || a.attn_tp_size < 1 ||
-        a.attn_tp_size > 1024 || a.attn_tp_rank < 0 || a.attn_tp_rank >= a.attn_tp_size ||
-        a.dp_size > 65536) {
+    if (!GroupInRange(a)) {
       Logger()->error("init: rank {} of num_ranks {} (attention-TP rank {} of {}) is out of range",
                       a.dp_rank, a.dp_size, a.attn_tp_rank, a.attn_tp_size);
       return dpbInvalidArgument;
@@ -138,6 +157,7 @@ dpbResult_t InitWith(const InitCommon& a, void** context, Adjust adjust) {
     f->balancer.abi_version = a.abi_version;
     if (absl::Status s = adjust(*f); !s.ok()) {
       Logger()->error("init rank {}: {}", a.dp_rank, std::string(s.message()));
+      RefuseHandshake(a, s);
       return dpbInvalidArgument;
     }
     absl::StatusOr<std::unique_ptr<AllGather>> comm = MakeBackend(a, *f);

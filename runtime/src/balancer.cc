@@ -37,6 +37,8 @@ struct Hello {
   uint64_t config_hash;
   int32_t num_ranks;     // DP ranks
   int32_t attn_tp_size;  // processes per DP rank
+  uint32_t refused;      // 1: the sender's init failed (Balancer::Refuse); `why` says why
+  char why[400];         // NUL-terminated
 };
 static_assert(sizeof(Hello) <= sizeof(RankSummary));
 
@@ -95,6 +97,7 @@ Balancer::Balancer(BalancerConfig config, int rank, std::unique_ptr<AllGather> c
       estimator_(config_.acceptance_prior_strength, MtpK8ConditionalProfile()),
       slo_(config_.tpot_slo_us) {
   gathered_.resize(static_cast<size_t>(config_.planner.num_ranks) * config_.attn_tp_size);
+  idle_rows_.assign(config_.planner.num_ranks, false);
   if (config_.attn_tp_size > 1) leaders_.resize(config_.planner.num_ranks);
   // The refit learns the weights of the terms the planner prices: from the planner's copy.
   if (config_.online_calibration) online_ = std::make_unique<OnlineCostModel>(planner_.model());
@@ -104,10 +107,26 @@ Balancer::~Balancer() {
   if (config_.log_every_steps > 0 && step_ > 0) MaybeLog();
 }
 
+absl::Status Balancer::Refuse(std::unique_ptr<AllGather> comm, int num_ranks, int attn_tp_size,
+                              int abi_version, absl::Duration timeout, std::string_view why) {
+  if (comm == nullptr || comm->record_bytes() != sizeof(RankSummary)) {
+    return absl::InvalidArgumentError("refuse: no all-gather backend of summary records");
+  }
+  RankSummary slot{};
+  Hello hello{kHelloMagic, kSummaryVersion, static_cast<uint16_t>(abi_version), 0, num_ranks,
+              attn_tp_size, 1, {}};
+  why.copy(hello.why, std::min(why.size(), sizeof(hello.why) - 1));
+  std::memcpy(&slot, &hello, sizeof(hello));
+  std::vector<RankSummary> all(static_cast<size_t>(comm->num_ranks()));
+  return comm->Gather(absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(&slot), sizeof(slot)),
+                      absl::MakeSpan(reinterpret_cast<uint8_t*>(all.data()), all.size() * sizeof(RankSummary)),
+                      timeout);
+}
+
 absl::Status Balancer::Handshake() {
   RankSummary slot{};
   const Hello hello{kHelloMagic, kSummaryVersion, static_cast<uint16_t>(config_.abi_version),
-                    config_.Hash(), config_.planner.num_ranks, config_.attn_tp_size};
+                    config_.Hash(), config_.planner.num_ranks, config_.attn_tp_size, 0, {}};
   std::memcpy(&slot, &hello, sizeof(hello));
   absl::Status s = Exchange(slot, config_.timeout);  // DPB_TIMEOUT_MS, as every exchange
   if (!s.ok()) return absl::UnavailableError(absl::StrCat("handshake all-gather failed: ", s.message()));
@@ -117,6 +136,11 @@ absl::Status Balancer::Handshake() {
     const std::string who = config_.attn_tp_size > 1
                                 ? absl::StrFormat("process %d (DP rank %d)", r, r / config_.attn_tp_size)
                                 : absl::StrFormat("rank %d", r);
+    if (h.magic == kHelloMagic && h.refused == 1) {
+      h.why[sizeof(h.why) - 1] = '\0';
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "handshake: %s failed its init: %s (every rank disables itself)", who, h.why));
+    }
     if (h.magic == kHelloMagic && h.abi_version != hello.abi_version) {
       return absl::FailedPreconditionError(absl::StrFormat(
           "handshake: %s calls plugin ABI v%d, rank %d calls v%d (every rank disables itself)",
@@ -198,8 +222,27 @@ void Balancer::KeepInStep(const StepInput& in, absl::Span<const int32_t> fallbac
   StampOwnSummary(absl::CancelledError("disabled"), step_ - 1, in, fallback_len, measured);
   own_summary_.flags |= kSummaryDisabled;
   if (!Exchange(own_summary_, config_.timeout).ok()) return;
+  ReadIdleRows();
   if (config_.attn_tp_size > 1) GatherLeaders();
   FillTotals(nullptr, false, in, fallback_len, false, totals);
+}
+
+void Balancer::ReadIdleRows() {
+  // An idle row carries no config hash, rank or step: it becomes a record of this config that
+  // every check accepts and the planner excludes (no kSummaryValid), with no tokens, no
+  // measurements (-1: unknown) and no say in the agreed step (the largest index).
+  const RankSummary idle = IdleRowRecord();
+  const int tp = config_.attn_tp_size;
+  std::fill(idle_rows_.begin(), idle_rows_.end(), false);
+  for (size_t p = 0; p < gathered_.size(); ++p) {
+    if (std::memcmp(&gathered_[p], &idle, sizeof(idle)) != 0) continue;
+    RankSummary& r = gathered_[p];
+    r.config_hash = planner_.config_hash();
+    r.rank_idx = static_cast<uint32_t>(p / tp);
+    r.step_idx = UINT32_MAX;
+    r.prev_attention_us = r.prev_step_us = r.prev_accepted_tokens = -1.f;
+    if (p % tp == 0) idle_rows_[p / tp] = true;  // the DP rank's record is its member 0's
+  }
 }
 
 absl::Span<const RankSummary> Balancer::DpRecords() const {
@@ -282,7 +325,9 @@ void Balancer::FillTotals(const GlobalDecision* decision, bool balanced, const S
   // Every record says what its rank runs, this rank's own included, except when this rank alone
   // failed to apply the decision the others planned it into (Assign's error): it runs its
   // defaults, which it says here (the others cannot know; the result is a fallback).
-  // The same when the engine replaced this rank's own record (an inactive rank's fallback row).
+  // The same when the engine replaced this rank's own record with an empty one.
+  // An idle row the engine wrote for this rank stays 0 here, as on every rank: the engine chose
+  // that this rank runs nothing.
   if (fell_back_alone || totals->rank_tokens[rank_] < 0) {
     totals->rank_tokens[rank_] = OwnTokens(in, own_len);
     totals->rank_flags[rank_] = in.kind;
@@ -331,16 +376,7 @@ PlanOutcome Balancer::PlanStep(const StepInput& in, absl::Span<int32_t> verify_l
   out.draft_depth = config_.planner.default_k;
   const absl::Span<const BalancerRequest> batch = in.batch;
   Fallback(batch, verify_len);
-  if (totals != nullptr) {  // until the exchange says more: only this rank's own total is known
-    const size_t dp = static_cast<size_t>(config_.planner.num_ranks);
-    totals->known = false;
-    totals->rank_tokens.assign(dp, -1);
-    totals->rank_flags.assign(dp, 0);
-    totals->rank_tokens[rank_] = OwnTokens(in, verify_len);
-    totals->rank_flags[rank_] = in.kind;
-    totals->padded_tokens = 0;
-    totals->any_flags = in.kind;
-  }
+  StartTotals(in, verify_len, totals);
   const uint64_t step = step_++;
   out.step = step;
   // The latest reported step goes out with this record, once; its accounting follows the
@@ -355,12 +391,13 @@ PlanOutcome Balancer::PlanStep(const StepInput& in, absl::Span<int32_t> verify_l
   if (local.ok()) local = ToPlanBatch(batch);
   if (local.ok()) local = planner_.Summarize(rank_, plan_batch_, in.kv_free_tokens, &own_summary_);
   StampOwnSummary(local, step, in, verify_len, measured);
-  // Step 2: the exchange.
+  // Step 2: the exchange, and what the records say before anyone plans.
   if (absl::Status s = Exchange(own_summary_, config_.timeout); !s.ok()) {
     Fail(s);
     out.status = s;
     return out;
   }
+  ReadIdleRows();
   if (config_.attn_tp_size > 1) {
     if (!GatherLeaders() && local.ok()) {
       ++tp_mismatches_;
@@ -369,38 +406,16 @@ PlanOutcome Balancer::PlanStep(const StepInput& in, absl::Span<int32_t> verify_l
     }
     ApplyLeaderMeasurements();
   }
-  // A disabled peer is seen by every rank in the same bytes: all disable together. An empty
-  // record (a rank without the plugin, or an engine's fallback row for an inactive rank) pauses
-  // balancing for the step on every rank alike: that rank drafts the engine's default depth.
-  const absl::Span<const RankSummary> recs = DpRecords();
-  for (size_t r = 0; r < recs.size(); ++r) {
-    if (recs[r].flags & kSummaryDisabled) {
-      Disable(absl::StrFormat("rank %d is disabled", r));
-      FillTotals(nullptr, false, in, verify_len, false, totals);
-      return out;
-    }
-  }
-  for (size_t r = 0; r < recs.size(); ++r) {
-    if (recs[r].magic == 0 && recs[r].version == 0) {
-      ++fallbacks_;
-      out.status = absl::UnavailableError(absl::StrFormat(
-          "rank %d sent an empty record (no plugin there, or the engine's row for an inactive "
-          "rank): default lengths on every rank this step", r));
-      FillTotals(nullptr, false, in, verify_len, false, totals);
-      return out;
-    }
-  }
+  if (PeersStopStep(in, verify_len, out, totals)) return out;
   // Step 3: everyone agrees on the step and so on the A/B arm.
   const bool arm_on = AgreeOnStep(step, measured);
   planned_[step % planned_.size()] = Planned{step, arm_on, -1, -1, false, {}};
+  if (idle_rows_[rank_] && local.ok()) {  // the engine's choice, not a failure (FailLocally)
+    local = absl::UnavailableError(absl::StrFormat(
+        "the engine sent an idle row for rank %d: its default lengths this step", rank_));
+  }
   if (!local.ok()) {
-    // This rank runs its defaults, but must draft as deep as every other rank agrees to.
-    absl::StatusOr<GlobalDecision> d = absl::UnavailableError("off arm");
-    if (arm_on) d = planner_.Decide(recs);
-    if (d.ok()) out.draft_depth = d->draft_depth;
-    Fail(local);
-    out.status = local;
-    FillTotals(d.ok() ? &*d : nullptr, d.ok(), in, verify_len, false, totals);
+    FailLocally(local, arm_on, in, verify_len, out, totals);
     return out;
   }
   if (!arm_on) {
@@ -412,6 +427,63 @@ PlanOutcome Balancer::PlanStep(const StepInput& in, absl::Span<int32_t> verify_l
   const GlobalDecision* applied = DecideAndAssign(batch, verify_len, out);
   FillTotals(applied, applied != nullptr, in, verify_len, !out.balanced, totals);
   return out;
+}
+
+void Balancer::StartTotals(const StepInput& in, absl::Span<const int32_t> own_len,
+                           StepTotals* totals) const {
+  if (totals == nullptr) return;
+  const size_t dp = static_cast<size_t>(config_.planner.num_ranks);
+  totals->known = false;
+  totals->rank_tokens.assign(dp, -1);
+  totals->rank_flags.assign(dp, 0);
+  totals->rank_tokens[rank_] = OwnTokens(in, own_len);
+  totals->rank_flags[rank_] = in.kind;
+  totals->padded_tokens = 0;
+  totals->any_flags = in.kind;
+}
+
+bool Balancer::PeersStopStep(const StepInput& in, absl::Span<const int32_t> own_len,
+                             PlanOutcome& out, StepTotals* totals) {
+  // A disabled peer is seen by every rank in the same bytes: all disable together. An empty
+  // record (a rank without a working plugin) pauses balancing for the step on every rank alike:
+  // that rank drafts the engine's default depth. An idle row (ReadIdleRows) pauses nobody: the
+  // others plan that rank as one that runs nothing (PlanStep: the rank itself, when the engine
+  // wrote its row so, runs its defaults at the agreed depth).
+  const absl::Span<const RankSummary> recs = DpRecords();
+  for (size_t r = 0; r < recs.size(); ++r) {
+    if (recs[r].flags & kSummaryDisabled) {
+      Disable(absl::StrFormat("rank %d is disabled", r));
+      FillTotals(nullptr, false, in, own_len, false, totals);
+      return true;
+    }
+  }
+  for (size_t r = 0; r < recs.size(); ++r) {
+    if (recs[r].magic == 0 && recs[r].version == 0) {
+      ++fallbacks_;
+      out.status = absl::UnavailableError(absl::StrFormat(
+          "rank %d sent an empty record (no plugin there, or the engine's row for an inactive "
+          "rank): default lengths on every rank this step", r));
+      FillTotals(nullptr, false, in, own_len, false, totals);
+      return true;
+    }
+  }
+  return false;
+}
+
+void Balancer::FailLocally(const absl::Status& local, bool arm_on, const StepInput& in,
+                           absl::Span<const int32_t> own_len, PlanOutcome& out,
+                           StepTotals* totals) {
+  // This rank runs its defaults, but must draft as deep as every other rank agrees to.
+  absl::StatusOr<GlobalDecision> d = absl::UnavailableError("off arm");
+  if (arm_on) d = planner_.Decide(DpRecords());
+  if (d.ok()) out.draft_depth = d->draft_depth;
+  if (idle_rows_[rank_]) {
+    ++fallbacks_;
+  } else {
+    Fail(local);
+  }
+  out.status = local;
+  FillTotals(d.ok() ? &*d : nullptr, d.ok(), in, own_len, false, totals);
 }
 
 absl::Status Balancer::ToPlanBatch(absl::Span<const BalancerRequest> batch) {
@@ -533,8 +605,13 @@ const GlobalDecision* Balancer::DecideAndAssign(absl::Span<const BalancerRequest
 void Balancer::AccountPreviousStep(absl::Span<const RankSummary> all, bool prev_arm_on,
                                    double planned_barrier) {
   double max_attn = 0, sum_attn = 0, tokens = 0, step_us = 0;
-  int known = 0;
-  for (const RankSummary& r : all) {
+  int known = 0, idle = 0;
+  for (size_t i = 0; i < all.size(); ++i) {
+    const RankSummary& r = all[i];
+    if (idle_rows_[i]) {  // a rank that runs nothing is not part of the step
+      ++idle;
+      continue;
+    }
     if (!(r.prev_attention_us >= 0) || !(r.prev_step_us >= 0) || !(r.prev_accepted_tokens >= 0)) continue;
     ++known;
     max_attn = std::max<double>(max_attn, r.prev_attention_us);
@@ -542,7 +619,7 @@ void Balancer::AccountPreviousStep(absl::Span<const RankSummary> all, bool prev_
     tokens += r.prev_accepted_tokens;
     step_us = std::max<double>(step_us, r.prev_step_us);
   }
-  if (known != static_cast<int>(all.size()) || max_attn <= 0 || step_us <= 0) return;
+  if (known + idle != static_cast<int>(all.size()) || known == 0 || max_attn <= 0 || step_us <= 0) return;
   if (planned_barrier > 0) {
     barrier_over_plan_.Add(max_attn / planned_barrier);
     // The known way to lose the gain (docs/results.md 3a): a model without the kernel's launch

@@ -10,6 +10,22 @@ namespace dpbalance {
 namespace {
 
 constexpr int kF = kNumCostFeatures;
+// Cold-start observations before the level leaves the starting model's (a median of fewer
+// cannot outvote one outlier).
+constexpr size_t kLevelRows = 3;
+// Steps before the running robust scale is trusted for the Huber weight.
+constexpr int64_t kWarmup = 50;
+// Standard deviations per median absolute deviation, for normally distributed values.
+constexpr double kMadToSigma = 1.4826;
+
+// The median of `v` (not empty); of an even count, the mean of the middle two.
+double Median(std::vector<double> v) {
+  const size_t mid = v.size() / 2;
+  std::nth_element(v.begin(), v.begin() + mid, v.end());
+  const double upper = v[mid];
+  if (v.size() % 2 == 1) return upper;
+  return 0.5 * (upper + *std::max_element(v.begin(), v.begin() + mid));
+}
 
 }  // namespace
 
@@ -105,6 +121,10 @@ Eigen::VectorXd SolveNnlsGram(const Eigen::MatrixXd& g, const Eigen::VectorXd& c
 
 absl::StatusOr<CostModel> FitCostModel(absl::Span<const TimingSample> samples,
                                        const FitOptions& options) {
+  if (!(options.loss_power >= 1 && options.loss_power <= 3)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("fit: loss_power %g must be in [1, 3]", options.loss_power));
+  }
   std::vector<const TimingSample*> rows;
   for (const TimingSample& s : samples) {
     if (s.measured_us > 0 && std::isfinite(s.measured_us)) rows.push_back(&s);
@@ -130,14 +150,16 @@ absl::StatusOr<CostModel> FitCostModel(absl::Span<const TimingSample> samples,
   for (Eigen::Index c = 0; c < a.cols(); ++c) {
     if (norm(c) > 0) a.col(c) /= norm(c);
   }
-  // Least absolute relative error by iteratively reweighted NNLS: each row weighted by
-  // 1/sqrt(|r_i|) turns its squared residual into |r_i|, which is what MAPE measures and keeps
-  // the noisy tail of the measurements from dragging the fit.
+  // The loss sum |r_i|^p by iteratively reweighted NNLS: each row weighted by |r_i|^((p-2)/2)
+  // turns its squared residual into |r_i|^p. p = 1 (least absolute relative error) is what MAPE
+  // measures and keeps the noisy tail of the measurements from dragging the fit; p = 2 needs no
+  // reweighting.
   const Eigen::VectorXd ones = Eigen::VectorXd::Ones(rows.size());
   Eigen::VectorXd sol = SolveNnls(a, ones);
-  for (int iter = 0; iter < options.irls_iterations; ++iter) {
+  const double exponent = (options.loss_power - 2) / 2;
+  for (int iter = 0; exponent != 0 && iter < options.irls_iterations; ++iter) {
     const Eigen::VectorXd r = (a * sol - ones).cwiseAbs();
-    const Eigen::VectorXd wt = r.cwiseMax(options.irls_floor).cwiseSqrt().cwiseInverse();
+    const Eigen::VectorXd wt = r.cwiseMax(options.irls_floor).array().pow(exponent).matrix();
     sol = SolveNnls(wt.asDiagonal() * a, wt);
   }
   CostModel::Weights w{};
@@ -146,7 +168,7 @@ absl::StatusOr<CostModel> FitCostModel(absl::Span<const TimingSample> samples,
 }
 
 OnlineCostModel::OnlineCostModel(const CostModel& start, Options options)
-    : model_(start), options_(options) {
+    : model_(start), start_model_(start), options_(options) {
   start_.resize(kF);
   for (int f = 0; f < kF; ++f) start_(f) = start.weights_us()[f];
   theta_ = start_;
@@ -173,17 +195,86 @@ void OnlineCostModel::Publish() {
 
 bool OnlineCostModel::Observe(const BatchAggregates& agg, double measured_us) {
   if (!(measured_us > 0) || !std::isfinite(measured_us)) return false;
+  if (!trusted_) return ObserveCold(agg, measured_us);
   // Step 1: the fast level, from the clipped log ratio of measured to predicted (level x shape).
   const double limit = options_.clip_scales * robust_scale_;
   const double predicted = model_.AttentionUs(agg);
   if (predicted > 0) {
     const double log_ratio = std::log(measured_us / predicted);
-    if (n_ == 0) {
-      log_level_ += log_ratio;  // cold start: the starting model may be off by orders of magnitude
-    } else {
-      log_level_ += options_.level_rate * std::max(-limit, std::min(limit, log_ratio));
-    }
+    log_level_ += options_.level_rate * std::max(-limit, std::min(limit, log_ratio));
   }
+  // Until the robust scale is learned, a step far from the cold start's median ratio (against
+  // the starting model) weighs less, as far beyond as it lies.
+  double weight = 1;
+  const double start_price = start_model_.AttentionUs(agg);
+  if (n_ < kWarmup && start_price > 0) {
+    const double distance = std::abs(std::log(measured_us / start_price) - cold_median_);
+    if (distance > cold_threshold_) weight = cold_threshold_ / distance;
+  }
+  FitRow(agg, measured_us, weight);
+  if (n_ <= kWarmup || n_ % options_.refit_every == 0) Refit();
+  Publish();
+  return true;
+}
+
+bool OnlineCostModel::ObserveCold(const BatchAggregates& agg, double measured_us) {
+  const double price = start_model_.AttentionUs(agg);
+  cold_.push_back({agg, measured_us, price > 0 ? std::log(measured_us / price) : std::nan("")});
+  // Step 1: the median ratio of the rows so far, and how far from it a row may lie.
+  std::vector<double> ratios;
+  for (const ColdRow& c : cold_) {
+    if (std::isfinite(c.log_ratio)) ratios.push_back(c.log_ratio);
+  }
+  if (ratios.size() < kLevelRows) return true;  // the starting model as given
+  const double median = Median(ratios);
+  for (double& x : ratios) x = std::abs(x - median);
+  const double threshold =
+      std::max(std::log(options_.outlier_factor), 3 * kMadToSigma * Median(ratios));
+  auto agrees = [&](const ColdRow& c) {
+    return !std::isfinite(c.log_ratio) || std::abs(c.log_ratio - median) <= threshold;
+  };
+  // Step 2: the level from the rows that agree (at least half of them lie within one median
+  // absolute deviation, well inside the threshold).
+  std::vector<double> agreeing;
+  int num_agree = 0;
+  for (const ColdRow& c : cold_) {
+    if (!agrees(c)) continue;
+    ++num_agree;
+    if (std::isfinite(c.log_ratio)) agreeing.push_back(c.log_ratio);
+  }
+  log_level_ = Median(agreeing);
+  // Step 3: trusted: the agreeing rows are the refit's first, in order. A row that did not
+  // agree is fitted after them if the refit prices it within the threshold (the starting
+  // model's shape, not the row, was off); otherwise it is an outlier, dropped.
+  if (num_agree >= options_.trust_rows) {
+    trusted_ = true;
+    cold_median_ = log_level_;
+    cold_threshold_ = threshold;
+    for (const ColdRow& c : cold_) {
+      if (!agrees(c)) continue;
+      FitRow(c.agg, c.measured_us, 1.0);
+      Refit();
+    }
+    Publish();
+    for (const ColdRow& c : cold_) {
+      if (agrees(c)) continue;
+      if (std::abs(std::log(c.measured_us / model_.AttentionUs(c.agg))) > threshold) {
+        ++outliers_;
+        continue;
+      }
+      FitRow(c.agg, c.measured_us, 1.0);
+      Refit();
+      Publish();
+    }
+    cold_.clear();
+    cold_.shrink_to_fit();
+  }
+  Publish();
+  return true;
+}
+
+void OnlineCostModel::FitRow(const BatchAggregates& agg, double measured_us, double warmup_weight) {
+  const double limit = options_.clip_scales * robust_scale_;
   const double target = measured_us / std::exp(log_level_);  // what the shape must predict
   // Step 2: fix each feature's scale the first time it is nonzero, in relative units (its value
   // over the step's time then), so every row adds O(1) to the normal equations, like the prior.
@@ -198,19 +289,15 @@ bool OnlineCostModel::Observe(const BatchAggregates& agg, double measured_us) {
     h(f) = scale_(f) > 0 ? raw[f] / scale_(f) / target : 0.0;
   }
   // Step 3: the shape's normal equations (relative error: h . theta ~ 1), with a Huber weight on
-  // outlying steps (none while the robust scale is still being learned).
-  constexpr int64_t kWarmup = 50;
+  // outlying steps once the robust scale has been learned (`warmup_weight` before).
   const double r = 1.0 - h.dot(theta_);
-  const double weight = n_ < kWarmup || std::abs(r) <= limit ? 1.0 : limit / std::abs(r);
+  const double weight = n_ < kWarmup ? warmup_weight : std::abs(r) <= limit ? 1.0 : limit / std::abs(r);
   robust_scale_ = 0.95 * robust_scale_ + 0.05 * std::min(std::abs(r), 2 * limit + 1e-3);
   gram_ *= options_.shape_forgetting;
   rhs_ *= options_.shape_forgetting;
   gram_.noalias() += weight * h * h.transpose();
   rhs_ += weight * h;
   ++n_;
-  if (n_ <= kWarmup || n_ % options_.refit_every == 0) Refit();
-  Publish();
-  return true;
 }
 
 }  // namespace dpbalance

@@ -514,16 +514,111 @@ bool CalendarListPhase(const std::vector<double>& cost, int num_sms, int per_sm,
   return true;
 }
 
+// SimulateMakespans's one-wave case: CTA i on SM i % num_sms, every SM draining from time 0
+// (starts stay 0); out[j] for each bank entry j in `entries`.
+void OneWaveMakespans(const std::vector<double>& cost, int num_sms,
+                      absl::Span<const std::array<double, 2>> params, unsigned entries,
+                      double* out) {
+  const size_t n = cost.size();
+  for (int j = 0; j < static_cast<int>(params.size()); ++j) {
+    if ((entries >> j & 1u) == 0) continue;
+    double makespan = 0;
+    for (size_t s = 0; s < std::min<size_t>(n, num_sms); ++s) {
+      std::array<double, kMaxCtasPerSm> left;
+      int k = 0;
+      for (size_t i = s; i < n; i += num_sms) left[k++] = cost[i];
+      SortSmall(left, k);
+      makespan = std::max(makespan, DrainSm(0.0, left.data(), k, params[j][0]));
+    }
+    out[j] = makespan;
+  }
+}
+
+// SimulateMakespans's list phase on a heap, for any CTAs per SM (CalendarListPhase's general
+// case): each slot runs its CTA at the full-SM share `rate`; the CTAs, in order, go to the slot
+// that frees first (ties to the lower SM), the first wave breadth-first over SMs. `starts`
+// (optional) and `free_at` (num_sms x per_sm, by slot id) as in CalendarListPhase.
+void HeapListPhase(const std::vector<double>& cost, int num_sms, int per_sm, double rate,
+                   double* starts, double* free_at) {
+  const size_t n = cost.size(), slots = static_cast<size_t>(num_sms) * per_sm;
+  thread_local std::vector<SlotFree> heap;
+  heap.resize(slots);
+  std::fill(free_at, free_at + slots, -1.0);  // each slot's due time
+  // Slots of the SM of slot `id` already due at `t` (the rank of a slot due then).
+  auto rank_at = [&](int32_t id, double t) {
+    const int32_t first = id - id % per_sm;
+    int32_t r = 0;
+    for (int32_t o = first; o < first + per_sm; ++o) r += o != id && free_at[o] == t;
+    return r;
+  };
+  for (size_t i = 0; i < slots; ++i) {
+    const int32_t sm = static_cast<int32_t>(i % num_sms), k = static_cast<int32_t>(i / num_sms);
+    const int32_t id = sm * per_sm + k;
+    const double t = cost[i] / rate;
+    heap[i] = {t, rank_at(id, t), id};
+    free_at[id] = t;
+  }
+  // A 4-ary min-heap by hand (replace-top is the hot operation; (time, rank, id) is a total
+  // order, so any heap pops the same sequence).
+  auto sift_down = [&](size_t h) {
+    const SlotFree v = heap[h];
+    for (;;) {
+      const size_t c0 = 4 * h + 1;
+      if (c0 >= slots) break;
+      size_t c = c0;
+      const size_t end = std::min(c0 + 4, slots);
+      for (size_t k = c0 + 1; k < end; ++k) {
+        if (heap[k] < heap[c]) c = k;
+      }
+      if (!(heap[c] < v)) break;
+      heap[h] = heap[c];
+      h = c;
+    }
+    heap[h] = v;
+  };
+  for (size_t h = (slots + 2) / 4; h-- > 0;) sift_down(h);
+  for (size_t i = slots; i < n; ++i) {
+    const double now = heap[0].time;
+    if (starts != nullptr) starts[i] = now;
+    const double t = now + cost[i] / rate;
+    heap[0].time = free_at[heap[0].id] = t;
+    heap[0].rank = rank_at(heap[0].id, t);
+    sift_down(0);
+  }
+}
+
+// SimulateMakespans's tail: no CTA joins any more, so each SM drains on its own from its slots'
+// due times `free_at` (work left at its first finish, in the share `rate` it ran at); out[j] for
+// each bank entry j in `entries`.
+void TailMakespans(const std::vector<double>& free_at, int num_sms, int per_sm, double rate,
+                   absl::Span<const std::array<double, 2>> params, unsigned entries, double* out) {
+  for (int j = 0; j < static_cast<int>(params.size()); ++j) {
+    if ((entries >> j & 1u) == 0) continue;
+    double makespan = 0;
+    for (int s = 0; s < num_sms; ++s) {
+      std::array<double, kMaxCtasPerSm> left;
+      const double* f = &free_at[static_cast<size_t>(s) * per_sm];
+      std::copy(f, f + per_sm, left.begin());
+      SortSmall(left, per_sm);
+      const double first = left[0];
+      for (int m = 0; m < per_sm; ++m) left[m] = (left[m] - first) * rate;
+      makespan = std::max(makespan, DrainSm(first, left.data() + 1, per_sm - 1, params[j][0]));
+    }
+    out[j] = makespan;
+  }
+}
+
 }  // namespace
 
 void SimulateMakespans(absl::Span<const double> works, int num_sms, int ctas_per_sm,
                        absl::Span<const std::array<double, 2>> params, unsigned mask,
                        double exit_cost, double* out, int starts_of,
                        std::vector<double>* starts) {
+  // Step 1: the first wave starts at 0; the bank entries asked for start at 0.
   const size_t n = works.size();
   const int per_sm = std::clamp(ctas_per_sm, 1, kMaxCtasPerSm);
   const size_t slots = static_cast<size_t>(std::max(num_sms, 0)) * per_sm;
-  if (starts != nullptr) {  // the first wave starts at 0; the list phase writes the rest
+  if (starts != nullptr) {  // the list phase writes the rest
     starts->resize(n);
     std::fill_n(starts->begin(), slots == 0 ? n : std::min(n, slots), 0.0);
   }
@@ -533,15 +628,14 @@ void SimulateMakespans(absl::Span<const double> works, int num_sms, int ctas_per
   }
   if (n == 0 || num_sms <= 0) return;
   thread_local std::vector<double> cost;
-  thread_local std::vector<SlotFree> heap;
   thread_local std::vector<double> free_at;
   unsigned left_to_do = mask & ((num >= 32 ? 0u : 1u << num) - 1u);
   if (starts_of >= 0 && starts != nullptr) left_to_do |= 1u << starts_of;
   while (left_to_do != 0) {
+    // Step 2: the entries that share one list phase. It depends on the overhead only, unless one
+    // CTA per SM runs alone all along: one pass serves every bank entry that shares it.
     const int lead = std::countr_zero(left_to_do);
     const double overhead = params[lead][1];
-    // The list phase (every SM full) depends on the overhead only, unless one CTA per SM runs
-    // alone all along: one pass serves every bank entry that shares it.
     unsigned group = 0;
     for (int j = lead; j < num; ++j) {
       if ((left_to_do >> j & 1u) && params[j][1] == overhead &&
@@ -552,90 +646,23 @@ void SimulateMakespans(absl::Span<const double> works, int num_sms, int ctas_per
     left_to_do &= ~group;
     cost.resize(n);
     for (size_t i = 0; i < n; ++i) cost[i] = works[i] < 0 ? exit_cost : works[i] + overhead;
+    // Step 3: one wave is only the drains.
     if (n <= slots) {
-      // One wave: CTA i on SM i % num_sms; every SM drains from time 0 (starts stay 0).
-      for (int j = lead; j < num; ++j) {
-        if ((group >> j & 1u) == 0 || (mask >> j & 1u) == 0) continue;
-        double makespan = 0;
-        for (size_t s = 0; s < std::min<size_t>(n, num_sms); ++s) {
-          std::array<double, kMaxCtasPerSm> left;
-          int k = 0;
-          for (size_t i = s; i < n; i += num_sms) left[k++] = cost[i];
-          SortSmall(left, k);
-          makespan = std::max(makespan, DrainSm(0.0, left.data(), k, params[j][0]));
-        }
-        out[j] = makespan;
-      }
+      OneWaveMakespans(cost, num_sms, params, group & mask, out);
       continue;
     }
-    // Several waves: until the queue empties every SM holds per_sm CTAs, so each slot runs its
-    // CTA at the full-SM share; list scheduling of the CTAs, in order, onto the slot that frees
-    // first (ties to the lower SM). The first wave goes breadth-first over SMs.
+    // Step 4: several waves. Until the queue empties every SM holds per_sm CTAs, so each slot
+    // runs its CTA at the full-SM share: list scheduling, by calendar where its times are whole
+    // half blocks, else on a heap.
     const double rate = ShareRate(per_sm, params[lead][0]);
     const bool keep_starts = starts != nullptr && starts_of >= 0 && (group >> starts_of & 1u);
+    double* starts_out = keep_starts ? starts->data() : nullptr;
     free_at.resize(slots);
-    if (!CalendarListPhase(cost, num_sms, per_sm, keep_starts ? starts->data() : nullptr,
-                           free_at.data())) {
-    heap.resize(slots);
-    std::fill(free_at.begin(), free_at.end(), -1.0);  // each slot's due time
-    // Slots of the SM of slot `id` already due at `t` (the rank of a slot due then).
-    auto rank_at = [&](int32_t id, double t) {
-      const int32_t first = id - id % per_sm;
-      int32_t r = 0;
-      for (int32_t o = first; o < first + per_sm; ++o) r += o != id && free_at[o] == t;
-      return r;
-    };
-    for (size_t i = 0; i < slots; ++i) {
-      const int32_t sm = static_cast<int32_t>(i % num_sms), k = static_cast<int32_t>(i / num_sms);
-      const int32_t id = sm * per_sm + k;
-      const double t = cost[i] / rate;
-      heap[i] = {t, rank_at(id, t), id};
-      free_at[id] = t;
+    if (!CalendarListPhase(cost, num_sms, per_sm, starts_out, free_at.data())) {
+      HeapListPhase(cost, num_sms, per_sm, rate, starts_out, free_at.data());
     }
-    // A 4-ary min-heap by hand (replace-top is the hot operation; (time, rank, id) is a total
-    // order, so any heap pops the same sequence).
-    auto sift_down = [&](size_t h) {
-      const SlotFree v = heap[h];
-      for (;;) {
-        const size_t c0 = 4 * h + 1;
-        if (c0 >= slots) break;
-        size_t c = c0;
-        const size_t end = std::min(c0 + 4, slots);
-        for (size_t k = c0 + 1; k < end; ++k) {
-          if (heap[k] < heap[c]) c = k;
-        }
-        if (!(heap[c] < v)) break;
-        heap[h] = heap[c];
-        h = c;
-      }
-      heap[h] = v;
-    };
-    for (size_t h = (slots + 2) / 4; h-- > 0;) sift_down(h);
-    for (size_t i = slots; i < n; ++i) {
-      const double now = heap[0].time;
-      if (keep_starts) (*starts)[i] = now;
-      const double t = now + cost[i] / rate;
-      heap[0].time = free_at[heap[0].id] = t;
-      heap[0].rank = rank_at(heap[0].id, t);
-      sift_down(0);
-    }
-    }
-    // The tail: no CTA joins any more, so each SM drains on its own.
-    for (int j = lead; j < num; ++j) {
-      if ((group >> j & 1u) == 0 || (mask >> j & 1u) == 0) continue;
-      double makespan = 0;
-      for (int s = 0; s < num_sms; ++s) {
-        std::array<double, kMaxCtasPerSm> left;
-        const double* f = &free_at[static_cast<size_t>(s) * per_sm];
-        std::copy(f, f + per_sm, left.begin());
-        SortSmall(left, per_sm);
-        const double first = left[0];
-        // Work left at the first finish, in the share it ran at.
-        for (int m = 0; m < per_sm; ++m) left[m] = (left[m] - first) * rate;
-        makespan = std::max(makespan, DrainSm(first, left.data() + 1, per_sm - 1, params[j][0]));
-      }
-      out[j] = makespan;
-    }
+    // Step 5: the tail, each SM on its own.
+    TailMakespans(free_at, num_sms, per_sm, rate, params, group & mask, out);
   }
 }
 

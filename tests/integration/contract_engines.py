@@ -207,21 +207,28 @@ class StderrTo:
 class SglangSync:
     """MLPSyncBatchInfo.all_gather with our record in extra int64 columns (see the module
     docstring). `inactive(step)` is the set of global process indices whose rows the engine
-    overwrites with the fallback row (SGLang's tp_active_ranks == 0)."""
+    overwrites with the fallback row (SGLang's tp_active_ranks == 0); its record columns carry
+    the idle row (dpb.IDLE_ROW: the patched engine widens `_get_fallback_tensor` with it), so the
+    others plan that DP rank as one that runs nothing. `zero_rows(step)`: processes whose record
+    columns arrive as zeros instead (a rank without a working plugin): every rank pauses."""
 
     FIELDS = 8
 
-    def __init__(self, group, dp, attn_tp, inactive):
+    def __init__(self, group, dp, attn_tp, inactive, zero_rows=lambda _step: ()):
         import torch
         import torch.distributed as dist
         self.torch, self.dist, self.group = torch, dist, group
-        self.dp, self.attn_tp, self.inactive = dp, attn_tp, inactive
+        self.dp, self.attn_tp, self.inactive, self.zero_rows = dp, attn_tp, inactive, zero_rows
         self.step = -1
         self.gathered = None
 
     def fallback_row(self, width):
-        row = self.torch.zeros(width, dtype=self.torch.int64)
-        row[:self.FIELDS] = self.torch.tensor([0, 0, 1, 0, 1, FM_IDLE, 0, 0])
+        torch = self.torch
+        row = torch.zeros(width, dtype=torch.int64)
+        row[:self.FIELDS] = torch.tensor([0, 0, 1, 0, 1, FM_IDLE, 0, 0])
+        idle = torch.frombuffer(bytearray(dpb.IDLE_ROW), dtype=torch.int64)
+        if width >= self.FIELDS + len(idle):  # a step's row (the handshake's has no fields)
+            row[self.FIELDS:self.FIELDS + len(idle)] = idle
         return row
 
     def __call__(self, payload_and_record: bytes) -> bytes:
@@ -236,6 +243,8 @@ class SglangSync:
         self.dist.all_gather(list(rows.unbind(0)), local, group=self.group)
         for g in self.inactive(self.step):
             rows[g] = fallback
+        for g in self.zero_rows(self.step):
+            rows[g][self.FIELDS:] = 0
         self.gathered = global_info
         raw = rows.numpy().tobytes()
         return b"".join(raw[g * width * 8:g * width * 8 + n] for g in range(self.dp * self.attn_tp))
@@ -279,137 +288,181 @@ def step_record(step, kind, reqs, extra, res, plan_ms, default_k, **more):
     return rec
 
 
-def run_case(case, proc, world, plugin, logdir, groups):
-    """Runs one case on this process; returns its record (or None if it takes no part)."""
-    import torch
-    import torch.distributed as dist
-    spec = case["procs"][proc] if proc < len(case["procs"]) else None
-    group = groups.get(case["name"])
-    if spec is None:
-        return None
-    steps, default_k, k_max = case["steps"], case["default_k"], case["k_max"]
-    dp, attn_tp = case["dp"], case.get("attn_tp", 1)
-    dp_rank, tp_rank = spec["dp_rank"], spec.get("attn_tp_rank", 0)
-    engine = case["engine"]
-    schedule = SCHEDULES[case["schedule"]]
-    pool = Pool(case["seed"], dp_rank, 6 + 2 * dp_rank, 1500 * (1 + 3 * (dp_rank % 2)))
-    out = {"case": case["name"], "proc": proc, "dp_rank": dp_rank, "attn_tp_rank": tp_rank,
-           "steps": [], "error": None, "stats": {}, "init_ms": None}
-    tag = dpb.torch_allgather(group)
-    engine_group = groups.get(case["name"] + "/engine")  # the engine's own sync (vLLM)
-    sync = None
-    gather = tag
-    if engine == "sglang":
-        sync = SglangSync(group, dp, attn_tp, lambda s: case.get("inactive", {}).get(s, ()))
-        pb = dpb.Piggyback(sync, dp * attn_tp)
-        gather = pb
-    elif engine in ("vllm", "plain"):
-        gather = CountingGather(tag)
-    if spec.get("faults"):
-        gather = Faulty(gather, spec["faults"])
-    t0 = time.monotonic()
-    bal = None
-    try:
-        if not spec.get("no_plugin"):
-            abi = spec.get("abi", 2)
-            kw = {}
-            if abi == 2:
-                kw = dict(attn_tp_size=spec.get("attn_tp_size", attn_tp), attn_tp_rank=tp_rank,
-                          token_tiers=case.get("tiers"),
-                          granularity=case.get("granularity", "request"))
-            bal = dpb.DpBalance.load(spec.get("dp_size", dp), dp_rank, spec.get("config", case["config"]),
-                                     allgather=gather, library=plugin, abi=abi, **kw)
-    except dpb.DpBalanceError as e:
-        out["error"] = str(e)
-        bal = None
-    out["init_ms"] = (time.monotonic() - t0) * 1e3
-    out["abi"] = spec.get("abi", 2) if bal is not None else None
-    rng = random.Random(f"{case['seed']}/{proc}/noise")
-    for step in range(steps):
-        kind = schedule(dp_rank, step)
-        if kind == "idle":
-            pool_reqs = []
-        else:
-            pool_reqs = pool.batch(kind, k_max, step, case.get("granularity") == "budget")
+class CaseProcess:
+    """One process's part in one case: its engine's sync, its plugin (None: none, or its init
+    failed) and its requests; `step` runs one engine step around ABI v2's `plan`."""
+
+    def __init__(self, case, proc, groups):
+        import torch
+        import torch.distributed as dist
+        self.torch, self.dist = torch, dist
+        self.case, self.proc = case, proc
+        self.spec = case["procs"][proc]
+        self.dp, self.attn_tp = case["dp"], case.get("attn_tp", 1)
+        self.dp_rank, self.tp_rank = self.spec["dp_rank"], self.spec.get("attn_tp_rank", 0)
+        self.engine = case["engine"]
+        self.pool = Pool(case["seed"], self.dp_rank, 6 + 2 * self.dp_rank,
+                         1500 * (1 + 3 * (self.dp_rank % 2)))
+        self.tag = dpb.torch_allgather(groups.get(case["name"]))
+        self.engine_group = groups.get(case["name"] + "/engine")  # the engine's own sync (vLLM)
+        self.sync = self.pb = None
+        self.gather = self.tag
+        if self.engine == "sglang":
+            self.sync = SglangSync(groups.get(case["name"]), self.dp, self.attn_tp,
+                                   lambda s: case.get("inactive", {}).get(s, ()),
+                                   lambda s: case.get("zero_rows", {}).get(s, ()))
+            self.pb = dpb.Piggyback(self.sync, self.dp * self.attn_tp)
+            self.gather = self.pb
+        elif self.engine in ("vllm", "plain"):
+            self.gather = CountingGather(self.tag)
+        if self.spec.get("faults"):
+            self.gather = Faulty(self.gather, self.spec["faults"])
+        self.bal = None
+
+    def load(self, plugin):
+        """The plugin's init (none with `no_plugin`); returns (error or None, init ms)."""
+        t0 = time.monotonic()
+        error = None
+        try:
+            if not self.spec.get("no_plugin"):
+                abi = self.spec.get("abi", 2)
+                kw = {}
+                if abi == 2:
+                    kw = dict(attn_tp_size=self.spec.get("attn_tp_size", self.attn_tp),
+                              attn_tp_rank=self.tp_rank, token_tiers=self.case.get("tiers"),
+                              granularity=self.case.get("granularity", "request"))
+                self.bal = dpb.DpBalance.load(self.spec.get("dp_size", self.dp), self.dp_rank,
+                                              self.spec.get("config", self.case["config"]),
+                                              allgather=self.gather, library=plugin, abi=abi, **kw)
+        except dpb.DpBalanceError as e:
+            error = str(e)
+            self.bal = None
+        return error, (time.monotonic() - t0) * 1e3
+
+    def inputs(self, step):
+        """The step's kind, the pool's requests, what the engine passes (faults applied) and its
+        prefill tokens."""
+        case, spec = self.case, self.spec
+        kind = SCHEDULES[case["schedule"]](self.dp_rank, step)
+        if self.proc in case.get("inactive", {}).get(step, ()):
+            kind = "idle"  # SGLang's inactive rank runs nothing; the engine writes its row
+        pool_reqs = [] if kind == "idle" else self.pool.batch(
+            kind, case["k_max"], step, case.get("granularity") == "budget")
         reqs = list(pool_reqs)
         if spec.get("bad_ctx_from") is not None and step >= spec["bad_ctx_from"] and reqs:
             reqs[0] = reqs[0]._replace(ctx_tokens=-5)  # bad input from the engine
-        if case.get("tp_skew", {}).get(step) == proc and reqs:  # a member that sees another batch
-            r0 = reqs[0]
-            reqs[0] = r0._replace(ctx_tokens=r0.ctx_tokens + 1)
-        extra = (64 + (step * 37 + dp_rank * 11) % 300) if kind == "extend" else 0
-        late = spec.get("late", {}).get(step, 0.0)
-        if late:
-            time.sleep(late)
+        if case.get("tp_skew", {}).get(step) == self.proc and reqs:  # a member seeing another batch
+            reqs[0] = reqs[0]._replace(ctx_tokens=reqs[0].ctx_tokens + 1)
+        extra = (64 + (step * 37 + self.dp_rank * 11) % 300) if kind == "extend" else 0
+        return kind, pool_reqs, reqs, extra
+
+    def lens_of(self, res, reqs):
+        default_k = self.case["default_k"]
+        return list(res.verify_len) if res is not None else [default_len(default_k, r.k_cap) for r in reqs]
+
+    def sglang_step(self, step, kind, reqs, extra):
+        k0 = 0 if kind == "no_verify" else self.case["default_k"]
+        default_total = engine_total([default_len(k0, r.k_cap) for r in reqs], extra)
+        payload = self.torch.tensor(sglang_row(kind, default_total), dtype=self.torch.int64).numpy().tobytes()
+        self.sync.step = step
+        t = time.monotonic()
+        if self.bal is None:
+            sr = self.pb.step(None, reqs, payload)
+        else:
+            sr = self.pb.step(self.bal, reqs, payload, kind=kind, extra_tokens=extra)
+        plan_ms = (time.monotonic() - t) * 1e3
+        res = sr.plan
+        engine_tokens = self.sync.gathered[:, 0, :][:, 0].tolist()
+        lens = self.lens_of(res, reqs)
+        # The engine takes every DP rank's num_tokens and the padding from our result where the
+        # result knows them, its own gathered column otherwise.
+        if res is not None and res.result == dpb.SUCCESS:
+            global_tokens = [rt if rt >= 0 else e for rt, e in zip(res.rank_tokens, engine_tokens)]
+            padded = res.padded_tokens
+        else:
+            global_tokens = list(engine_tokens)
+            global_tokens[self.dp_rank] = engine_total(lens, extra)
+            padded = tier_of(self.case.get("tiers") or [], max(global_tokens))
+        return res, plan_ms, dict(engine_rows=engine_tokens, engine_tokens=global_tokens,
+                                  engine_padded=padded)
+
+    def vllm_step(self, kind, reqs, extra):
+        more = {}
+        calls = self.gather.calls if self.bal is not None else 0
+        res = None
+        t = time.monotonic()
+        if self.bal is not None:
+            res = self.bal.plan(reqs, kind=kind, extra_tokens=extra)
+        plan_ms = (time.monotonic() - t) * 1e3
+        if self.bal is None or self.gather.calls == calls:  # the record collective runs anyway
+            try:
+                self.tag(bytes(dpb.RECORD_BYTES), self.case["timeout_ms"])
+            except Exception as e:  # noqa: BLE001 (a broken record group: the engine goes on)
+                more["zero_record_error"] = str(e)[:200]
+        lens = self.lens_of(res, reqs)
+        num_tokens = engine_total(lens, extra)
+        if res is not None and res.result == dpb.SUCCESS and res.rank_tokens[self.dp_rank] >= 0:
+            num_tokens = res.rank_tokens[self.dp_rank]  # the engine fills its sync from our result
+        tensor = vllm_sync_tensor(self.torch, self.dp, self.dp_rank, num_tokens, kind, lens, len(reqs))
+        self.dist.all_reduce(tensor, group=self.engine_group)
+        across = tensor[0].tolist()
+        if all(x == 0 for x in across):
+            padded = 0  # sync_cudagraph_and_dp_padding returns early: no rank has work
+        elif res is not None and res.result == dpb.SUCCESS:
+            padded = res.padded_tokens
+        else:
+            padded = tier_of(self.case.get("tiers") or [], max(across))
+        more.update(engine_tokens=across, engine_padded=padded)
+        return res, plan_ms, more
+
+    def plain_step(self, kind, reqs, extra):
+        """The plugin's all-gather is the step's only collective."""
         res, more = None, {}
         t = time.monotonic()
-        if engine == "sglang":
-            k0 = 0 if kind == "no_verify" else default_k
-            default_total = engine_total([default_len(k0, r.k_cap) for r in reqs], extra)
-            payload = torch.tensor(sglang_row(kind, default_total), dtype=torch.int64).numpy().tobytes()
-            sync.step = step
-            if bal is None:
-                sr = pb.step(None, reqs, payload)
-            else:
-                sr = pb.step(bal, reqs, payload, kind=kind, extra_tokens=extra)
-            plan_ms = (time.monotonic() - t) * 1e3
-            res = sr.plan
-            tp0 = sync.gathered[:, 0, :]
-            engine_tokens = tp0[:, 0].tolist()
-            more["engine_rows"] = engine_tokens
-            lens = list(res.verify_len) if res is not None else [default_len(default_k, r.k_cap) for r in reqs]
-            # The engine takes every DP rank's num_tokens and the padding from our result where
-            # the result knows them, its own gathered column otherwise.
-            if res is not None and res.result == dpb.SUCCESS:
-                global_tokens = [rt if rt >= 0 else e for rt, e in zip(res.rank_tokens, engine_tokens)]
-                padded = res.padded_tokens
-            else:
-                global_tokens = list(engine_tokens)
-                global_tokens[dp_rank] = engine_total(lens, extra)
-                padded = tier_of(case.get("tiers") or [], max(global_tokens))
-            more.update(engine_tokens=global_tokens, engine_padded=padded)
-        elif engine == "vllm":
-            calls = gather.calls if bal is not None else 0
-            if bal is not None:
-                res = bal.plan(reqs, kind=kind, extra_tokens=extra)
-            plan_ms = (time.monotonic() - t) * 1e3
-            if bal is None or gather.calls == calls:  # the record collective runs anyway
-                try:
-                    tag(bytes(dpb.RECORD_BYTES), case["timeout_ms"])
-                except Exception as e:  # noqa: BLE001 (a broken record group: the engine goes on)
-                    more["zero_record_error"] = str(e)[:200]
-            lens = list(res.verify_len) if res is not None else [default_len(default_k, r.k_cap) for r in reqs]
-            num_tokens = engine_total(lens, extra)
-            if res is not None and res.result == dpb.SUCCESS and res.rank_tokens[dp_rank] >= 0:
-                num_tokens = res.rank_tokens[dp_rank]  # the engine fills its sync from our result
-            tensor = vllm_sync_tensor(torch, dp, dp_rank, num_tokens, kind, lens, len(reqs))
-            dist.all_reduce(tensor, group=engine_group)
-            across = tensor[0].tolist()
-            if all(x == 0 for x in across):
-                padded = 0  # sync_cudagraph_and_dp_padding returns early: no rank has work
-            elif res is not None and res.result == dpb.SUCCESS:
-                padded = res.padded_tokens
-            else:
-                padded = tier_of(case.get("tiers") or [], max(across))
-            more.update(engine_tokens=across, engine_padded=padded)
-        else:  # plain: the plugin's all-gather is the step's only collective
-            if bal is not None:
-                res = bal.plan(reqs, kind=kind, extra_tokens=extra)
-            plan_ms = (time.monotonic() - t) * 1e3
-            if res is not None and case.get("granularity") == "budget":
-                # The engine spreads the budget over its requests by draft confidence itself.
-                more["spread_lens"] = spread_budget(reqs, res.verify_budget, res.draft_depth)
-        rec = step_record(step, kind, reqs, extra, res, plan_ms, default_k, **more)
-        out["steps"].append(rec)
-        if bal is not None:
+        if self.bal is not None:
+            res = self.bal.plan(reqs, kind=kind, extra_tokens=extra)
+        plan_ms = (time.monotonic() - t) * 1e3
+        if res is not None and self.case.get("granularity") == "budget":
+            # The engine spreads the budget over its requests by draft confidence itself.
+            more["spread_lens"] = spread_budget(reqs, res.verify_budget, res.draft_depth)
+        return res, plan_ms, more
+
+    def step(self, step, rng):
+        kind, pool_reqs, reqs, extra = self.inputs(step)
+        late = self.spec.get("late", {}).get(step, 0.0)
+        if late:
+            time.sleep(late)
+        if self.engine == "sglang":
+            res, plan_ms, more = self.sglang_step(step, kind, reqs, extra)
+        elif self.engine == "vllm":
+            res, plan_ms, more = self.vllm_step(kind, reqs, extra)
+        else:
+            res, plan_ms, more = self.plain_step(kind, reqs, extra)
+        rec = step_record(step, kind, reqs, extra, res, plan_ms, self.case["default_k"], **more)
+        if self.bal is not None:
             a = attention_us(reqs, rec["lens"], rng.uniform(0, 200))
-            acc = pool.advance(step, pool_reqs, rec["lens"]) if reqs else []
-            rec["report"] = bal.report(a, a + 15000.0, acc)
+            acc = self.pool.advance(step, pool_reqs, rec["lens"]) if reqs else []
+            rec["report"] = self.bal.report(a, a + 15000.0, acc)
         elif reqs:
-            pool.advance(step, pool_reqs, rec["lens"])
-    if bal is not None:
-        out["stats"] = bal.stats()
-        bal.close()
+            self.pool.advance(step, pool_reqs, rec["lens"])
+        return rec
+
+
+def run_case(case, proc, world, plugin, logdir, groups):
+    """Runs one case on this process; returns its record (or None if it takes no part)."""
+    if proc >= len(case["procs"]) or case["procs"][proc] is None:
+        return None
+    cp = CaseProcess(case, proc, groups)
+    out = {"case": case["name"], "proc": proc, "dp_rank": cp.dp_rank, "attn_tp_rank": cp.tp_rank,
+           "steps": [], "error": None, "stats": {}, "init_ms": None}
+    out["error"], out["init_ms"] = cp.load(plugin)
+    out["abi"] = cp.spec.get("abi", 2) if cp.bal is not None else None
+    rng = random.Random(f"{case['seed']}/{proc}/noise")
+    for step in range(case["steps"]):
+        out["steps"].append(cp.step(step, rng))
+    if cp.bal is not None:
+        out["stats"] = cp.bal.stats()
+        cp.bal.close()
     return out
 
 

@@ -15,7 +15,8 @@ engine's per-step sync (its docstring names the engine files, functions and comm
   vllm       vLLM V2's (6, dp) int32 all-reduce, the record in a second gloo all-gather beside
              it; dp=3; a rank late within the timeout, a rank late past it, a disabled rank
   allgather  a plain all-gather (torch_allgather) as the step's only collective; dp=4
-  faults     dp=4 over a plain all-gather: a rank whose init fails, v1 and v2 ranks mixed, a
+  faults     dp=4 over a plain all-gather: a rank whose init fails (and refuses the handshake,
+             so its peers fail at once), v1 and v2 ranks mixed, a
              rank on another config, a callback that returns fewer bytes than asked, one that
              returns more than the receive buffer holds, a receive buffer too small
 Cases: idle ranks, mixed steps (decode, idle, extend, no_verify), string ids, attn-TP members.
@@ -70,14 +71,19 @@ def suites():
     return {
         "sglang": (4, [
             # DP rank 0's attn-TP member 1 sees another context for one request at steps 80-82
-            # (that DP rank falls back on both members, counted as tp_mismatches); DP rank 1's
-            # rows are overwritten by the fallback row at steps 90-94 (inactive): its record
-            # columns arrive as zeros, so every rank falls back for those steps (its total is
-            # unknown to the others), and all plan again from step 95.
+            # (that DP rank falls back on both members, counted as tp_mismatches). DP rank 1's
+            # rows are overwritten by the fallback row at steps 90-94 (inactive), whose record
+            # columns carry the idle row: DP rank 0 keeps balancing (DP rank 1 at 0 tokens,
+            # idle), DP rank 1's members run their defaults. At steps 60-62 DP rank 1's record
+            # columns arrive as zeros (a rank without a working plugin): every rank falls back
+            # for those steps (its total unknown to the others); all plan again after each.
             case("sglang_dp2_attn_tp2", "sglang", 2, sg, attn_tp=2,
-                 inactive={s: (2, 3) for s in range(90, 95)}, tp_skew={s: 1 for s in range(80, 83)},
+                 inactive={s: (2, 3) for s in range(90, 95)},
+                 zero_rows={s: (2, 3) for s in range(60, 63)},
+                 tp_skew={s: 1 for s in range(80, 83)},
                  expect=dict(loose_steps=set(range(80, 83)), tp_mismatch_steps=range(80, 83),
-                             fallback_steps={s: "all" for s in range(90, 95)})),
+                             fallback_steps={**{s: "all" for s in range(60, 63)},
+                                             **{s: {2, 3} for s in range(90, 95)}})),
         ]),
         "vllm": (3, [
             case("vllm_dp3_mixed", "vllm", 3, [spec(d) for d in range(3)]),
@@ -112,9 +118,15 @@ def suites():
                  granularity="budget"),
         ]),
         "faults": (4, [
+            # Rank 2's flags are bad: its init fails, but it joins the handshake with a refusal
+            # naming why, so its peers fail their init at once (well inside DPB_TIMEOUT_MS,
+            # which they used to wait out), each log naming rank 2 and the flag.
             case("faults_init_fails", "plain", 4,
                  [spec(0), spec(1), spec(2, config=CONFIG + ";k_max=nine"), spec(3)], steps=20,
-                 expect=dict(init_fails={0, 1, 2, 3}, log={2: ["k_max", "nine"]})),
+                 expect=dict(init_fails={0, 1, 2, 3}, init_within_timeout=True,
+                             log={2: ["k_max", "nine"],
+                                  **{p: ["rank 2 failed its init: rank 2: flag 'k_max'"]
+                                     for p in (0, 1, 3)}})),
             case("faults_v1_and_v2_ranks", "plain", 4,
                  [spec(0), spec(1), spec(2, abi=1), spec(3, abi=1)], steps=20,
                  expect=dict(init_fails={0, 1, 2, 3},
@@ -154,12 +166,10 @@ class Failures:
         return ok
 
 
-def check_case(c, recs, logs, f):
-    """The per-step contract over the processes that ran the plugin; returns summary figures."""
-    name, dp, tiers = c["name"], c["dp"], c["tiers"] or []
-    exp = c.get("expect", {})
-    planned = [r for r in recs if r["abi"] is not None]
-    # Errors at init, and what they name.
+def check_init(c, recs, logs, f):
+    """Errors at init and what they name, and how long init and plan calls waited; returns
+    (longest plan call, longest init) in ms."""
+    name, exp = c["name"], c.get("expect", {})
     init_fails = exp.get("init_fails", set())
     for r in recs:
         p = r["proc"]
@@ -180,104 +190,120 @@ def check_case(c, recs, logs, f):
             f"{MARGIN_MS}")
     f.check(max_init <= c["timeout_ms"] + MARGIN_MS,
             f"{name}: an init waited {max_init:.0f} ms > DPB_TIMEOUT_MS {c['timeout_ms']} + {MARGIN_MS}")
-    balanced = fallbacks = 0
-    for step in range(c["steps"]):
-        rows = [(r, r["steps"][step]) for r in planned]
-        if not rows:
-            continue
-        where = f"{name} step {step}"
-        depths = {s["depth"] for _, s in rows}
-        f.check(len(depths) == 1, f"{where}: draft depths differ: "
-                + ", ".join(f"p{r['proc']}={s['depth']}({s['result']})" for r, s in rows))
-        # The padded size is agreed by the processes whose exchange went through (every total
-        # known); after a failed exchange the engine runs its own sync (the header).
-        exchanged = [(r, s) for r, s in rows if all(t >= 0 for t in s["rank_tokens"])]
-        padded = {s["padded"] for _, s in exchanged}
-        f.check(len(padded) <= 1, f"{where}: padded sizes differ: "
-                + ", ".join(f"p{r['proc']}={s['padded']}" for r, s in exchanged))
-        for d in range(dp):
-            known = {s["rank_tokens"][d] for _, s in rows if s["rank_tokens"][d] >= 0}
-            f.check(len(known) <= 1, f"{where}: DP rank {d}'s token total differs: "
-                    + ", ".join(f"p{r['proc']}={s['rank_tokens'][d]}" for r, s in rows))
-        ok_all = all(s["result"] == dpb.SUCCESS for _, s in rows)
-        for r, s in rows:
-            p, d = r["proc"], r["dp_rank"]
-            w = f"{where} process {p} (DP rank {d})"
-            if tiers and s["rank_flags"][d] & dpb.RANK_PLANNED:
-                # A planned rank runs the agreed tier (plus its prefill): its own verify work
-                # stays within it and padding rows make up the rest (the v2 header).
-                f.check(s["own_total"] <= s["rank_tokens"][d],
-                        f"{w}: own total sum(1+verify_len)+extra = {s['own_total']} is above "
-                        f"its padded size {s['rank_tokens'][d]}")
-            else:
-                f.check(s["rank_tokens"][d] == s["own_total"],
-                        f"{w}: own total sum(1+verify_len)+extra = {s['own_total']}, rank_tokens "
-                        f"says {s['rank_tokens'][d]}")
-            f.check(s["budget"] == sum(s["lens"]), f"{w}: verify_budget {s['budget']} != "
-                    f"sum(verify_len) {sum(s['lens'])}")
-            for i, (k, lo, cap) in enumerate(zip(s["lens"], s["mins"], s["caps"])):
-                hi = 0 if s["kind"] == "no_verify" else cap
-                f.check(min(lo, hi) <= k <= hi, f"{w}: verify_len[{i}] = {k} outside "
-                        f"[{min(lo, hi)}, {hi}] ({s['kind']})")
-            if s["result"] != dpb.SUCCESS:
-                fallbacks += 1
-                for i, (k, cap) in enumerate(zip(s["lens"], s["caps"])):
-                    want = 0 if s["kind"] == "no_verify" else min(3, cap)
-                    f.check(k <= want, f"{w}: result {s['result']} but verify_len[{i}] = {k} > "
-                            f"the default {want}")
-            else:
-                balanced += s["balanced"]
-            f.check(s["balanced"] or s["result"] != dpb.SUCCESS or s["kind"] in ("idle", "no_verify"),
-                    f"{w}: not balanced, yet dpbSuccess ({s['kind']})")
-            flags = s["rank_flags"]
-            for dd in range(dp):
-                f.check((s["rank_tokens"][dd] < 0) == bool(flags[dd] & dpb.RANK_UNKNOWN),
-                        f"{w}: DP rank {dd} total {s['rank_tokens'][dd]} with flags {flags[dd]}")
-            own = flags[d]
-            want_bit = {"idle": dpb.RANK_IDLE, "extend": dpb.RANK_EXTEND,
-                        "no_verify": dpb.RANK_NO_VERIFY}.get(s["kind"])
-            if want_bit:
-                f.check(own & want_bit, f"{w}: kind {s['kind']} but its own flags are {own}")
-            any_flags = 0
-            for x in flags:
-                any_flags |= x
-            f.check(s["any_flags"] == any_flags, f"{w}: any_rank_flags {s['any_flags']} != OR "
-                    f"{any_flags}")
-            if all(t >= 0 for t in s["rank_tokens"]):
-                want = tier_of(tiers, max(s["rank_tokens"]))
-                f.check(s["padded"] == want, f"{w}: padded {s['padded']}, the smallest tier >= "
-                        f"max{s['rank_tokens']} is {want}")
-            if "engine_tokens" in s and s["result"] == dpb.SUCCESS:
-                for dd in range(dp):
-                    if s["rank_tokens"][dd] >= 0:
-                        f.check(s["engine_tokens"][dd] == s["rank_tokens"][dd],
-                                f"{w}: the engine's sync says DP rank {dd} runs "
-                                f"{s['engine_tokens'][dd]} tokens, our result "
-                                f"{s['rank_tokens'][dd]}")
-                if max(s["engine_tokens"]) > 0:
-                    f.check(s["engine_padded"] == s["padded"],
-                            f"{w}: engine padded {s['engine_padded']} != ours {s['padded']}")
-            if "spread_lens" in s:
-                f.check(s["spread_lens"] == s["lens"], f"{w}: the engine's spread of budget "
-                        f"{s['budget']} by confidence is {s['spread_lens']}, the plan {s['lens']}")
-        # attn-TP members of one DP rank: the same plan.
-        for d in range(dp):
-            members = [s for r, s in rows if r["dp_rank"] == d]
-            f.check(len({tuple(s["lens"]) for s in members}) <= 1,
-                    f"{where}: attn-TP members of DP rank {d} got different lengths: "
-                    + ", ".join(str(s["lens"]) for s in members))
-        fb = exp.get("fallback_steps", {}).get(step)
-        if fb == "all" or (exp.get("all_fail_from") is not None and step >= exp["all_fail_from"]):
-            f.check(all(s["result"] != dpb.SUCCESS for _, s in rows),
-                    f"{where}: expected every rank to fall back, results "
-                    + str([s["result"] for _, s in rows]))
-        elif step < exp.get("healthy_until", c["steps"]) and fb is None and \
-                step not in exp.get("loose_steps", ()):
-            # A healthy step: every process succeeds (balanced or by design).
-            f.check(ok_all, f"{where}: a healthy step fell back: "
-                    + str([(r["proc"], s["result"]) for r, s in rows]))
-    # Every fallback counted: the plugin's own figures account for every plan call, and every
-    # step it did not balance is one the engine was told about (a non-success result).
+    if exp.get("init_within_timeout"):  # nobody waited the timeout out
+        f.check(max_init < c["timeout_ms"],
+                f"{name}: an init waited {max_init:.0f} ms, DPB_TIMEOUT_MS {c['timeout_ms']} or more")
+    return max_ms, max_init
+
+
+def check_agreement(c, where, rows, f):
+    """One step's depth, padded size and every DP rank's total agree across the processes."""
+    depths = {s["depth"] for _, s in rows}
+    f.check(len(depths) == 1, f"{where}: draft depths differ: "
+            + ", ".join(f"p{r['proc']}={s['depth']}({s['result']})" for r, s in rows))
+    # The padded size is agreed by the processes whose exchange went through (every total
+    # known); after a failed exchange the engine runs its own sync (the header).
+    exchanged = [(r, s) for r, s in rows if all(t >= 0 for t in s["rank_tokens"])]
+    padded = {s["padded"] for _, s in exchanged}
+    f.check(len(padded) <= 1, f"{where}: padded sizes differ: "
+            + ", ".join(f"p{r['proc']}={s['padded']}" for r, s in exchanged))
+    for d in range(c["dp"]):
+        known = {s["rank_tokens"][d] for _, s in rows if s["rank_tokens"][d] >= 0}
+        f.check(len(known) <= 1, f"{where}: DP rank {d}'s token total differs: "
+                + ", ".join(f"p{r['proc']}={s['rank_tokens'][d]}" for r, s in rows))
+    # attn-TP members of one DP rank: the same plan.
+    for d in range(c["dp"]):
+        members = [s for r, s in rows if r["dp_rank"] == d]
+        f.check(len({tuple(s["lens"]) for s in members}) <= 1,
+                f"{where}: attn-TP members of DP rank {d} got different lengths: "
+                + ", ".join(str(s["lens"]) for s in members))
+
+
+def check_lengths(w, s, d, tiers, f):
+    """One process's lengths against its caps, floors, defaults and totals; returns whether the
+    step fell back (a non-success result)."""
+    if tiers and s["rank_flags"][d] & dpb.RANK_PLANNED:
+        # A planned rank runs the agreed tier (plus its prefill): its own verify work stays
+        # within it and padding rows make up the rest (the v2 header).
+        f.check(s["own_total"] <= s["rank_tokens"][d],
+                f"{w}: own total sum(1+verify_len)+extra = {s['own_total']} is above "
+                f"its padded size {s['rank_tokens'][d]}")
+    else:
+        f.check(s["rank_tokens"][d] == s["own_total"],
+                f"{w}: own total sum(1+verify_len)+extra = {s['own_total']}, rank_tokens "
+                f"says {s['rank_tokens'][d]}")
+    f.check(s["budget"] == sum(s["lens"]), f"{w}: verify_budget {s['budget']} != "
+            f"sum(verify_len) {sum(s['lens'])}")
+    for i, (k, lo, cap) in enumerate(zip(s["lens"], s["mins"], s["caps"])):
+        hi = 0 if s["kind"] == "no_verify" else cap
+        f.check(min(lo, hi) <= k <= hi, f"{w}: verify_len[{i}] = {k} outside "
+                f"[{min(lo, hi)}, {hi}] ({s['kind']})")
+    if s["result"] == dpb.SUCCESS:
+        return False
+    for i, (k, cap) in enumerate(zip(s["lens"], s["caps"])):
+        want = 0 if s["kind"] == "no_verify" else min(3, cap)
+        f.check(k <= want, f"{w}: result {s['result']} but verify_len[{i}] = {k} > "
+                f"the default {want}")
+    return True
+
+
+def check_flags_and_engine(w, s, d, dp, tiers, f):
+    """One process's rank flags and padded size, and the engine's own sync against them."""
+    f.check(s["balanced"] or s["result"] != dpb.SUCCESS or s["kind"] in ("idle", "no_verify"),
+            f"{w}: not balanced, yet dpbSuccess ({s['kind']})")
+    flags = s["rank_flags"]
+    for dd in range(dp):
+        f.check((s["rank_tokens"][dd] < 0) == bool(flags[dd] & dpb.RANK_UNKNOWN),
+                f"{w}: DP rank {dd} total {s['rank_tokens'][dd]} with flags {flags[dd]}")
+    want_bit = {"idle": dpb.RANK_IDLE, "extend": dpb.RANK_EXTEND,
+                "no_verify": dpb.RANK_NO_VERIFY}.get(s["kind"])
+    if want_bit:
+        f.check(flags[d] & want_bit, f"{w}: kind {s['kind']} but its own flags are {flags[d]}")
+    any_flags = 0
+    for x in flags:
+        any_flags |= x
+    f.check(s["any_flags"] == any_flags, f"{w}: any_rank_flags {s['any_flags']} != OR {any_flags}")
+    if all(t >= 0 for t in s["rank_tokens"]):
+        want = tier_of(tiers, max(s["rank_tokens"]))
+        f.check(s["padded"] == want, f"{w}: padded {s['padded']}, the smallest tier >= "
+                f"max{s['rank_tokens']} is {want}")
+    if "engine_tokens" in s and s["result"] == dpb.SUCCESS:
+        for dd in range(dp):
+            if s["rank_tokens"][dd] >= 0:
+                f.check(s["engine_tokens"][dd] == s["rank_tokens"][dd],
+                        f"{w}: the engine's sync says DP rank {dd} runs {s['engine_tokens'][dd]} "
+                        f"tokens, our result {s['rank_tokens'][dd]}")
+        if max(s["engine_tokens"]) > 0:
+            f.check(s["engine_padded"] == s["padded"],
+                    f"{w}: engine padded {s['engine_padded']} != ours {s['padded']}")
+    if "spread_lens" in s:
+        f.check(s["spread_lens"] == s["lens"], f"{w}: the engine's spread of budget "
+                f"{s['budget']} by confidence is {s['spread_lens']}, the plan {s['lens']}")
+
+
+def check_expected(c, step, where, rows, f):
+    """The step's expected outcome: every process falls back ("all"), the listed processes fall
+    back and the others succeed (a set), or, on a healthy step, every process succeeds."""
+    exp = c.get("expect", {})
+    fb = exp.get("fallback_steps", {}).get(step)
+    if fb == "all" or (exp.get("all_fail_from") is not None and step >= exp["all_fail_from"]):
+        f.check(all(s["result"] != dpb.SUCCESS for _, s in rows),
+                f"{where}: expected every rank to fall back, results "
+                + str([s["result"] for _, s in rows]))
+    elif fb is not None:
+        f.check(all((s["result"] != dpb.SUCCESS) == (r["proc"] in fb) for r, s in rows),
+                f"{where}: expected processes {sorted(fb)} to fall back, the others to succeed: "
+                + str([(r["proc"], s["result"]) for r, s in rows]))
+    elif step < exp.get("healthy_until", c["steps"]) and step not in exp.get("loose_steps", ()):
+        # A healthy step: every process succeeds (balanced or by design).
+        f.check(all(s["result"] == dpb.SUCCESS for _, s in rows), f"{where}: a healthy step fell "
+                "back: " + str([(r["proc"], s["result"]) for r, s in rows]))
+
+
+def check_counts(c, planned, f):
+    """Every fallback counted: the plugin's own figures account for every plan call, and every
+    step it did not balance is one the engine was told about (a non-success result)."""
+    name, exp = c["name"], c.get("expect", {})
     for r in planned:
         st, steps = r["stats"], r["steps"]
         w = f"{name} process {r['proc']}"
@@ -294,12 +320,34 @@ def check_case(c, recs, logs, f):
         f.check(st.get("missing_reports", 0) == 0, f"{w}: {st.get('missing_reports')} missing "
                 f"reports, yet every plan was reported")
     tp = exp.get("tp_mismatch_steps")
-    if tp:
-        for r in planned:
-            if r["dp_rank"] == 0:
-                f.check(r["stats"].get("tp_mismatches", 0) >= len(tp),
-                        f"{name} process {r['proc']}: tp_mismatches "
-                        f"{r['stats'].get('tp_mismatches')} < {len(tp)}")
+    for r in planned if tp else ():
+        if r["dp_rank"] == 0:
+            f.check(r["stats"].get("tp_mismatches", 0) >= len(tp),
+                    f"{name} process {r['proc']}: tp_mismatches "
+                    f"{r['stats'].get('tp_mismatches')} < {len(tp)}")
+
+
+def check_case(c, recs, logs, f):
+    """The per-step contract over the processes that ran the plugin; returns summary figures."""
+    name, dp, tiers = c["name"], c["dp"], c["tiers"] or []
+    planned = [r for r in recs if r["abi"] is not None]
+    max_ms, max_init = check_init(c, recs, logs, f)
+    balanced = fallbacks = 0
+    for step in range(c["steps"]):
+        rows = [(r, r["steps"][step]) for r in planned]
+        if not rows:
+            continue
+        where = f"{name} step {step}"
+        check_agreement(c, where, rows, f)
+        for r, s in rows:
+            w = f"{where} process {r['proc']} (DP rank {r['dp_rank']})"
+            if check_lengths(w, s, r["dp_rank"], tiers, f):
+                fallbacks += 1
+            else:
+                balanced += s["balanced"]
+            check_flags_and_engine(w, s, r["dp_rank"], dp, tiers, f)
+        check_expected(c, step, where, rows, f)
+    check_counts(c, planned, f)
     return dict(max_ms=max_ms, max_init=max_init, balanced=balanced, fallbacks=fallbacks,
                 procs=len(recs), planned=len(planned))
 

@@ -1,5 +1,12 @@
 #include "flags.h"
 
+#include <cmath>
+#include <fstream>
+#include <regex>
+#include <set>
+#include <sstream>
+
+#include "absl/strings/str_format.h"
 #include "gtest/gtest.h"
 
 namespace dpbalance::plugin {
@@ -114,6 +121,83 @@ TEST(Flags, BadValueMessagesNameFlagSourceAndValue) {
   ASSERT_FALSE(f.ok());
   EXPECT_EQ(f.status().message(),
             "flag 'tiers' in the config string: '8,-1' is not a comma list of positive token counts");
+}
+
+
+// A numeric flag's documented range (docs/flags.md, "lo..hi", both ends included). "k_max" as
+// a bound means the k_max flag's value.
+struct DocumentedRange {
+  std::string flag;     // lower case, no prefix
+  std::string lo, hi;   // as written
+};
+
+// Every row of docs/flags.md's tables whose "unit / values" column gives a range.
+std::vector<DocumentedRange> DocumentedRanges(std::set<std::string>* listed) {
+  std::ifstream in(DPB_FLAGS_DOC);
+  EXPECT_TRUE(in) << "cannot read " << DPB_FLAGS_DOC;
+  const std::regex row(R"(^\| `DPB_([A-Z0-9_]+)` \|[^|]*\|([^|]*)\|)");
+  const std::string num = R"(-?[0-9]+(?:\.[0-9]+)?(?:e[-+]?[0-9]+)?)";
+  const std::regex range("(" + num + "|k_max)\\.\\.(" + num + "|k_max)");
+  std::vector<DocumentedRange> out;
+  std::string line;
+  while (std::getline(in, line)) {
+    std::smatch m, r;
+    if (!std::regex_search(line, m, row)) continue;
+    std::string flag = m[1];
+    for (char& c : flag) c = static_cast<char>(std::tolower(c));
+    if (flag == "plugin") continue;  // the host's variable
+    listed->insert(flag);
+    const std::string values = m[2];
+    if (std::regex_search(values, r, range)) out.push_back({flag, r[1], r[2]});
+  }
+  return out;
+}
+
+// The value just outside a bound: the next integer, or for a real-valued flag the next double.
+std::string Beyond(const std::string& bound, bool integer, double direction) {
+  const double b = std::stod(bound);
+  if (integer) return absl::StrFormat("%d", static_cast<int64_t>(b + direction));
+  return absl::StrFormat("%.17g", std::nextafter(b, direction * INFINITY));
+}
+
+// Every numeric DPB_* flag accepts both ends of its documented range and refuses the values
+// just outside them, naming the flag and the value; every flag is documented, and every one not
+// listed below as a word, list or path has a range in the table.
+TEST(Flags, EveryNumericFlagTakesItsDocumentedRangeAndNothingOutside) {
+  std::set<std::string> listed;
+  const std::vector<DocumentedRange> ranges = DocumentedRanges(&listed);
+  const std::set<std::string> non_numeric = {"mode",      "tiers",   "granularity",  "cost_model",
+                                             "grid_sim",  "backend", "group",        "log_level",
+                                             "metrics_file", "routing", "group_choice"};
+  std::set<std::string> with_range;
+  for (const DocumentedRange& d : ranges) with_range.insert(d.flag);
+  for (const std::string& flag : FlagNames()) {
+    EXPECT_TRUE(listed.count(flag)) << "DPB_" << flag << " is not in docs/flags.md";
+    EXPECT_TRUE(non_numeric.count(flag) || with_range.count(flag))
+        << "DPB_" << flag << ": docs/flags.md gives no lo..hi range";
+  }
+  EXPECT_EQ(ranges.size(), FlagNames().size() - non_numeric.size());  // one row each
+  for (const DocumentedRange& d : ranges) {
+    // k_max at its largest, so a bound of "k_max" is a number too (and default_k at 0 while
+    // k_max itself is tried, so it may go down to 0).
+    const std::string k_max = d.flag == "k_max" ? "default_k=0;" : "k_max=8;";
+    const std::string lo = d.lo == "k_max" ? "8" : d.lo, hi = d.hi == "k_max" ? "8" : d.hi;
+    auto parse = [&](const std::string& v) { return ParseFlags({}, k_max + d.flag + "=" + v); };
+    // Integer flags refuse a value between two integers inside the range.
+    const double mid = 0.5 * (std::stod(lo) + std::stod(hi));
+    const bool integer = !parse(absl::StrFormat("%.17g", std::floor(mid) + 0.5)).ok();
+    for (const std::string& end : {lo, hi}) {
+      absl::StatusOr<PluginFlags> f = parse(end);
+      EXPECT_TRUE(f.ok()) << d.flag << "=" << end << " (a documented end): " << f.status();
+    }
+    for (const std::string& out : {Beyond(lo, integer, -1), Beyond(hi, integer, +1)}) {
+      absl::StatusOr<PluginFlags> f = parse(out);
+      ASSERT_FALSE(f.ok()) << d.flag << "=" << out << " is outside " << d.lo << ".." << d.hi
+                           << " yet accepted";
+      EXPECT_NE(f.status().message().find("'" + d.flag + "'"), std::string::npos) << f.status();
+      EXPECT_NE(f.status().message().find("'" + out + "'"), std::string::npos) << f.status();
+    }
+  }
 }
 
 }  // namespace

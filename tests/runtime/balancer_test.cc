@@ -381,6 +381,104 @@ class OrderedMember : public AllGather {
 
 std::unique_ptr<AllGather> OrderedGroup::Join(int rank) { return std::make_unique<OrderedMember>(this, rank); }
 
+// The engine's own sync carries the records and overwrites one rank's row itself: on the steps
+// `rows(step)` names, with the idle row (an idle rank, SGLang's fallback row) or with zeros (a
+// rank without a working plugin). Call 0 is the handshake, call s + 1 step s.
+class EngineRows : public AllGather {
+ public:
+  using Rows = std::function<const RankSummary*(int64_t step)>;
+  EngineRows(std::unique_ptr<AllGather> inner, int row, Rows rows)
+      : inner_(std::move(inner)), row_(row), rows_(std::move(rows)) {}
+  int num_ranks() const override { return inner_->num_ranks(); }
+  int rank() const override { return inner_->rank(); }
+  size_t record_bytes() const override { return inner_->record_bytes(); }
+  bool healthy() const override { return inner_->healthy(); }
+  std::string name() const override { return "engine-rows(" + inner_->name() + ")"; }
+  absl::Status Gather(absl::Span<const uint8_t> send, absl::Span<uint8_t> recv, absl::Duration timeout) override {
+    const int64_t call = calls_++;
+    absl::Status s = inner_->Gather(send, recv, timeout);
+    if (const RankSummary* r = call > 0 ? rows_(call - 1) : nullptr; s.ok() && r != nullptr) {
+      std::memcpy(recv.data() + row_ * sizeof(RankSummary), r, sizeof(RankSummary));
+    }
+    return s;
+  }
+
+ private:
+  std::unique_ptr<AllGather> inner_;
+  int row_;
+  Rows rows_;
+  int64_t calls_ = 0;
+};
+
+// Issue #34: an idle rank's row (IdleRowRecord) is a rank with zero cost that plans nothing: the
+// others keep balancing, see its total as 0 tokens and its flags as idle, and no rank counts a
+// failure; the rank whose row it is runs its defaults. An all-zero row (a rank without a working
+// plugin) still pauses balancing on every rank for that step, its total unknown.
+TEST(Balancer, AnIdleRowPlansNothingWhileAZeroRowStillPausesEveryRank) {
+  constexpr int kRanks = 4, kSteps = 24, kRow = 3;
+  const RankSummary idle = IdleRowRecord(), zeros{};
+  auto rows = [&](int64_t step) -> const RankSummary* {
+    if (step >= 5 && step < 10) return &idle;
+    if (step >= 15 && step < 20) return &zeros;
+    return nullptr;
+  };
+  auto group = *InProcessGroup::Create(kRanks, sizeof(RankSummary));
+  std::vector<std::vector<PlanOutcome>> outcomes(kRanks);
+  std::vector<std::vector<StepTotals>> totals(kRanks);
+  std::vector<BalancerStats> stats(kRanks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      auto b = Balancer::Create(Config(kRanks), r, std::make_unique<EngineRows>(*group->Join(r), kRow, rows));
+      ASSERT_TRUE(b.ok()) << b.status();
+      std::mt19937_64 rng(r);
+      for (int s = 0; s < kSteps; ++s) {
+        const std::vector<BalancerRequest> batch = Normal(r, s, rng);
+        std::vector<int32_t> v(batch.size());
+        StepTotals t;
+        StepInput in;
+        in.batch = batch;
+        outcomes[r].push_back((*b)->Plan(in, absl::MakeSpan(v), &t));
+        totals[r].push_back(t);
+        std::vector<BalancerAccepted> acc;
+        for (size_t i = 0; i < batch.size(); ++i) acc.push_back({batch[i].request_id, v[i], v[i] / 2, false});
+        (*b)->Report(20000 + 100 * r, 60000, acc).IgnoreError();
+      }
+      stats[r] = (*b)->Stats();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int s = 0; s < kSteps; ++s) {
+    const bool idle_row = s >= 5 && s < 10, zero_row = s >= 15 && s < 20;
+    for (int r = 0; r < kRanks; ++r) {
+      const std::string where = "rank " + std::to_string(r) + " step " + std::to_string(s);
+      const PlanOutcome& o = outcomes[r][s];
+      EXPECT_EQ(o.draft_depth, outcomes[0][s].draft_depth) << where;
+      if (zero_row || (idle_row && r == kRow)) {
+        EXPECT_FALSE(o.balanced) << where;
+        EXPECT_FALSE(o.status.ok()) << where;
+      } else {
+        EXPECT_TRUE(o.balanced) << where << ": " << o.status;
+      }
+      const StepTotals& t = totals[r][s];
+      ASSERT_TRUE(t.known) << where;
+      if (idle_row && r != kRow) {
+        EXPECT_EQ(t.rank_tokens[kRow], 0) << where;
+        EXPECT_EQ(t.rank_flags[kRow], kSummaryIdle) << where;
+      }
+      if (zero_row && r != kRow) {
+        EXPECT_EQ(t.rank_tokens[kRow], -1) << where;
+      }
+    }
+  }
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_TRUE(stats[r].enabled) << "rank " << r << ": " << stats[r].disabled_reason;
+    // Balanced: every step but the paused ones (and the idle row's own, for that rank).
+    EXPECT_EQ(stats[r].balanced_steps, kSteps - 5 - (r == kRow ? 5 : 0)) << "rank " << r;
+    EXPECT_GT(stats[r].goodput_tok_per_s, 0) << "rank " << r;
+  }
+}
+
 TEST(Balancer, OnAnOrderedBackendADisabledRankStillJoinsEveryStep) {
   // At step 2 rank 3 calls late: its call is held until ranks 0-2 have timed out (their step-2
   // call gets a 1 ms timeout, every other call the config's 20 s). With
@@ -412,6 +510,37 @@ TEST(Balancer, OnAnOrderedBackendADisabledRankStillJoinsEveryStep) {
   for (int r = 0; r < 4; ++r) {
     EXPECT_FALSE(logs[r].enabled) << "rank " << r;
     for (int s = 3; s < 8; ++s) EXPECT_EQ(logs[r].depth[s], 1) << "rank " << r << " step " << s;
+  }
+}
+
+// A rank whose init failed (Balancer::Refuse) still joins the handshake: its peers disable at
+// once, naming it and why, instead of waiting out their 20 s timeout.
+TEST(Balancer, ARefusingRankDisablesItsPeersAtOnceNamingWhy) {
+  constexpr int kRanks = 4;
+  auto group = *InProcessGroup::Create(kRanks, sizeof(RankSummary));
+  std::vector<std::string> reasons(kRanks);
+  std::vector<double> waited_s(kRanks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      const auto start = std::chrono::steady_clock::now();
+      if (r == 2) {
+        EXPECT_TRUE(Balancer::Refuse(*group->Join(r), kRanks, 1, 1, absl::Seconds(20),
+                                     "rank 2: flag 'k_max' in the config string: 'nine'").ok());
+      } else {
+        auto b = Balancer::Create(Config(kRanks), r, *group->Join(r));
+        ASSERT_TRUE(b.ok()) << b.status();
+        EXPECT_FALSE((*b)->enabled());
+        reasons[r] = (*b)->Stats().disabled_reason;
+      }
+      waited_s[r] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r : {0, 1, 3}) {
+    EXPECT_NE(reasons[r].find("rank 2 failed its init: rank 2: flag 'k_max'"), std::string::npos)
+        << "rank " << r << ": " << reasons[r];
+    EXPECT_LT(waited_s[r], 5) << "rank " << r;  // the timeout is 20 s
   }
 }
 
@@ -629,7 +758,9 @@ TEST(BalancerReports, ExtendStepsNeitherRefitNorCountAsModelError) {
   for (int step = 0; step < 20; ++step) run(/*extend=*/true);
   EXPECT_EQ(b->Stats().predicted_error, 0);
   EXPECT_EQ(b->model().weights_us(), before);
-  run(/*extend=*/false);
+  // Decode steps refit (the cold start moves the level off the starting model at its third
+  // observation: OnlineCostModel).
+  for (int step = 0; step < 3; ++step) run(/*extend=*/false);
   EXPECT_GT(b->Stats().predicted_error, 0.9);  // |p - 100 p| / 100 p
   EXPECT_NE(b->model().weights_us(), before);
 }

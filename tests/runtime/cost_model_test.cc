@@ -3,6 +3,8 @@
 
 #include <random>
 
+#include "absl/strings/str_cat.h"
+
 #include "gtest/gtest.h"
 
 namespace dpbalance {
@@ -92,6 +94,69 @@ TEST(CostModel, RegimeAndKneeFeatures) {
   EXPECT_EQ(FeatureName(FeatureIndex(Regime::kMultiQuery, CostTerm::kKnee0, 3)), "multi_knee_128");
   EXPECT_EQ(FeatureName(FeatureIndex(Regime::kBase, CostTerm::kWavePairs0, 1)), "wave_pairs_w2");
   EXPECT_EQ(FeatureName(FeatureIndex(Regime::kSingleQuery, CostTerm::kConstant)), "single_constant");
+}
+
+// Every term of every kernel path counts: with every weight nonzero (base and both paths'
+// extras, plain, hinge and grid terms), AttentionUs is the weights times the features, and the
+// features are the terms written out from the batch here (the grid terms as simulated). Run on
+// the split-KV decode path (every q_i = 1) and the verify path, without a grid and with each
+// named kernel grid.
+TEST(CostModel, AttentionIsTheWeightsTimesTheFeaturesOnEveryPath) {
+  std::mt19937_64 rng(29);
+  std::uniform_real_distribution<double> weight(0.5, 2.0);
+  for (const char* grid_name : {"none", "fa2-packed-h200", "fa2-gqa-h200"}) {
+    CostModel::Weights w;
+    for (double& x : w) x = weight(rng);
+    const absl::StatusOr<CostModel> m = CostModel::Create(w, "all-terms", *KernelGrid::Named(grid_name));
+    ASSERT_TRUE(m.ok()) << m.status();
+    for (bool verify : {false, true}) {
+      std::vector<RequestLoad> batch;
+      for (int i = 0; i < 20; ++i) {
+        batch.push_back({static_cast<int64_t>(50 + rng() % 60000), verify ? 1 + static_cast<int32_t>(rng() % 8) : 1});
+      }
+      const BatchAggregates agg = m->Aggregate(batch);
+      ASSERT_EQ(agg.multi_query, verify);
+      // The terms from the batch itself.
+      double b = 0, q = 0, c = 0, k = 0, max_c = 0, max_k = 0;
+      for (const RequestLoad& r : batch) {
+        const double ctx = static_cast<double>(r.ctx_tokens);
+        b += 1;
+        q += r.query_tokens;
+        c += r.query_tokens * ctx;
+        k += ctx;
+        max_c = std::max(max_c, r.query_tokens * ctx);
+        max_k = std::max(max_k, ctx);
+      }
+      std::array<double, kNumCostTerms> term{};
+      const double plain[kNumPlainTerms] = {1, b, q, c, k, max_c, max_k};
+      std::copy(std::begin(plain), std::end(plain), term.begin());
+      for (int j = 0; j < 8; ++j) {
+        term[static_cast<int>(CostTerm::kWaveKeys0) + j] = std::max(k / kWaveWidths[j], max_k);
+        term[static_cast<int>(CostTerm::kWavePairs0) + j] = std::max(c / kWaveWidths[j], max_k);
+      }
+      for (int j = 0; j < 6; ++j) term[static_cast<int>(CostTerm::kKnee0) + j] = std::max(0.0, q - kKneeTokens[j]);
+      const bool grid = m->kernel_grid().enabled();
+      ASSERT_EQ(agg.grid.valid, grid);
+      for (int j = 0; j < kNumGridTerms && grid; ++j) {
+        term[static_cast<int>(CostTerm::kGrid0) + j] = agg.grid.at_ref[verify ? 1 : 0][j];
+      }
+      const CostModel::Weights x = m->Features(agg);
+      const int extra = static_cast<int>(verify ? Regime::kMultiQuery : Regime::kSingleQuery);
+      const int other = static_cast<int>(verify ? Regime::kSingleQuery : Regime::kMultiQuery);
+      double want = 0, dot = 0;
+      for (int t = 0; t < kNumCostTerms; ++t) {
+        const std::string what = absl::StrCat(grid_name, verify ? " verify " : " decode ", FeatureName(t));
+        EXPECT_DOUBLE_EQ(x[t], term[t]) << what;
+        EXPECT_DOUBLE_EQ(x[extra * kNumCostTerms + t], term[t]) << what;
+        EXPECT_EQ(x[other * kNumCostTerms + t], 0) << what;
+        want += (w[t] + w[extra * kNumCostTerms + t]) * term[t];
+      }
+      for (int f = 0; f < kNumCostFeatures; ++f) dot += w[f] * x[f];
+      EXPECT_NEAR(m->AttentionUs(agg), want, 1e-12 * want) << grid_name << (verify ? " verify" : " decode");
+      EXPECT_NEAR(m->AttentionUs(agg), dot, 1e-12 * dot) << grid_name << (verify ? " verify" : " decode");
+      EXPECT_NEAR(m->AttentionUs(batch), want, 1e-12 * want) << grid_name;
+    }
+  }
 }
 
 TEST(CostModel, JsonRoundTripAndErrors) {

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -159,6 +160,12 @@ class Balancer {
  public:
   static absl::StatusOr<std::unique_ptr<Balancer>> Create(BalancerConfig config, int rank,
                                                           std::unique_ptr<AllGather> comm);
+  // A rank whose init failed (a bad flag) once its group was known: it joins the peers'
+  // handshake on `comm` with a refusal carrying `why`, so every peer's Create fails the
+  // handshake at once, naming this rank and why, instead of waiting `timeout` for it. Returns
+  // the exchange's status (the peers may have given up already).
+  static absl::Status Refuse(std::unique_ptr<AllGather> comm, int num_ranks, int attn_tp_size,
+                             int abi_version, absl::Duration timeout, std::string_view why);
   ~Balancer();
 
   PlanOutcome Plan(absl::Span<const BalancerRequest> batch, int64_t kv_free_tokens,
@@ -202,6 +209,9 @@ class Balancer {
   absl::Status Exchange(const RankSummary& send, absl::Duration timeout);
   PlanOutcome PlanStep(const StepInput& step, absl::Span<int32_t> verify_len, absl::Status local,
                        StepTotals* totals);
+  // Idle rows (IdleRowRecord) in gathered_ into records of this config that plan nothing, and
+  // which DP ranks sent one (idle_rows_).
+  void ReadIdleRows();
   // The DP ranks' records of the exchange: gathered_ itself, or with attention TP each DP rank's
   // member 0, marked unusable where its members' digests differ.
   absl::Span<const RankSummary> DpRecords() const;
@@ -227,6 +237,17 @@ class Balancer {
   // Returns the decision it applied (null when it fell back).
   const GlobalDecision* DecideAndAssign(absl::Span<const BalancerRequest> batch,
                                         absl::Span<int32_t> verify_len, PlanOutcome& out);
+  // Before the exchange only this rank's own total (of `own_len`, its defaults) is known.
+  void StartTotals(const StepInput& in, absl::Span<const int32_t> own_len, StepTotals* totals) const;
+  // After the exchange: true when a peer's record ends the step before planning (a disabled
+  // peer disables this rank too; an empty record pauses balancing for the step), with `out`
+  // and `totals` filled.
+  bool PeersStopStep(const StepInput& in, absl::Span<const int32_t> own_len, PlanOutcome& out,
+                     StepTotals* totals);
+  // This rank's own input failed (`local`), or the engine sent an idle row for it: its
+  // defaults, at the depth the others agree on (a failure counted only in the first case).
+  void FailLocally(const absl::Status& local, bool arm_on, const StepInput& in,
+                   absl::Span<const int32_t> own_len, PlanOutcome& out, StepTotals* totals);
   // Disabled, on an ordered backend or with always_exchange: join this step's exchange with a
   // record marked kSummaryDisabled that still carries this rank's token total.
   void KeepInStep(const StepInput& in, absl::Span<const int32_t> fallback_len,
@@ -259,6 +280,7 @@ class Balancer {
   std::vector<PlanRequest> plan_batch_;
   std::vector<RankSummary> gathered_;  // the group's records: num_ranks x attn_tp_size
   std::vector<RankSummary> leaders_;   // attention TP: member 0 of each DP rank
+  std::vector<bool> idle_rows_;        // per DP rank: the engine sent its idle row this step
   GlobalDecision decision_;            // the last decision applied
   RankSummary own_summary_{};  // this rank's record of the step
   // The last two plans, by step index (an engine may report step t after planning t+1).

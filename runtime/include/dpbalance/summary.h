@@ -73,4 +73,19 @@ inline constexpr size_t kSummaryBytes = 512;
 static_assert(sizeof(RankSummary) == kSummaryBytes, "RankSummary layout changed: bump version");
 static_assert(std::is_trivially_copyable_v<RankSummary>);
 
+// The idle row: the record an engine writes itself for a DP rank that has no work this step and
+// makes no plan there (SGLang's fallback row for an inactive rank, whose row the engine
+// overwrites): the summary magic and version, flags = kSummaryIdle, every other byte zero. It
+// needs no plugin state, so one constant serves every rank and config (the Python adapter's
+// IDLE_ROW is the same bytes). Every rank plans it as a rank with zero cost that plans nothing
+// and runs no tokens. An all-zero record is different: a rank without a working plugin, which
+// runs the engine's default lengths and depth, so balancing pauses for that step.
+inline RankSummary IdleRowRecord() {
+  RankSummary s{};
+  s.magic = kSummaryMagic;
+  s.version = kSummaryVersion;
+  s.flags = kSummaryIdle;
+  return s;
+}
+
 }  // namespace dpbalance

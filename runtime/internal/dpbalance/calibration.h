@@ -15,6 +15,14 @@
 //   predicted) follows a hardware or clock change within tens of steps. Residuals are
 //   clipped at a multiple of a running robust scale, so one 3x-slow step from a GC pause moves
 //   the model little. It starts from given coefficients (an offline fit, or the published form).
+//   Cold start: the refit is trusted once `trust_rows` (8) observations agree, i.e. each one's
+//   ratio of measured to the starting model's price lies within a factor `outlier_factor` (2) of
+//   the median ratio (or 3 robust standard deviations, 1.4826 x the median absolute deviation in
+//   log space, where that is wider). Until then `model()` is the starting model, rescaled by the
+//   median ratio of the agreeing observations once there are 3; an observation that does not
+//   agree (a page fault, a compile, a late rank) is an outlier: dropped, neither fitted nor
+//   counted. Trusted, the agreeing rows are fitted in order, and until the robust scale has 50
+//   steps behind it a step weighs min(1, threshold / its distance from that median ratio).
 //   Not thread-safe (one per rank).
 #pragma once
 
@@ -49,8 +57,11 @@ struct FitOptions {
   KernelGrid grid;
   // Features the fit may use (empty: all). The published form's refit uses three.
   std::vector<int> features;
-  // Least-absolute-error refinement (0: plain least squares on relative errors).
-  int irls_iterations = 30;
+  // The loss on relative errors r: sum |r|^loss_power, by iteratively reweighted NNLS from the
+  // least-squares fit. 1 (default): least absolute error, what MAPE measures; 2: least squares,
+  // which weighs large errors more: the tail (p90) shrinks, MAPE may grow (docs/cost-model.md).
+  double loss_power = 1;
+  int irls_iterations = 30;   // 0: plain least squares whatever loss_power says
   double irls_floor = 0.005;  // residuals below 0.5% weigh as 0.5% (keeps weights bounded)
 };
 absl::StatusOr<CostModel> FitCostModel(absl::Span<const TimingSample> samples,
@@ -74,6 +85,8 @@ class OnlineCostModel {
     double prior_weight = 0.01;       // ridge towards the starting shape, in steps' worth
     double level_rate = 0.05;         // global scale: EWMA rate in log space (~20 steps)
     double clip_scales = 3.0;         // residuals beyond this many robust scales weigh less
+    int trust_rows = 8;               // cold start: observations that agree before the refit
+    double outlier_factor = 2.0;      // cold start: how far from the median ratio one may lie
   };
   OnlineCostModel(const CostModel& start, Options options);
   explicit OnlineCostModel(const CostModel& start) : OnlineCostModel(start, Options{}) {}
@@ -83,13 +96,28 @@ class OnlineCostModel {
   // The current model: level x shape.
   const CostModel& model() const { return model_; }
   double level() const { return std::exp(log_level_); }
+  // Observations fitted (the cold start's once it is trusted).
   int64_t observations() const { return n_; }
+  // Whether the refit is trusted yet (before: the starting model, rescaled).
+  bool trusted() const { return trusted_; }
+  // Cold-start observations dropped as outliers.
+  int64_t outliers() const { return outliers_; }
 
  private:
+  // An observation before the refit is trusted.
+  struct ColdRow {
+    BatchAggregates agg;
+    double measured_us;
+    double log_ratio;  // log(measured / the starting model's price); NaN where it prices 0
+  };
+  bool ObserveCold(const BatchAggregates& agg, double measured_us);
+  // The shape's update from one observation whose step weighs `weight` (steps 2 and 3).
+  void FitRow(const BatchAggregates& agg, double measured_us, double weight);
   void Refit();
   void Publish();
 
   CostModel model_;
+  CostModel start_model_;  // the cold start's reference
   Options options_;
   Eigen::VectorXd start_;   // starting coefficients, scaled units
   Eigen::VectorXd theta_;   // current shape coefficients, scaled units (feature / scale_)
@@ -99,6 +127,12 @@ class OnlineCostModel {
   double log_level_ = 0;        // fast global scale (hardware, clocks, co-tenants)
   double robust_scale_ = 0.1;   // running mean |relative residual|
   int64_t n_ = 0;
+  // Cold start: its rows until trusted; then the agreeing rows' median log ratio and the
+  // distance from it beyond which a warm-up step weighs less.
+  std::vector<ColdRow> cold_;
+  bool trusted_ = false;
+  double cold_median_ = 0, cold_threshold_ = 0;
+  int64_t outliers_ = 0;
 };
 
 }  // namespace dpbalance

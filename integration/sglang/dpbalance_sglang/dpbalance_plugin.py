@@ -1,0 +1,1 @@
+../../adapters/python/dpbalance_plugin.py

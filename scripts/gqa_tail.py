@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""Where a fit's tail (its largest out-of-fold errors) lies, and what the timings' own noise and
+a held-out sample's size allow (docs/cost-model.md, "The gqa tail").
+
+Usage: gqa_tail.py ROWS DUMP [HELD_OUT_ROWS]
+  ROWS   the timing rows (integration/calibrate/data/attention_fa2_gqa.train.jsonl)
+  DUMP   `dpbalance-calibrate --train ROWS --kernel fa2-gqa-h200 --cv 5 --dump DUMP` (per row:
+         requests, query tokens, key tokens, max keys, query-key pairs, multi-query, measured
+         us, out-of-fold predicted us)
+  HELD_OUT_ROWS  rows in a held-out sample (default: 30% of all, 207 beside the 482 shared)
+
+Prints: the out-of-fold p90; the share of each group of rows among the tail (the rows at or
+above the p90); the noise floor, i.e. the p90 a perfect model would show against the median of
+7 timed calls, from each row's min and max; and the spread of the p90 of a held-out sample of
+that size drawn from the out-of-fold errors.
+"""
+import json
+import random
+import sys
+
+
+def p90(values):
+    v = sorted(values)
+    return v[min(len(v) - 1, int(0.9 * (len(v) - 1) + 0.5))]  # SummarizeErrors' index
+
+
+def main():
+    if len(sys.argv) < 3:
+        sys.exit(__doc__)
+    rows = [json.loads(line) for line in open(sys.argv[1])]
+    dump = [line.split() for line in open(sys.argv[2])]
+    if len(rows) != len(dump):
+        sys.exit(f"{sys.argv[1]} has {len(rows)} rows, {sys.argv[2]} {len(dump)}")
+    held_out = int(sys.argv[3]) if len(sys.argv) > 3 else round(len(rows) * 0.3 / 0.7)
+    data = []
+    for r, d in zip(rows, dump):
+        measured, predicted = float(d[6]), float(d[7])
+        if abs(measured - 1000 * r["attn_ms"]) > 1:
+            sys.exit(f"row order differs: measured {measured} us against attn_ms {r['attn_ms']}")
+        data.append(dict(ape=abs(predicted - measured) / measured, measured=measured,
+                         requests=len(r["ctx"]), q=max(r["q"]), max_ctx=max(r["ctx"]),
+                         mode=r["mode"],
+                         spread=(r["attn_ms_max"] - r["attn_ms_min"]) / r["attn_ms"]))
+    ape = [x["ape"] for x in data]
+    cut = p90(ape)
+    tail = [x for x in data if x["ape"] >= cut]
+    print(f"{len(data)} rows: out-of-fold MAPE {sum(ape) / len(ape):.4f}, p90 {cut:.4f}; "
+          f"the tail (errors >= p90): {len(tail)} rows")
+    groups = [
+        ("measured", lambda x: "< 0.5 ms" if x["measured"] < 500 else "0.5-2 ms" if x["measured"] < 2000
+         else "2-10 ms" if x["measured"] < 10000 else ">= 10 ms"),
+        ("requests", lambda x: "1-4" if x["requests"] <= 4 else "5-16" if x["requests"] <= 16
+         else "17-64" if x["requests"] <= 64 else "> 64"),
+        ("kernel path", lambda x: "decode (every q = 1)" if x["q"] == 1 else "verify (some q > 1)"),
+        ("longest context", lambda x: "< 4k" if x["max_ctx"] < 4096 else "4k-32k" if x["max_ctx"] < 32768
+         else "32k-100k" if x["max_ctx"] < 100000 else ">= 100k"),
+        ("mix", lambda x: x["mode"]),
+    ]
+    for name, key in groups:
+        print(f"by {name}:")
+        seen = {}
+        for x in data:
+            seen.setdefault(key(x), []).append(x)
+        for k, xs in sorted(seen.items()):
+            n_tail = sum(1 for x in xs if x["ape"] >= cut)
+            print(f"  {k:22} {len(xs):4} rows, MAPE {sum(x['ape'] for x in xs) / len(xs):.4f}, "
+                  f"p90 {p90([x['ape'] for x in xs]):.4f}; {n_tail:3} in the tail "
+                  f"({n_tail / len(xs):.0%} of them, {n_tail / len(tail):.0%} of the tail)")
+    # The noise floor. Each row is the median of 7 timed calls; its min and max give the spread.
+    # For 7 normal draws the expected range is 2.704 sigma and the median's standard deviation
+    # 0.4629 sigma (variance 0.2143 sigma^2), so a perfect model errs by |N(0, 0.171 x range)|.
+    rng = random.Random(1)
+    floors = sorted(p90([abs(rng.gauss(0, 0.4629 * x["spread"] / 2.704)) for x in data])
+                    for _ in range(400))
+    spreads = [x["spread"] for x in data]
+    print(f"noise: range of the 7 calls / median: median {sorted(spreads)[len(spreads) // 2]:.4f}, "
+          f"p90 {p90(spreads):.4f}")
+    print(f"noise floor (a perfect model, normal noise): p90 {floors[200]:.4f} "
+          f"(90% of draws {floors[20]:.4f}-{floors[380]:.4f}); bound without a noise model "
+          f"(p90 of each row's half range): {p90([s / 2 for s in spreads]):.4f}")
+    by_spread = sorted(data, key=lambda x: x["spread"])
+    q = len(by_spread) // 4
+    for i in range(4):
+        part = by_spread[i * q:(i + 1) * q] if i < 3 else by_spread[3 * q:]
+        print(f"  spread quartile {i + 1} ({part[0]['spread']:.3f}-{part[-1]['spread']:.3f}): "
+              f"out-of-fold p90 {p90([x['ape'] for x in part]):.4f}")
+    # A held-out sample's p90, were its rows' errors drawn like the out-of-fold ones.
+    draws = sorted(p90(rng.choices(ape, k=held_out)) for _ in range(4000))
+    print(f"held-out sample of {held_out} rows, errors drawn from the out-of-fold ones: p90 "
+          f"median {draws[2000]:.4f}, 90% of samples {draws[200]:.4f}-{draws[3800]:.4f}; "
+          f"P(p90 <= 0.12) = {sum(1 for d in draws if d <= 0.12) / len(draws):.2f}, "
+          f"P(p90 >= 0.131) = {sum(1 for d in draws if d >= 0.131) / len(draws):.2f}")
+
+
+if __name__ == "__main__":
+    main()
