@@ -20,7 +20,8 @@
 #   scripts/live_vllm.sh --install-only   (the venv and the plugin package, nothing run;
 #                                          scripts/serve_vllm.sh and the README's quickstart)
 #
-# --quick: one replicate of the mixed workload, 48 requests (the CI test). Defaults: both
+# --quick: one replicate of the mixed workload, 48 requests, without the A/B arm and the
+# no-speculation arm (the CI test: six instances, ~13-17 min on 2 cores). Defaults: both
 # workloads, 3 replicates, 120 requests, seed 1, DP 2, --slo p99 (DPB_TPOT_SLO_MS = static_best's
 # TPOT p99 in the first replicate). LIVE_VLLM_ARGS adds live_bench.py run-arm flags to every arm.
 #
@@ -43,6 +44,7 @@ DP=2
 KS="1 3 5 7"
 SLO=p99
 AB=1
+NOSPEC=1
 ARGS=("$@")
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -64,7 +66,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 if [ "$QUICK" = 1 ]; then
-  WORKLOADS=mixed; REPLICATES=1; REQS=${REQS:-48}
+  WORKLOADS=mixed; REPLICATES=1; REQS=${REQS:-48}; AB=0; NOSPEC=0
 fi
 REQS=${REQS:-${LIVE_VLLM_REQUESTS:-120}}
 for v in "$REPLICATES:--replicates" "$REQS:--requests" "$SEED:--seed" "$DP:--dp"; do
@@ -211,15 +213,17 @@ for W in ${WORKLOADS//,/ }; do
   # Replicate 1: the static arms first (calibration and static_best come from them), after an
   # instance without speculation (vLLM as shipped, one query token per request and step): the
   # static arms always verify some drafts, so only it measures attention at q = 1 (the step
-  # of a rank whose requests all verify nothing, which the plan can choose).
-  run_arm "$W" 1 nospec nospec 0 DPB_PLUGIN=none
+  # of a rank whose requests all verify nothing, which the plan can choose). --quick leaves it
+  # out: there the static arms' requests that got no drafts give the q = 1 rows.
+  [ "$NOSPEC" = 1 ] && run_arm "$W" 1 nospec nospec 0 DPB_PLUGIN=none
   static_arms "$W" 1 $KS
   # The plugin's cost model for this CPU and model: attention fitted by dpbalance-calibrate (the
   # project's tool: README "Calibrating the cost model") to the static arms' decode steps (their
   # lengths 1..7 tell a query token's cost from a key token's), and the rest of the engine step
   # as a fixed time plus a time per instance token (DPB_FFN_*); ngram drafting costs no draft
   # steps (DPB_DRAFT_US=0).
-  cal_dirs=(--log-dir "$RUNS/$W/dp$DP/nospec_r1")
+  cal_dirs=()
+  [ "$NOSPEC" = 1 ] && cal_dirs+=(--log-dir "$RUNS/$W/dp$DP/nospec_r1")
   for k in $KS; do cal_dirs+=(--log-dir "$RUNS/$W/dp$DP/static_k${k}_r1"); done
   FLAGS=$("$PY" "$LB" calibrate "${cal_dirs[@]}" --dp "$DP" --rows "$WORK/$W-cpu_rows.jsonl" \
           --terms "$WORK/$W-terms.json")

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The live vLLM test: `scripts/live_vllm.sh --quick` (one replicate of the mixed workload in a
-# real vLLM 0.32.0 DP=2 instance on the CPUs: static k = 1, 3, 5, 7, the DSpark-like arm,
-# dpbalance and its A/B epochs, each a fresh instance; then the replay's prediction; its first
+# real vLLM 0.32.0 DP=2 instance on the CPUs: static k = 1, 3, 5, 7, the DSpark-like arm and
+# dpbalance, each a fresh instance; then the replay's prediction; its first
 # run installs vLLM into a cached venv), then checks of what it wrote. Functional checks only:
 # every arm served every request with no hang and no desynchronised exchange over at least
 # MIN_STEPS decode steps, the static arms ran vLLM as shipped at their length, the plugin was
 # loaded through vLLM's entry point on every DP rank of the plugin arms and planned every step,
-# every fallback is accounted for, the A/B's default epochs ran static_best's length, the
-# mixed stream's per-request acceptance spreads, the summary and the prediction are there.
+# every fallback is accounted for, the A/B's default epochs ran static_best's length (when the
+# JSON has an A/B arm: the full run's, not --quick's), the mixed stream's per-request acceptance spreads, the summary and the prediction are there.
 # Goodput, bubble, TPOT and attention share are reported, not asserted: they are wall-clock
 # measurements on a shared 2-core machine (docs/live_vllm.md says what they were).
 #
@@ -43,7 +43,9 @@ def check(name, ok, detail):
     checks.append((name, bool(ok), detail))
 check("vllm and torch versions recorded", res.get("vllm_version") and res.get("torch_version"),
       f'{res.get("vllm_version")} / {res.get("torch_version")}')
-want = ["static_k1", "static_k3", "static_k5", "static_k7", "dspark", "dpbalance", "ab"]
+want = ["static_k1", "static_k3", "static_k5", "static_k7", "dspark", "dpbalance"]
+if "ab" in runs:
+    want.append("ab")
 check("every arm ran", all(n in runs for n in want), ", ".join(sorted(runs)))
 for name in want:
     r = runs.get(name)
@@ -82,8 +84,8 @@ for name in ("dspark", "dpbalance", "ab"):
     check(f"{name}: verify lengths changed from the default on some steps",
           (r["plans_changed"] or 0) > 0, f'{r["plans_changed"]}')
 mode = {n: runs[n]["env"].get("DPB_MODE") for n in ("dspark", "dpbalance", "ab") if n in runs}
-check("the plugin arms ran their modes", mode == {"dspark": "dspark_fill", "dpbalance": "goodput",
-                                                   "ab": "goodput"}, str(mode))
+check("the plugin arms ran their modes", mode.get("dspark") == "dspark_fill"
+      and mode.get("dpbalance") == "goodput" and mode.get("ab", "goodput") == "goodput", str(mode))
 summ = {s["workload"]: s for s in res["summary"]}
 s = summ.get("mixed", {})
 check("summary: static_best and the ratios", s.get("static_best_k") in (1, 3, 5, 7)
@@ -91,14 +93,15 @@ check("summary: static_best and the ratios", s.get("static_best_k") in (1, 3, 5,
       and s.get("bubble_reduction") is not None and s.get("tpot_p99_ratio"),
       json.dumps({k: s.get(k) for k in ("static_best_k", "goodput_ratio", "goodput_ratio_vs_dspark",
                                         "bubble_reduction", "tpot_p99_ratio")}))
-check("dpbalance anchored at static_best's k", runs["dpbalance"]["default_k"] == s.get("static_best_k"),
-      f'DPB_DEFAULT_K={runs["dpbalance"]["default_k"]}, static_best k={s.get("static_best_k")}')
+check("dpbalance anchored at static_best's k", runs.get("dpbalance", {}).get("default_k") == s.get("static_best_k"),
+      f'DPB_DEFAULT_K={runs.get("dpbalance", {}).get("default_k")}, static_best k={s.get("static_best_k")}')
 check("the replay's prediction is there", s.get("predicted_goodput_ratio"),
       f'{s.get("predicted_goodput_ratio")}')
-ab = runs["ab"]["ab"]["paired"]
-check("ab: the step logs and the arms line up (no default-epoch step verified past static_best's k)",
-      ab["pairs"] > 0 and ab["off_steps_above_default"] == 0,
-      f'{ab["pairs"]} pairs, {ab["off_steps_above_default"]} default-epoch steps past it')
+if "ab" in runs:
+    ab = runs["ab"]["ab"]["paired"]
+    check("ab: the step logs and the arms line up (no default-epoch step verified past static_best's k)",
+          ab["pairs"] > 0 and ab["off_steps_above_default"] == 0,
+          f'{ab["pairs"]} pairs, {ab["off_steps_above_default"]} default-epoch steps past it')
 acc = res["acceptance"]["dp2"].get("mixed", {})
 q = acc.get("conditional_rate_quantiles", {})
 check("mixed: per-request acceptance spreads (10th percentile below 0.3, 90th above 0.8)",
