@@ -1,20 +1,22 @@
 #!/usr/bin/env python3
 """The live vLLM measurement behind scripts/live_vllm.sh (run with the venv's python).
 
-  live_bench.py write-model DIR            a tiny Qwen2-MoE config.json (random weights)
+  live_bench.py write-model DIR [--shape tiny|decode]   a Qwen2-MoE config.json (random weights)
   live_bench.py run-arm --name NAME ...    one vLLM DP instance, one request stream, step logs
-  live_bench.py summarize --json FILE ...  the arms' figures from their step logs
+  live_bench.py calibrate --log-dir D ...  timing rows and step terms from static arms' logs
+  live_bench.py best-static ...            static_best's k and TPOT p99 from the static arms
+  live_bench.py predict ...                the served requests through dpbalance-replay
+  live_bench.py summarize --json FILE ...  the JSON's `runs` and `summary` from the step logs
+  live_bench.py target-share               attention's share of an H200 decode step (our rows)
 
 An arm starts vLLM's AsyncLLM (the engine `vllm serve` runs, without HTTP) with data parallel
-size --dp, eager mode, ngram speculative decoding and greedy sampling; the plugin's classes are
-named by their qualified names (dpbalance_vllm.ENGINE_ARGS). Requests come from a bundled trace
-with their lengths scaled (--in-scale, --out-scale, capped by --max-in / --max-out): by default
-inputs x0.15 up to 3000 tokens, so the trace's own spread of contexts makes the ranks' attention
-times differ. --long-every N also gives every Nth request a --long-in prompt (the workload of the
-first live runs: --in-scale 0.05 --max-in 384 --long-every 8).
-The prompts are random token ids (no tokenizer: --skip-tokenizer-init); a random model decoding
-greedily falls into cycles, which ngram drafts well; the acceptance reported is what vLLM
-verified, nothing else.
+size --dp, eager mode and ngram speculative decoding; the plugin's classes are named by their
+qualified names (dpbalance_vllm.ENGINE_ARGS). The stream (make_requests) takes its lengths from
+a bundled trace (--in-scale, --out-scale, capped by --max-in / --max-out) and its request
+classes from --workload (MIXES: sampling and prompt per class, a seeded SamplingParams per
+request); request i runs on DP rank i % dp. The prompts are token ids (no tokenizer:
+--skip-tokenizer-init); the acceptance reported is what vLLM verified, nothing else
+(docs/live_vllm.md).
 """
 from __future__ import annotations
 
@@ -1033,25 +1035,40 @@ def write_trace(path, requests):
 
 def predict_rows(binary, trace, base, ks, default_k, slo_ms, seeds, tmp):
     """Static k rows, goodput and dspark_fill at default_k; per row the seeds' mean goodput,
-    bubble and TPOT p99."""
+    bubble and TPOT p99. default_k None: the best static row's k (as the live run anchors the
+    plugin at its own static_best), for truths the live run did not measure."""
     rows = {}
     specs = [(f"static k={k}", ["--verify", "off", "--k", str(k)]) for k in ks]
-    specs += [("dpbalance", ["--verify", "goodput", "--k", str(default_k),
-                             "--tpot_slo_ms", str(slo_ms) if slo_ms else "off"]),
-              ("dspark", ["--verify", "dspark_fill", "--k", str(default_k)])]
     for name, extra in specs:
-        got = [replay_row(binary, trace, base + extra, s, tmp) for s in range(1, seeds + 1)]
-        rows[name] = {"goodput_tok_per_s": statistics.mean(g["goodput_tok_per_s"] for g in got),
-                      "goodput_sd": statistics.stdev([g["goodput_tok_per_s"] for g in got])
-                      if len(got) > 1 else 0.0,
-                      "bubble_fraction": statistics.mean(g["bubble_fraction"] for g in got),
-                      "tpot_p99_ms": statistics.mean(g["tpot_p99_ms"] for g in got),
-                      "mean_step_ms": statistics.mean(g["mean_step_ms"] for g in got),
-                      "mean_verify_len": statistics.mean(g["mean_verify_len"] for g in got),
-                      "flags": base + extra}
+        rows[name] = _replay_mean(binary, trace, base + extra, seeds, tmp)
+    if default_k is None:
+        default_k = max(ks, key=lambda k: rows[f"static k={k}"]["goodput_tok_per_s"])
+    specs = [("dpbalance", ["--verify", "goodput", "--k", str(default_k),
+                            "--tpot_slo_ms", str(slo_ms) if slo_ms else "off"]),
+             ("dspark", ["--verify", "dspark_fill", "--k", str(default_k)])]
+    for name, extra in specs:
+        rows[name] = _replay_mean(binary, trace, base + extra, seeds, tmp)
+    return _ratios(rows, ks, default_k)
+
+
+def _replay_mean(binary, trace, flags, seeds, tmp):
+    """One replay row over seeds 1..seeds: mean goodput (and its SD), bubble, TPOT p99."""
+    got = [replay_row(binary, trace, flags, s, tmp) for s in range(1, seeds + 1)]
+    return {"goodput_tok_per_s": statistics.mean(g["goodput_tok_per_s"] for g in got),
+            "goodput_sd": statistics.stdev([g["goodput_tok_per_s"] for g in got])
+            if len(got) > 1 else 0.0,
+            "bubble_fraction": statistics.mean(g["bubble_fraction"] for g in got),
+            "tpot_p99_ms": statistics.mean(g["tpot_p99_ms"] for g in got),
+            "mean_step_ms": statistics.mean(g["mean_step_ms"] for g in got),
+            "mean_verify_len": statistics.mean(g["mean_verify_len"] for g in got),
+            "flags": flags}
+
+
+def _ratios(rows, ks, default_k):
+    """The prediction's ratios from its rows: dpbalance and dspark against the best static row."""
     best = max(ks, key=lambda k: rows[f"static k={k}"]["goodput_tok_per_s"])
     sb = rows[f"static k={best}"]
-    out = {"rows": rows, "static_best_k": best,
+    out = {"rows": rows, "static_best_k": best, "default_k": default_k,
            "goodput_ratio": rows["dpbalance"]["goodput_tok_per_s"] / sb["goodput_tok_per_s"],
            "goodput_ratio_vs_dspark": rows["dpbalance"]["goodput_tok_per_s"] /
            rows["dspark"]["goodput_tok_per_s"],
@@ -1060,7 +1077,7 @@ def predict_rows(binary, trace, base, ks, default_k, slo_ms, seeds, tmp):
            if sb["bubble_fraction"] else None,
            "tpot_p99_ratio": rows["dpbalance"]["tpot_p99_ms"] / sb["tpot_p99_ms"]}
     if default_k in ks:
-        out["goodput_ratio_vs_live_static_best_k"] = (
+        out["goodput_ratio_vs_default_k"] = (
             rows["dpbalance"]["goodput_tok_per_s"] /
             rows[f"static k={default_k}"]["goodput_tok_per_s"])
     return out
@@ -1127,8 +1144,8 @@ def _predict(a, out, counts, reqs, per_rank, terms, tmp):
                 "--inflight", str(per_rank * a.dp), "--truth", a.h200_model,
                 "--truth_layers", "61", "--draft_ms", "0", "--stale_steps", "0",
                 "--tiers", "none", "--k_max", "7"]
-        out["h200_served"] = predict_rows(a.replay, trace, base, (1, 3, 5, 7), a.static_best_k,
-                                          0, a.seeds, tmp)
+        out["h200_served"] = predict_rows(a.replay, trace, base, (1, 3, 5, 7), None, 0,
+                                          a.seeds, tmp)
         # Scaled up: the bundled trace's own lengths (unscaled), each request with the measured
         # rates of served request i mod n (the mix's classes in their shares), DP 16.
         rows = load_trace(a.trace)[:a.h200_requests]
@@ -1139,7 +1156,7 @@ def _predict(a, out, counts, reqs, per_rank, terms, tmp):
         base = ["--dp", "16", "--routing", "D", "--max_batch", "64", "--inflight", "512",
                 "--truth", a.h200_model, "--truth_layers", "61", "--draft_ms", "0",
                 "--stale_steps", "0", "--tiers", "none", "--k_max", "7"]
-        out["h200_scaled"] = predict_rows(a.replay, trace, base, (1, 3, 5, 7), 5, 0, a.seeds,
+        out["h200_scaled"] = predict_rows(a.replay, trace, base, (1, 3, 5, 7), None, 0, a.seeds,
                                           tmp)
         out["h200_scaled"]["setup"] = (f"the first {len(rows)} requests of {a.trace}, DP 16, "
                                        "512 in flight, 64 per rank, routing D z1.2")
