@@ -61,7 +61,7 @@ while [ $# -gt 0 ]; do
     --ks) KS="${2:?--ks needs a list of static lengths}"; shift 2 ;;
     --slo) SLO="${2:?--slo needs p99 or off}"; shift 2 ;;
     --no-ab) AB=0; shift ;;
-    -h|--help) sed -n 2,30p "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) echo "live_vllm.sh: unknown flag '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
