@@ -21,7 +21,7 @@
 #                                          scripts/serve_vllm.sh and the README's quickstart)
 #
 # --quick: one replicate of the mixed workload, 48 requests, without the A/B arm and the
-# no-speculation arm (the CI test: six instances, ~13-17 min on 2 cores). Defaults: both
+# no-speculation arm (the CI test: six instances, 610 s on 2 cores at load ~2). Defaults: both
 # workloads, 3 replicates, 120 requests, seed 1, DP 2, --slo p99 (DPB_TPOT_SLO_MS = static_best's
 # TPOT p99 in the first replicate). LIVE_VLLM_ARGS adds live_bench.py run-arm flags to every arm.
 #
