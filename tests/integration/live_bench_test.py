@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""integration/vllm/live_bench.py without vLLM: the stream every arm serves, vLLM's per-request
+acceptance counts read back from the step log, the paired ratios and their intervals, the
+steady-state window. The live run itself is tests/integration/live_vllm_test.sh (.ci/run).
+
+  python3 tests/integration/live_bench_test.py
+"""
+import importlib.util
+import json
+import math
+import os
+import sys
+import tempfile
+from types import SimpleNamespace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+spec = importlib.util.spec_from_file_location(
+    "live_bench", os.path.join(ROOT, "integration", "vllm", "live_bench.py"))
+lb = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(lb)
+
+failed = []
+
+
+def check(name, ok, detail=""):
+    print(f'{"PASS" if ok else "FAIL"} {name}{": " + str(detail) if detail else ""}')
+    if not ok:
+        failed.append(name)
+
+
+def stream_args(model, **kw):
+    a = dict(trace=os.path.join(ROOT, "integration/replay/data/mooncake_conversation.jsonl"),
+             model=model, workload="mixed", mix="", seed=1, requests=600, offset=0, dp=2,
+             placement="rr", block=24, shared_prefix=1, in_scale=0.4, out_scale=1.0,
+             max_in=6000, max_out=320, min_out=64, long_every=0, long_in=4000)
+    a.update(kw)
+    return SimpleNamespace(**a)
+
+
+with tempfile.TemporaryDirectory() as tmp:
+    model = os.path.join(tmp, "model")
+    lb.write_model(model, "decode")
+    cfg = json.load(open(os.path.join(model, "config.json")))
+    check("decode shape: GQA 8/2 heads of 64 in 4 layers, hidden = heads x head_dim",
+          (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"])
+          == (8, 2, 4) and cfg["hidden_size"] == cfg["num_attention_heads"] * cfg["head_dim"])
+
+    # The stream: the same for every arm of a seed, another for another seed.
+    r1 = lb.make_requests(stream_args(model))
+    r2 = lb.make_requests(stream_args(model))
+    r3 = lb.make_requests(stream_args(model, seed=2))
+    check("same seed, same stream (prompts, classes, sampling seeds)", r1 == r2)
+    check("another seed, another stream", [r["cls"] for r in r1] != [r["cls"] for r in r3])
+    check("every request its own sampling seed", len({r["seed"] for r in r1}) == len(r1))
+    check("request i on DP rank i % dp", all(r["rank"] == i % 2 for i, r in enumerate(r1)))
+    shares = {c[0]: c[1] for c in lb.MIXES["mixed"]}
+    got = {c: sum(r["cls"] == c for r in r1) / len(r1) for c in shares}
+    check("class shares within 0.06 of the mix's (600 requests)",
+          all(abs(got[c] - shares[c]) < 0.06 for c in shares),
+          {c: round(v, 3) for c, v in got.items()})
+    check("greedy class is temperature 0, sampled classes have top_k and top_p < 1",
+          all((r["temperature"] == 0.0) == (r["cls"] == "greedy") for r in r1)
+          and all(r["top_p"] < 1.0 and r["top_k"] > 0 for r in r1 if r["cls"] != "greedy"))
+    vocab = cfg["vocab_size"]
+    check("prompts are token ids in 3..vocab-1, within the length caps",
+          all(3 <= t < vocab for r in r1 for t in r["prompt"])
+          and all(24 <= len(r["prompt"]) <= 6000 and 64 <= r["n_out"] <= 320 for r in r1))
+    rep = [r for r in r1 if r["cls"] == "top2"][0]["prompt"]
+    check("a repeat prompt repeats its 24-token block (but its own last 16 tokens)",
+          rep[:24] == rep[24:48])
+    g = lb.make_requests(stream_args(model, workload="greedy"))
+    check("greedy workload: every request greedy", all(r["temperature"] == 0.0 for r in g))
+
+    # vLLM's per-request counts from the worker's step log (rid, d = drafts verified,
+    # a = accepted; a = -1 is a prefill).
+    logs = os.path.join(tmp, "logs")
+    os.makedirs(logs)
+    rows = [{"i": 0, "rid": ["req-7-ab12"], "d": [0], "a": [-1]},
+            {"i": 1, "rid": ["req-7-ab12"], "d": [3], "a": [1]},
+            {"i": 2, "rid": ["req-7-ab12"], "d": [3], "a": [3]},
+            {"i": 3, "rid": ["req-7-ab12"], "d": [2], "a": [0]},
+            {"i": 4, "rid": ["req-7-ab12"], "d": [1], "a": [1]}]  # the drafter offered 1 of 3
+    with open(os.path.join(logs, "worker_dp0.jsonl"), "w") as f:
+        f.write("\n".join(json.dumps(r) for r in rows) + "\n")
+    open(os.path.join(logs, "worker_dp1.jsonl"), "w").close()
+    c = lb.request_counts(logs, 2, k_slots=3)
+    check("vLLM's suffixed id maps back to the bench's", list(c) == ["req-7"], list(c))
+    c = c["req-7"]
+    check("tried / accepted per draft position (prefill row skipped)",
+          c["tried"][1:4] == [4, 2, 1] and c["acc"][1:4] == [3, 1, 1] and c["steps"] == 4
+          and c["drafted"] == 9 and c["accepted"] == 5, c)
+    check("draft slots of a static k = 3 arm count offered-or-not positions",
+          c["slots"][1:4] == [4, 3, 1], c["slots"])
+    rates = lb.conditional_rates(c, k_max=4, per="tried", min_obs=1)
+    check("conditional rates a_j = acc_j / tried_j, the last carried on",
+          rates == [0.75, 0.5, 1.0, 1.0], rates)
+    rates3 = lb.conditional_rates(c, k_max=3, per="tried", min_obs=3)
+    check("a position with too few observations takes the rate before it",
+          rates3 == [0.75] * 3, rates3)
+    check("histogram: 1.0 in the last bin, 0.1 in the second",
+          lb.acceptance_histogram([0.0, 0.1, 0.95, 1.0]) == [1, 1, 0, 0, 0, 0, 0, 0, 0, 2])
+
+# Paired ratios: per replicate present in both arms, mean and 95% Student-t interval.
+num = [{"replicate": 1, "g": 110.0}, {"replicate": 2, "g": 100.0}, {"replicate": 3, "g": 120.0},
+       {"replicate": 4, "g": 90.0}]
+den = [{"replicate": 1, "g": 100.0}, {"replicate": 2, "g": 100.0}, {"replicate": 3, "g": 100.0}]
+p = lb.paired(num, den, "g")
+half = 4.303 * 0.1 / math.sqrt(3)
+check("paired ratio: replicates in both arms only, t interval with 2 degrees of freedom",
+      p["per_replicate"] == [1.1, 1.0, 1.2] and abs(p["mean"] - 1.1) < 1e-12
+      and abs(p["ci95"] - half) < 1e-9 and abs(p["low"] - (1.1 - half)) < 1e-9, p)
+check("one replicate: no interval", lb.paired(num[:1], den, "g")["low"] is None)
+
+# The steady window: from the first token of the last of the first batch's requests to the
+# first rank's last admission.
+client = {"t_begin": 100.0, "concurrency": 2, "dp": 2, "placement": "rr", "requests": [
+    {"id": "req-0", "rank": 0, "t0": 100.0, "stamps": [[1.0, 1], [2.0, 1], [6.0, 1]]},
+    {"id": "req-1", "rank": 1, "t0": 100.0, "stamps": [[1.5, 1], [3.0, 1]]},
+    {"id": "req-2", "rank": 0, "t0": 104.0, "stamps": [[5.0, 1], [7.0, 1]]},
+    {"id": "req-3", "rank": 1, "t0": 105.0, "stamps": [[5.5, 2], [8.0, 1]]}]}
+w = lb.steady_window(client)
+check("steady window and its tokens", w == (1.5, 4.0, 3), w)
+
+print(f"{len(failed)} failed" if failed else "all passed")
+sys.exit(1 if failed else 0)
