@@ -87,12 +87,14 @@ def cases():
         "no_plugin": case("sglang_no_plugin_rank", 2, [spec(0), spec(1, no_plugin=True)],
                           steps=15, expect=dict(init_fails={0},
                                                 log={0: ["rank 1 runs summary version 0"]})),
-        # DP rank 1's plugin refuses a wrong DPB_* value at init (named in its log); rank 0's
-        # handshake then refuses rank 1; SGLang serves on.
+        # DP rank 1's plugin refuses a wrong DPB_* value at init (named in its log) and sends
+        # that refusal in the handshake (Balancer::Refuse), so rank 0's log names rank 1's flag
+        # too, at once instead of after a timeout; SGLang serves on.
         "init_fails": case("sglang_init_fails", 2, [spec(0), spec(1, env={"DPB_K_MAX": "nine"})],
                            steps=15, expect=dict(init_fails={0, 1},
                                                  log={1: ["k_max", "nine"],
-                                                      0: ["rank 1 runs summary version 0"]})),
+                                                      0: ["rank 1 failed its init", "k_max",
+                                                          "nine"]})),
         # DP rank 1 late by 0.3 x DPB_TIMEOUT_MS at steps 5-9 and by 1.5 x at step 15. The others
         # wait in SGLang's own gather (as SGLang does without us); the record rides it, so no
         # rank falls back, and what the plan adds beyond SGLang's gather stays under the bound.
