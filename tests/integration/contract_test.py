@@ -366,6 +366,7 @@ def run_suite(name, plugin):
         sys.exit(f"FAIL: torch is not installed for {sys.executable} ({e}): the contract tests "
                  f"need python3-torch (scripts/install_deps.sh installs it); not skipping")
     import contract_engines
+    import proc_results
     world, cases = suites()[name]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -374,25 +375,8 @@ def run_suite(name, plugin):
         store = os.path.join(d, "store")
         procs = [ctx.Process(target=contract_engines.process_main,
                              args=(p, world, store, plugin, cases, d, q)) for p in range(world)]
-        for p in procs:
-            p.start()
-        got = {}
-        deadline = time.monotonic() + 240
         want = world * len(cases)
-        crashed = []
-        while len(got) + len(crashed) < want and time.monotonic() < deadline:
-            try:
-                proc, cname, rec = q.get(timeout=max(1.0, deadline - time.monotonic()))
-            except Exception:  # noqa: BLE001 (queue.Empty)
-                break
-            if cname == "__crash__":
-                crashed.append((proc, rec))
-                break
-            got[(proc, cname)] = rec
-        for p in procs:
-            p.join(30)
-            if p.exitcode is None:
-                p.kill()
+        got, crashed = proc_results.collect(procs, q, want, key=lambda proc, cname: (proc, cname))
         if crashed or len(got) < want:
             for proc, tb in crashed:
                 print(f"process {proc} crashed:\n{tb}")

@@ -117,6 +117,7 @@ def free_port():
 def run_procs(c, plugin):
     import torch.multiprocessing as mp
 
+    import proc_results
     import sglang_contract_rank
 
     world = len(c["procs"])
@@ -130,23 +131,7 @@ def run_procs(c, plugin):
     port = free_port()
     procs = [ctx.Process(target=sglang_contract_rank.process_main,
                          args=(p, world, port, c, plugin, model, d, q)) for p in range(world)]
-    for p in procs:
-        p.start()
-    got, crashed = {}, []
-    deadline = time.monotonic() + 240
-    while len(got) < world and time.monotonic() < deadline:
-        try:
-            proc, name, rec = q.get(timeout=max(1.0, deadline - time.monotonic()))
-        except Exception:  # noqa: BLE001 (queue.Empty)
-            break
-        if name == "__crash__":
-            crashed.append((proc, rec))
-            break
-        got[proc] = rec
-    for p in procs:
-        p.join(30)
-        if p.exitcode is None:
-            p.kill()
+    got, crashed = proc_results.collect(procs, q, world, key=lambda proc, name: proc)
     logs = {}
     for p in range(world):
         path = os.path.join(d, f"{c['name']}.{p}.log")
