@@ -417,18 +417,12 @@ PlanRequest Simulation::PlanRequestFor(int rank, const InflightRequest& a,
                                        absl::Span<const int32_t> pending) const {
   const AcceptanceCurve curve =
       cfg_.verify == VerifyMode::kOracle ? a.truth_curve : estimators_[rank].Curve(a.id);
-  const uint32_t predict = cfg_.lag_predict;
-  const PredictedRequest pr = PredictRequest(seen.ctx, seen.remaining, pending, curve, cfg_.k_max);
-  PlanRequest p;
-  p.ctx_tokens = predict & kPredictContext ? pr.ctx_tokens : seen.ctx;
-  p.k_cap = predict & kPredictCap
-                ? pr.k_cap
-                : static_cast<int32_t>(std::clamp<int64_t>(seen.remaining - 1, 0, cfg_.k_max));
-  p.acceptance = predict & kPredictGain ? pr.acceptance : curve;
+  PredictedRequest pr;
+  PlanRequest p = LaggedPlanRequest(seen.ctx, seen.remaining, pending, curve, cfg_.k_max, cfg_.lag_predict, &pr);
   const int32_t default_len = DefaultVerifyLen(cfg_.static_k, p.k_cap);
   if (cfg_.floor_at_default) {
     p.k_min = default_len;
-  } else if (predict & kPredictSlo) {
+  } else if (cfg_.lag_predict & kPredictSlo) {
     p.k_min = slos_[rank].Floor(a.id, default_len, curve, static_cast<int>(pending.size()), pr.pending_tokens);
   } else {
     p.k_min = slos_[rank].Floor(a.id, default_len, curve);

@@ -48,6 +48,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "dpbalance/cost_model.h"
+#include "dpbalance/lag.h"
 #include "dpbalance/planner.h"
 #include "dpbalance/routing.h"
 #include "trace.h"
@@ -68,16 +69,6 @@ struct TruthModel {
   bool block_draft = false;
 };
 
-// What the planner rows predict of a lagged request (lag.h); each part on its own is a flag so
-// that the cost of lag can be split by part (docs/results.md).
-enum LagPredict : uint32_t {
-  kPredictNone = 0,
-  kPredictContext = 1u << 0,  // contexts after the pending steps' expected tokens
-  kPredictCap = 1u << 1,      // caps less one token per pending step
-  kPredictGain = 1u << 2,     // gains times the probability the request can still emit them
-  kPredictSlo = 1u << 3,      // TPOT floors credit the pending steps' expected tokens
-  kPredictAll = kPredictContext | kPredictCap | kPredictGain | kPredictSlo,
-};
 
 struct SimConfig {
   int num_ranks = 64;

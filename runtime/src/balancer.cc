@@ -49,6 +49,7 @@ uint64_t BalancerConfig::Hash() const {
   h.Value(planner.Hash());
   h.Value(ab_epoch_steps);
   h.Value(online_calibration);
+  h.Value(lag_predict);
   return h.digest();
 }
 
@@ -362,7 +363,52 @@ PlanOutcome Balancer::Plan(const StepInput& step, absl::Span<int32_t> verify_len
     local = absl::InvalidArgumentError(absl::StrFormat("extra_tokens = %d must be in 0..%d",
                                                        step.extra_tokens, kMaxExtraTokens));
   }
-  return PlanStep(step, verify_len, local, totals);
+  PlanOutcome out = PlanStep(step, verify_len, local, totals);
+  if (verify_len.size() == step.batch.size()) RememberUnreported(out.step, step.batch, verify_len);
+  return out;
+}
+
+void Balancer::RememberUnreported(uint64_t step, absl::Span<const BalancerRequest> batch,
+                                  absl::Span<const int32_t> verify_len) {
+  for (size_t i = 0; i < batch.size(); ++i) {
+    Unreported& u = unreported_[batch[i].request_id];
+    if (u.count == kMaxUnreportedSteps) {  // the oldest goes: its report is long overdue
+      std::move(u.step.begin() + 1, u.step.end(), u.step.begin());
+      std::move(u.verify_len.begin() + 1, u.verify_len.end(), u.verify_len.begin());
+      --u.count;
+    }
+    u.step[u.count] = step;
+    u.verify_len[u.count] = verify_len[i];
+    ++u.count;
+  }
+  // A request that left without a report (an abort) is dropped once its last plan is older than
+  // any step still worth predicting, so the map holds only the batches of the last few steps.
+  for (auto it = unreported_.begin(); it != unreported_.end();) {
+    const Unreported& u = it->second;
+    if (u.count == 0 || u.step[u.count - 1] + kMaxUnreportedSteps < step) {
+      unreported_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void Balancer::ForgetReported(uint64_t step) {
+  if (reported_through_ != UINT64_MAX && step <= reported_through_) return;
+  reported_through_ = step;
+  for (auto it = unreported_.begin(); it != unreported_.end();) {
+    Unreported& u = it->second;
+    int first_left = 0;  // steps are stored oldest first
+    while (first_left < u.count && u.step[first_left] <= step) ++first_left;
+    if (first_left == u.count) {
+      unreported_.erase(it++);
+      continue;
+    }
+    std::move(u.step.begin() + first_left, u.step.begin() + u.count, u.step.begin());
+    std::move(u.verify_len.begin() + first_left, u.verify_len.begin() + u.count, u.verify_len.begin());
+    u.count -= first_left;
+    ++it;
+  }
 }
 
 PlanOutcome Balancer::Abstain(const absl::Status& why) {
@@ -487,30 +533,53 @@ void Balancer::FailLocally(const absl::Status& local, bool arm_on, const StepInp
 }
 
 absl::Status Balancer::ToPlanBatch(absl::Span<const BalancerRequest> batch) {
+  const int32_t k_max = config_.planner.k_max;
   plan_batch_.resize(batch.size());
   for (size_t i = 0; i < batch.size(); ++i) {
     const BalancerRequest& q = batch[i];
-    PlanRequest& p = plan_batch_[i];
-    p.ctx_tokens = q.ctx_tokens;
-    p.k_cap = q.k_cap;
+    AcceptanceCurve curve;
     if (!q.draft_confidence.empty()) {
       absl::StatusOr<AcceptanceCurve> c = AcceptanceCurve::FromConfidences(q.draft_confidence);
       if (!c.ok()) {
         return absl::InvalidArgumentError(
             absl::StrFormat("request %d: %s", q.request_id, c.status().message()));
       }
-      p.acceptance = *c;
+      curve = *c;
     } else {
-      p.acceptance = estimator_.Curve(q.request_id);
+      curve = estimator_.Curve(q.request_id);
+    }
+    // Steps planned for it and not yet reported: plan on what they leave (lag.h). A cap below
+    // k_max says exactly what the request may still emit; at k_max the engine says only "at
+    // least that", taken as more than the pending steps can emit.
+    absl::Span<const int32_t> pending;
+    if (const auto it = unreported_.find(q.request_id); it != unreported_.end()) {
+      pending = absl::MakeConstSpan(it->second.verify_len.data(), it->second.count);
+    }
+    PlanRequest& p = plan_batch_[i];
+    int32_t default_len = DefaultVerifyLen(config_.planner.default_k, q.k_cap);
+    const bool valid = q.ctx_tokens >= 0 && q.k_cap >= 0 && q.k_cap <= k_max && q.k_min >= 0 &&
+                       q.k_min <= q.k_cap;  // else Summarize names what is wrong
+    if (pending.empty() || !valid) {  // the state the engine passed is the state: no prediction
+      p = PlanRequest{q.ctx_tokens, 0, q.k_cap, curve};
+      p.k_min = slo_.Floor(q.request_id, default_len, curve);
+    } else {
+      const int64_t remaining = q.k_cap < k_max ? int64_t{q.k_cap} + 1
+                                                : int64_t{k_max} + 1 + kMaxUnreportedSteps * (kMaxDraftLen + 1);
+      PredictedRequest pr;
+      p = LaggedPlanRequest(q.ctx_tokens, remaining, pending, curve, k_max, config_.lag_predict, &pr);
+      default_len = DefaultVerifyLen(config_.planner.default_k, p.k_cap);
+      p.k_min = config_.lag_predict & kPredictSlo
+                    ? slo_.Floor(q.request_id, default_len, curve, static_cast<int>(pending.size()), pr.pending_tokens)
+                    : slo_.Floor(q.request_id, default_len, curve);
     }
     if (planner_.dspark()) {  // DSpark's budget reads survivals two decode steps back
       int32_t& planned = dspark_steps_[q.request_id];
       p.no_lagged_survival = planned < dspark::kConfidenceLagSteps;
       planned = std::min(planned + 1, dspark::kConfidenceLagSteps);
     }
-    // The SLO floor is never above k_cap (DefaultVerifyLen); a bad k_min fails in Summarize.
-    p.k_min = std::max(q.k_min, slo_.Floor(q.request_id, DefaultVerifyLen(config_.planner.default_k, q.k_cap),
-                                           p.acceptance));
+    // The SLO floor is never above k_cap (DefaultVerifyLen); a bad k_min fails in Summarize. The
+    // engine's own floor holds up to the cap the pending steps leave.
+    p.k_min = std::max(pending.empty() || !valid ? q.k_min : std::min(q.k_min, p.k_cap), p.k_min);
   }
   return absl::OkStatus();
 }
@@ -666,6 +735,7 @@ absl::Status Balancer::Report(uint64_t step, double attention_us, double step_us
     last_report_.barrier_us = plan->barrier_us;
     last_report_.extra_work = plan->extra_work;
   }
+  if (step != UINT64_MAX) ForgetReported(step);  // its results are in, whatever their times
   if (!(std::isfinite(attention_us) && attention_us >= 0 && std::isfinite(step_us) && step_us >= 0)) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "report: attention_us %g and step_us %g must be finite and >= 0", attention_us, step_us));
@@ -689,6 +759,7 @@ absl::Status Balancer::Report(uint64_t step, double attention_us, double step_us
       estimator_.Forget(a.request_id);
       slo_.Forget(a.request_id);
       dspark_steps_.erase(a.request_id);
+      unreported_.erase(a.request_id);
     }
   }
   measured_.attention_us = attention_us;

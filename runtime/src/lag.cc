@@ -70,4 +70,19 @@ PredictedRequest PredictRequest(int64_t seen_ctx, int64_t seen_remaining,
   return out;
 }
 
+PlanRequest LaggedPlanRequest(int64_t seen_ctx, int64_t seen_remaining,
+                              absl::Span<const int32_t> pending_verify_len,
+                              const AcceptanceCurve& curve, int32_t k_max, uint32_t predict,
+                              PredictedRequest* predicted) {
+  const PredictedRequest pr = PredictRequest(seen_ctx, seen_remaining, pending_verify_len, curve, k_max);
+  PlanRequest p;
+  p.ctx_tokens = predict & kPredictContext ? pr.ctx_tokens : seen_ctx;
+  p.k_cap = predict & kPredictCap
+                ? pr.k_cap
+                : static_cast<int32_t>(std::clamp<int64_t>(seen_remaining - 1, 0, std::max(k_max, 0)));
+  p.acceptance = predict & kPredictGain ? pr.acceptance : curve;
+  if (predicted != nullptr) *predicted = pr;
+  return p;
+}
+
 }  // namespace dpbalance

@@ -729,6 +729,60 @@ TEST(BalancerReports, OneStepLateReportsArePairedWithTheirOwnPlans) {
   EXPECT_LT(b->Stats().predicted_error, 1e-5);
 }
 
+// An engine one step behind plans step t+1 while step t runs: the request it passes is as last
+// seen. Request 100 may emit 3 more tokens and accepts each draft with probability 0.5 (the
+// others always). Once step t is planned, what step t+1 can still get from it is less: the
+// pending step emits at least one of its 3 tokens, and a draft pays only if that step neither
+// rejected it nor finished the request. So while step t is unreported its plan at t+1 must be
+// shorter than the same engine gets when it plans on the state as seen (kPredictNone), which
+// repeats step t's; once the report is in, both plan the same. A warm-up step (other ids,
+// reported) first, so that the planner's state from a previous decision is the same at t and
+// t+1.
+std::vector<int32_t> LaggedPlans(uint32_t lag_predict) {
+  auto group = *InProcessGroup::Create(1, sizeof(RankSummary));
+  BalancerConfig c = Config(1);
+  c.online_calibration = false;
+  c.lag_predict = lag_predict;
+  auto b = *Balancer::Create(c, 0, *group->Join(0));
+  const std::vector<float> sure(7, 1.0f), half(7, 0.5f);
+  auto batch_of = [&](int64_t id0) {
+    std::vector<BalancerRequest> batch(4);
+    for (int i = 0; i < 4; ++i) {
+      batch[i] = BalancerRequest{id0 + i, 3000, 0, i == 0 ? 2 : 7, absl::MakeConstSpan(i == 0 ? half : sure)};
+    }
+    return batch;
+  };
+  std::vector<int32_t> v(4);
+  const PlanOutcome warm = b->Plan(batch_of(200), -1, absl::MakeSpan(v));
+  EXPECT_TRUE(b->Report(warm.step, 20000, 40000, {}).ok());
+  std::vector<BalancerRequest> batch = batch_of(100);
+  std::vector<int32_t> first;  // request 100's length at steps t, t+1 (t unreported), t+2
+  const PlanOutcome t = b->Plan(batch, -1, absl::MakeSpan(v));
+  first.push_back(v[0]);
+  const std::vector<BalancerAccepted> acc = {{100, v[0], 0, false}};
+  b->Plan(batch, -1, absl::MakeSpan(v));  // t+1, planned before t is reported
+  first.push_back(v[0]);
+  // Both reported; the engine has seen step t (no draft accepted: it may emit 2 more) and
+  // passes what step t+1 left as its state, as an engine would after t+1's results.
+  EXPECT_TRUE(b->Report(t.step, 20000, 40000, acc).ok());
+  EXPECT_TRUE(b->Report(t.step + 1, 20000, 40000, {}).ok());
+  batch[0].k_cap = 1;
+  b->Plan(batch, -1, absl::MakeSpan(v));  // t+2: nothing pending
+  first.push_back(v[0]);
+  return first;
+}
+
+TEST(BalancerReports, OneStepBehindPlansOnWhatThePendingStepLeaves) {
+  const std::vector<int32_t> predicted = LaggedPlans(kPredictAll);
+  const std::vector<int32_t> as_seen = LaggedPlans(kPredictNone);
+  ASSERT_GE(as_seen[0], 1);                // its first draft pays as seen
+  EXPECT_EQ(predicted[0], as_seen[0]);     // nothing pending: the state passed is the state
+  EXPECT_EQ(as_seen[1], as_seen[0]);       // as seen, t+1 repeats t's plan
+  EXPECT_LT(predicted[1], as_seen[1]);     // predicted, less is left to verify
+  EXPECT_LE(predicted[1], 1);              // and never past the cap the pending step leaves
+  EXPECT_EQ(predicted[2], as_seen[2]);     // all reported: the same plan either way
+}
+
 // A step that also ran prefill (extend) was measured over work its plan never priced: 100x the
 // prediction there must neither refit the model nor count as model error. The same report on a
 // decode step does both, so the test can fail.

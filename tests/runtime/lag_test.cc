@@ -90,5 +90,30 @@ TEST(Lag, BadInputIsClamped) {
   EXPECT_EQ(p.alive, 0.0);
 }
 
+// The planner's request: each LagPredict bit takes its part from the prediction and leaves the
+// others as seen; with nothing pending every bit gives the state seen.
+TEST(Lag, LaggedPlanRequestTakesEachPartItsBitNames) {
+  const AcceptanceCurve c = Curve(0.5);
+  const std::vector<int32_t> pending = {3};
+  const PredictedRequest pr = PredictRequest(2000, 4, pending, c, 7);
+  ASSERT_GT(pr.ctx_tokens, 2000);
+  ASSERT_EQ(pr.k_cap, 2);  // 4 it may emit, at least 1 in the pending step, 1 bonus: 2 drafts
+  for (uint32_t bits = 0; bits <= kPredictAll; ++bits) {
+    PredictedRequest got;
+    const PlanRequest p = LaggedPlanRequest(2000, 4, pending, c, 7, bits, &got);
+    EXPECT_EQ(p.ctx_tokens, bits & kPredictContext ? pr.ctx_tokens : 2000) << bits;
+    EXPECT_EQ(p.k_cap, bits & kPredictCap ? 2 : 3) << bits;
+    for (int j = 1; j <= kMaxDraftLen; ++j) {
+      EXPECT_EQ(p.acceptance.Accept(j), bits & kPredictGain ? pr.acceptance.Accept(j) : c.Accept(j)) << bits;
+    }
+    EXPECT_EQ(p.k_min, 0);
+    EXPECT_EQ(got.pending_tokens, pr.pending_tokens);
+    const PlanRequest seen = LaggedPlanRequest(2000, 4, {}, c, 7, bits);
+    EXPECT_EQ(seen.ctx_tokens, 2000);
+    EXPECT_EQ(seen.k_cap, 3);
+    for (int j = 1; j <= kMaxDraftLen; ++j) EXPECT_EQ(seen.acceptance.Accept(j), c.Accept(j));
+  }
+}
+
 }  // namespace
 }  // namespace dpbalance

@@ -36,6 +36,7 @@
 #include "absl/types/span.h"
 #include "dpbalance/acceptance.h"
 #include "dpbalance/allgather.h"
+#include "dpbalance/lag.h"
 #include "dpbalance/metrics.h"
 #include "dpbalance/planner.h"
 #include "dpbalance/tpot_slo.h"
@@ -69,9 +70,18 @@ struct BalancerConfig {
   // true: the exchange runs on every step even once disabled (with a record that still carries
   // this rank's token total), so an engine whose own DP sync rides in the exchange keeps it.
   bool always_exchange = false;
+  // An engine that plans step t+1 before step t's results are in (Report(step) one step late):
+  // which parts of lag.h's prediction the plan uses for a request whose earlier plans are not
+  // yet reported (LagPredict bits; kPredictNone plans on the state the engine passes as if it
+  // were current). An engine that reports every step before planning the next has nothing
+  // pending, and the plan is the same either way.
+  uint32_t lag_predict = kPredictAll;
   uint64_t Hash() const;                   // what the handshake compares
 };
 
+// A request as the engine last saw it: `ctx_tokens` and `k_cap` count what the engine knows,
+// before the tokens of any step it scheduled but has not yet reported (those the balancer
+// predicts, BalancerConfig::lag_predict).
 struct BalancerRequest {
   int64_t request_id = 0;
   int64_t ctx_tokens = 0;
@@ -231,6 +241,11 @@ class Balancer {
   // when `local` failed); the agreed step, A/B arm and epoch, with the previous step accounted
   // (returns whether the arm is on); the decision and this rank's lengths into `out`.
   absl::Status ToPlanBatch(absl::Span<const BalancerRequest> batch);
+  // The verify lengths of `step` for its batch, until a report covers them (unreported_).
+  void RememberUnreported(uint64_t step, absl::Span<const BalancerRequest> batch,
+                          absl::Span<const int32_t> verify_len);
+  // Drops what a report of `step` (and the steps before it) covers.
+  void ForgetReported(uint64_t step);
   void StampOwnSummary(const absl::Status& local, uint64_t step, const StepInput& in,
                        absl::Span<const int32_t> fallback_len, const Measured& measured);
   bool AgreeOnStep(uint64_t step, const Measured& measured);
@@ -272,6 +287,16 @@ class Balancer {
   // DSpark modes: decode steps each running request has been planned for (capped at the lag of
   // DSpark's survivals), so a request without lagged survivals counts 1 in the budget.
   absl::flat_hash_map<int64_t, int32_t> dspark_steps_;
+  // Per request, the verify lengths of the steps planned for it and not yet reported, oldest
+  // first (at most kMaxUnreportedSteps): the pending steps of lag.h's prediction.
+  static constexpr int kMaxUnreportedSteps = 4;
+  struct Unreported {
+    std::array<uint64_t, kMaxUnreportedSteps> step{};
+    std::array<int32_t, kMaxUnreportedSteps> verify_len{};
+    int count = 0;
+  };
+  absl::flat_hash_map<int64_t, Unreported> unreported_;
+  uint64_t reported_through_ = UINT64_MAX;  // the newest step reported (UINT64_MAX: none yet)
   bool enabled_ = true;
   bool handshake_ok_ = false;  // every rank agreed on versions, ABI, group and config
   std::string disabled_reason_;

@@ -24,6 +24,7 @@
 
 #include "absl/types/span.h"
 #include "dpbalance/acceptance.h"
+#include "dpbalance/planner.h"
 
 namespace dpbalance {
 
@@ -45,5 +46,27 @@ struct PredictedRequest {
 PredictedRequest PredictRequest(int64_t seen_ctx, int64_t seen_remaining,
                                 absl::Span<const int32_t> pending_verify_len,
                                 const AcceptanceCurve& curve, int32_t k_max);
+
+// Which parts of the prediction the planner uses; each on its own is a bit, so that the cost of
+// lag can be split by part (the replay's --lag_predict, docs/results.md 8).
+enum LagPredict : uint32_t {
+  kPredictNone = 0,
+  kPredictContext = 1u << 0,  // contexts after the pending steps' expected tokens
+  kPredictCap = 1u << 1,      // caps less one token per pending step
+  kPredictGain = 1u << 2,     // gains times the probability the request can still emit them
+  kPredictSlo = 1u << 3,      // TPOT floors credit the pending steps' expected tokens
+  kPredictAll = kPredictContext | kPredictCap | kPredictGain | kPredictSlo,
+};
+
+// The planner's request for a step planned ahead of results (the one builder the replay and the
+// Balancer share): PredictRequest's parts that `predict` names, the state seen for the rest.
+// With nothing pending it is the state seen: ctx `seen_ctx`, cap min(seen_remaining - 1, k_max),
+// acceptance `curve`. k_min is left 0 (the caller's TPOT floor: TpotSlo::Floor with
+// `predicted->pending_tokens` when kPredictSlo). `predicted` (may be null) receives the
+// prediction itself.
+PlanRequest LaggedPlanRequest(int64_t seen_ctx, int64_t seen_remaining,
+                              absl::Span<const int32_t> pending_verify_len,
+                              const AcceptanceCurve& curve, int32_t k_max, uint32_t predict,
+                              PredictedRequest* predicted = nullptr);
 
 }  // namespace dpbalance
