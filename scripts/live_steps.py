@@ -16,10 +16,10 @@ means such batches cost more than their token counts say.
 
   scripts/live_steps.py DIR/runs/WORKLOAD/dpN [--json OUT]
 """
+import argparse
 import json
 import os
 import statistics as st
-import sys
 
 
 def load(path):
@@ -54,15 +54,11 @@ def features(step):
 
 
 def main():
-    args = sys.argv[1:]
-    out_path = None
-    if "--json" in args:
-        i = args.index("--json")
-        out_path = args[i + 1]
-        del args[i:i + 2]
-    if len(args) != 1:
-        sys.exit(__doc__)
-    root = args[0]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("root", help="DIR/runs/WORKLOAD/dpN of a kept live run")
+    ap.add_argument("--json", dest="out_path", help="write the figures here too")
+    a = ap.parse_args()
+    root, out_path = a.root, a.out_path
     arms = {}
     for name in sorted(os.listdir(root)):
         arm = name.rsplit("_r", 1)[0]
