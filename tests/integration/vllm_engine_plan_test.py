@@ -117,6 +117,154 @@ class EnginePlanTest(unittest.TestCase):
         self.assertEqual(stats["missing_reports"], 0, stats)
         self.assertGreater(stats["balanced_steps"], 0, stats)
 
+    def test_async_scheduler_reports_each_plan_one_step_late_by_its_token(self):
+        # vLLM's AsyncScheduler plans step t+1 (schedule) before it processes step t's output
+        # (update_from_output). Each report must reach the plugin as the plan it was made for
+        # (its plan id), not as the latest plan, and the step log must name that step.
+        group = ThreadGroup(2)
+        plans = [make_plan(r, 2, group) for r in range(2)]
+        reqs = [("a", 4000, 7), ("b", 300, 7), ("c", 900, 2)]
+
+        def rank0():
+            p, made, paired = plans[0], [], []
+            for step in range(10):
+                p.begin_step()                     # schedule() of step t
+                lens = p.exchange(reqs)
+                made.append((p.last_token, p.last_plan.plan_id, lens))
+                if step > 0:                       # update_from_output() of step t - 1
+                    token, plan_id, prev = made[-2]
+                    p.after_step(1000.0, 5000.0, [(q[0], n, n, False) for q, n in zip(reqs, prev)],
+                                 sum(1 + n for n in prev), token=token)
+                    paired.append((plan_id, p.last_step["plan_id"]))
+            token, plan_id, prev = made[-1]
+            p.after_step(1000.0, 5000.0, [], 0, token=token)
+            paired.append((plan_id, p.last_step["plan_id"]))
+            return paired
+
+        def rank1():
+            for _ in range(10):
+                plans[1].begin_step()
+                plans[1].join_idle()               # the idle rank's dummy batch
+                plans[1].after_step(200.0, 5000.0, [], 0)
+
+        paired = run_ranks([rank0, rank1])[0]
+        self.assertEqual(len(paired), 10)
+        for made_id, reported_id in paired:
+            self.assertEqual(made_id, reported_id)
+        self.assertEqual([p.exchanges for p in plans], [10, 10])
+        self.assertEqual([p.desyncs for p in plans], [0, 0])
+        self.assertFalse(plans[0].fallbacks, plans[0].fallbacks)
+        self.assertFalse(plans[0]._outstanding)   # every plan reported
+        stats = plans[0].dpb.stats()
+        self.assertEqual(stats["missing_reports"], 0, stats)
+
+    def test_async_scheduler_mixin_pairs_each_output_with_its_own_plan(self):
+        # scheduler.py's mixin on a stand-in for vLLM's AsyncScheduler (vLLM itself does not run
+        # async on CPU): schedule() advances num_computed_tokens by every scheduled token and
+        # counts them in num_output_placeholders; update_from_output() rolls the rejected
+        # drafts back. Step t+1 is scheduled before step t's output. The plan must see each
+        # request's context as last seen (committed tokens only), and each output must be
+        # reported with the token of the plan made for its step, whose lengths it ran.
+        class AsyncBase:
+            def __init__(self, running):
+                self.running, self.waiting = running, []
+                self.requests = {r.request_id: r for r in running}
+                self.max_num_scheduled_tokens, self.max_num_running_reqs = 8192, 16
+                self.vllm_config = types.SimpleNamespace(speculative_config=types.SimpleNamespace(
+                    num_speculative_tokens=4, method="ngram"))
+
+            def has_unfinished_requests(self):
+                return bool(self.running)
+
+            def schedule(self):
+                spec = {r.request_id: list(r.spec_token_ids) for r in self.running}
+                so = types.SimpleNamespace(scheduled_spec_decode_tokens=spec,
+                                           total_num_scheduled_tokens=sum(1 + len(d) for d in spec.values()))
+                for r in self.running:
+                    n = 1 + len(spec[r.request_id])
+                    r.num_computed_tokens += n
+                    r.num_output_placeholders += n
+                    r.spec_token_ids = [-1] * 4
+                return so
+
+            def update_from_output(self, so, out):
+                for i, r in enumerate(self.running):
+                    drafts = len(so.scheduled_spec_decode_tokens[r.request_id])
+                    acc = len(out.sampled_token_ids[i]) - 1
+                    r.num_computed_tokens -= drafts - acc
+                    r.num_output_placeholders -= 1 + drafts
+                    r.num_output_tokens += 1 + acc
+                return None
+
+        def request(rid, prompt):
+            return types.SimpleNamespace(request_id=rid, num_prompt_tokens=prompt,
+                                         num_computed_tokens=prompt, num_output_placeholders=0,
+                                         num_output_tokens=0, max_tokens=200, spec_token_ids=[7] * 4,
+                                         is_finished=lambda: False)
+
+        stubs = {n: types.ModuleType(n) for n in ("vllm", "vllm.v1", "vllm.v1.core",
+                                                 "vllm.v1.core.sched", "vllm.v1.core.sched.scheduler",
+                                                 "vllm.v1.core.sched.async_scheduler")}
+        stubs["vllm.v1.core.sched.scheduler"].Scheduler = AsyncBase
+        stubs["vllm.v1.core.sched.async_scheduler"].AsyncScheduler = AsyncBase
+        saved = {n: sys.modules.get(n) for n in list(stubs) + ["dpbalance_vllm.scheduler"]}
+        sys.modules.update(stubs)
+        sys.modules.pop("dpbalance_vllm.scheduler", None)
+        try:
+            from dpbalance_vllm import scheduler
+            plan = make_plan(0, 1, ThreadGroup(1), k_spec=4)
+            planned, reported, seen_ctx = {}, [], []
+            exchange, after_step = plan.exchange, plan.after_step
+
+            def forced_exchange(rows, extra_tokens=0):  # lengths that differ step to step
+                exchange(rows, extra_tokens=extra_tokens)
+                seen_ctx.append([row[1] for row in rows])
+                lens = [min(row[2], 1 + plan.last_token % 3) for row in rows]
+                planned[plan.last_token] = lens
+                return lens
+
+            def recorded_after_step(att, step_us, accepted, tokens, token=None):
+                reported.append((token, [a[1] for a in accepted]))
+                after_step(att, step_us, accepted, tokens, token=token)
+
+            plan.exchange, plan.after_step = forced_exchange, recorded_after_step
+            engine_plan._PLAN = plan
+
+            class Sched(scheduler._DpbMixin, AsyncBase):
+                def __init__(self, running):
+                    AsyncBase.__init__(self, running)
+                    self._dpb_init()
+
+            reqs = [request("a", 1000), request("b", 300)]
+            sched = Sched(reqs)
+            committed = {"a": 1000, "b": 300}
+            pending = []
+            for step in range(8):
+                expected = [committed["a"], committed["b"]]  # what the engine has seen
+                pending.append(sched.schedule())
+                self.assertEqual(seen_ctx[-1], expected, step)
+                if len(pending) == 2:  # the older step's output, after the newer was scheduled
+                    so = pending.pop(0)
+                    sampled = [[1] * (1 + len(so.scheduled_spec_decode_tokens[r.request_id]) // 2)
+                               for r in reqs]
+                    out = types.SimpleNamespace(sampled_token_ids=sampled, req_id_to_index={"a": 0, "b": 1})
+                    sched.update_from_output(so, out)
+                    for r, s in zip(reqs, sampled):
+                        committed[r.request_id] += len(s)
+            self.assertEqual(len(reported), 7)
+            for token, lens in reported:
+                self.assertIsNotNone(token)
+                self.assertEqual(lens, planned[token], (token, lens, planned))
+            self.assertEqual([t for t, _ in reported], list(range(len(reported))))
+            self.assertEqual(plan.desyncs, 0)
+        finally:
+            engine_plan._PLAN = None
+            for n, m in saved.items():
+                if m is None:
+                    sys.modules.pop(n, None)
+                else:
+                    sys.modules[n] = m
+
     def test_prefill_beside_the_decodes_is_an_extend_step_on_every_rank(self):
         group = ThreadGroup(2)
         plans = [make_plan(r, 2, group) for r in range(2)]

@@ -25,6 +25,12 @@ differ from its peers' never leaves them waiting.
 Fallback: any step the plugin does not balance runs the engine's default verify length,
 `default_k`: vLLM's num_speculative_tokens (its drafts as they are), or DPB_DEFAULT_K when set.
 
+Reports one step late (vLLM's `AsyncScheduler`, which schedules step t+1 before step t's
+output is processed): `exchange` returns the plan and `last_token` names it; `after_step(...,
+token=)` reports that plan (the plugin pairs it by plan id and counts its verify lengths as
+pending while later steps are planned, lag.h). Up to two plans may be outstanding; a report
+without a token is the latest plan's (the synchronous scheduler, the dummy batch).
+
 What a rank reports (beside the plugin's own log): the per-rank `final` record of the step log,
 written before vLLM tears the engine core down (the executor's shutdown, the first step of
 `EngineCore.shutdown`) and, every DPBALANCE_VLLM_STATS_EVERY_S seconds, a `stats` record with
@@ -113,7 +119,10 @@ class EnginePlan:
         self.disabled_reason = self.cfg.error
         # DPB_AB_EPOCH is the plugin's flag (checked above); the step log marks the arms with it.
         self.ab_epoch = int(os.environ.get("DPB_AB_EPOCH") or 0) if self.cfg.usable else 0
-        self._last = None                  # (requests, lens, result, extra) of this step
+        # Plans not yet reported, oldest first: token -> (requests, lens, result, extra, plan_id,
+        # time of its exchange). At most two (the async scheduler's lag).
+        self._outstanding = {}
+        self.last_token = None             # the latest exchange's token (its index)
         self.last_plan = None
         self.last_step = None              # the plugin's dpbStepInfo of the latest report
         self._t_step = None
@@ -250,7 +259,11 @@ class EnginePlan:
         else:
             self.fallbacks[result] = self.fallbacks.get(result, 0) + 1
             lens = [min(self.default_k, int(r[2])) for r in requests]  # the engine's default
-        self._last = (requests, lens, result, extra)
+        self.last_token = self.exchanges - 1
+        plan_id = getattr(res.plan, "plan_id", None) if res.plan is not None else None
+        self._outstanding[self.last_token] = (requests, lens, result, extra, plan_id, self._t_step)
+        while len(self._outstanding) > 2:  # a plan never reported (a step the engine dropped)
+            del self._outstanding[next(iter(self._outstanding))]
         return lens
 
     def _previous_barrier(self, rows) -> None:
@@ -279,28 +292,36 @@ class EnginePlan:
             self.exchange([])
 
     def after_step(self, attention_us: Optional[float], step_us: Optional[float],
-                   accepted: Sequence[tuple], scheduled_tokens: int) -> None:
+                   accepted: Sequence[tuple], scheduled_tokens: int, token: Optional[int] = None) -> None:
         """After the forward: report measured attention time and the accepted drafts
-        [(req_id, verify_len, accepted, finished), ...]; log the step."""
-        if not self.enabled or not self.exchanged_this_step:
+        [(req_id, verify_len, accepted, finished), ...] of plan `token` (`last_token` when the
+        plan was made; None: this engine step's plan, as the synchronous scheduler and the
+        dummy batch report); log the step."""
+        if not self.enabled:
             return
-        self.exchanged_this_step = False
-        planned = self._last
-        self._last = None
-        if step_us is None and self._t_step is not None:
-            step_us = (time.perf_counter() - self._t_step) * 1e6
+        if token is None:  # the latest plan, unless this engine step's report is in already
+            if not self.exchanged_this_step:
+                return
+            token = self.last_token
+        entry = self._outstanding.pop(token, None)
+        if entry is None:  # reported already, or dropped
+            return
+        if token == self.last_token:  # the latest plan: this engine step is done
+            self.exchanged_this_step = False
+        requests, lens, result, extra, plan_id, t_step = entry
+        if step_us is None and t_step is not None:
+            step_us = (time.perf_counter() - t_step) * 1e6
         att = float(attention_us) if attention_us is not None else 0.0
         info = None
         if self.dpb is not None:
             acc = [adapter.Accepted(str(a[0]), int(a[1]), int(a[2]), bool(a[3]))
                    for a in accepted]
-            self.dpb.report(att, float(step_us or 0.0), acc)
+            self.dpb.report(att, float(step_us or 0.0), acc, plan_id=plan_id)
             info = self.dpb.last_step()
         self.last_step = info
         # The model's error on this step: balanced (a prediction) and no prefill beside it.
         pred = info["predicted_attention_us"] if info else -1.0
         err = abs(pred - att) / att if pred > 0 and att > 0 and not info["extend"] else None
-        requests, lens, result, extra = planned if planned is not None else ([], [], "", 0)
         self._prev = (att if attention_us is not None else -1.0, 1 if extra > 0 else 0)
         defaults = [min(self.default_k, int(r[2])) for r in requests]
         changed = any(a != b for a, b in zip(lens, defaults))
@@ -316,11 +337,11 @@ class EnginePlan:
             if balancing != self._balancing:  # the plugin disabled itself (or came back)
                 self._balancing = balancing
                 self.metrics.set_enabled(balancing)
-        if self._log is not None and planned is not None:
+        if self._log is not None:
             self._writing = True
-            arm_on = self.ab_epoch <= 0 or ((self.exchanges - 1) // self.ab_epoch) % 2 == 0
+            arm_on = self.ab_epoch <= 0 or (token // self.ab_epoch) % 2 == 0
             self._log.write(json.dumps({
-                "x": self.exchanges - 1, "n": len(requests), "result": result, "arm_on": arm_on,
+                "x": token, "n": len(requests), "result": result, "arm_on": arm_on,
                 "extra": extra,
                 "lens": lens, "defaults": defaults, "ctx": [int(r[1]) for r in requests],
                 "changed": changed, "accepted": n_acc, "drafted": n_verified,

@@ -15,7 +15,14 @@ loop schedules `num_tokens_with_spec - num_computed_tokens`, which includes the 
 `Scheduler.update_from_output` (accepted = generated tokens - 1 per request with drafts).
 vLLM on CPU always runs the synchronous scheduler (vllm/platforms/cpu.py turns async scheduling
 off); under async scheduling a GPU deployment uses `DpbAsyncScheduler` (same logic on
-`AsyncScheduler`, whose drafts are placeholders of the same count).
+`AsyncScheduler`, whose drafts are placeholders of the same count). There `schedule()` for step
+t+1 runs before `update_from_output()` of step t, so each plan is kept with the
+`SchedulerOutput` it was made for and reported by its token (EnginePlan.after_step), and a
+request's context is passed as seen: `num_computed_tokens` less the tokens scheduled but not yet
+output (`num_output_placeholders`; vLLM advances `num_computed_tokens` at schedule time and rolls
+rejected drafts back in `update_from_output`, vllm/v1/core/sched/async_scheduler.py at
+014b2350). With the synchronous scheduler the placeholders are 0 and each plan is reported
+before the next is made.
 """
 from __future__ import annotations
 
@@ -36,7 +43,9 @@ class _DpbMixin:
         method = str(getattr(spec, "method", "") or "") if spec is not None else ""
         # Checks every setting now, before the engine core reports ready (config.py).
         self._dpb = engine_plan.get(self.vllm_config, k_spec, method)
-        self._dpb_planned = {}
+        # (SchedulerOutput, {request id: planned length}, plan token) of the steps scheduled and
+        # not yet processed, oldest first: one with the synchronous scheduler, two with async.
+        self._dpb_steps = []
 
     def _dpb_requests(self):
         """This rank's running decode requests: (id, context, draft cap) in running order."""
@@ -46,7 +55,8 @@ class _DpbMixin:
                 continue  # a prefill (chunk): no drafts to verify this step
             left = r.max_tokens - r.num_output_tokens if r.max_tokens is not None else 1 << 30
             cap = min(len(r.spec_token_ids), self._dpb.k_spec, max(0, left - 1))
-            out.append((r.request_id, int(r.num_computed_tokens), int(cap)))
+            seen = r.num_computed_tokens - getattr(r, "num_output_placeholders", 0)
+            out.append((r.request_id, int(seen), int(cap)))
             reqs.append(r)
         return out, reqs
 
@@ -72,7 +82,7 @@ class _DpbMixin:
 
     def schedule(self, *args, **kwargs):
         plan = self._dpb
-        self._dpb_planned = {}
+        planned, token = {}, None
         # Join only while this rank has work: a call that only flushes finished ids can come
         # after the DP wave ended, when the other ranks are not stepping. An idle rank joins
         # from the executor's dummy batch instead (engine_plan.EnginePlan.join_idle).
@@ -83,21 +93,31 @@ class _DpbMixin:
             extra = self._dpb_prefill_tokens(sum(1 + row[2] for row in rows))
             lens = plan.exchange(rows, extra_tokens=extra)
             if lens is not None:
+                token = plan.last_token
                 for r, row, n in zip(reqs, rows, lens):
                     n = max(0, min(int(n), row[2]))
                     if len(r.spec_token_ids) > n:
                         r.spec_token_ids = list(r.spec_token_ids[:n])
-                    self._dpb_planned[r.request_id] = n
-        return super().schedule(*args, **kwargs)
+                    planned[r.request_id] = n
+        so = super().schedule(*args, **kwargs)
+        if plan is not None and plan.enabled:
+            self._dpb_steps.append((so, planned, token))
+            del self._dpb_steps[:-2]  # a step never processed (vLLM dropped it) goes
+        return so
 
     def update_from_output(self, scheduler_output, model_runner_output):
         plan = self._dpb
-        accepted = []
+        accepted, planned, token = [], {}, None
+        for i, (so, p, t) in enumerate(self._dpb_steps):
+            if so is scheduler_output:  # the plan made for this very step
+                planned, token = p, t
+                del self._dpb_steps[i]
+                break
         if plan is not None and plan.enabled and scheduler_output.total_num_scheduled_tokens > 0:
             sampled = model_runner_output.sampled_token_ids or []
             index = model_runner_output.req_id_to_index or {}
             spec = scheduler_output.scheduled_spec_decode_tokens
-            for rid in self._dpb_planned:
+            for rid in planned:
                 i = index.get(rid)
                 drafts = spec.get(rid) or []
                 if i is None or i >= len(sampled):
@@ -111,7 +131,7 @@ class _DpbMixin:
                 a[3] = r is None or r.is_finished()
             timing = getattr(model_runner_output, "dpb_timing", None) or {}
             plan.after_step(timing.get("att_us"), timing.get("fwd_us"), accepted,
-                            scheduler_output.total_num_scheduled_tokens)
+                            scheduler_output.total_num_scheduled_tokens, token=token)
         return outputs
 
     def shutdown(self):
