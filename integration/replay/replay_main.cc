@@ -89,6 +89,9 @@ ABSL_FLAG(std::string, tpot_slo_ms, "auto",
           "the comparison; the same routing at the default k in a single run); 'off' or 0: none");
 ABSL_FLAG(double, step_slack, 0.03,
           "planner TPOT guard: step time <= (1 + this) x the default-k step; < 0 disables");
+ABSL_FLAG(double, min_plan_gain, 0,
+          "planner default guard: a plan replaces the default-k plan only when its predicted "
+          "goodput is more than (1 + this) x the default plan's; 0 disables");
 ABSL_FLAG(std::string, truth, "v2",
           "truth attention model: v2, v1, v2+GRID or a cost-model JSON file");
 ABSL_FLAG(std::string, planner_model, "truth",
@@ -164,6 +167,7 @@ struct Row {
   std::string draft;       // the truth's draft: agreed, per_rank or block
   std::string verify_mode; // JSON: off, static_best, goodput, dspark, dspark_fill, ...
   std::string dspark_sps;  // DSpark rows: profiled or context
+  double min_plan_gain = 0;  // planner rows: the default guard they ran under (0: none)
 };
 
 // What every row shares: the trace, the truth timing model and the configuration the rows vary.
@@ -316,6 +320,7 @@ absl::Status CheckFlags() {
            in_range("groups", absl::GetFlag(FLAGS_groups), 1, dp),
            in_range("split_window", absl::GetFlag(FLAGS_split_window), 1, 1e8),
            in_range("step_slack", absl::GetFlag(FLAGS_step_slack), -1e9, 100),  // < 0: no guard
+           in_range("min_plan_gain", absl::GetFlag(FLAGS_min_plan_gain), 0, 10),
            in_range("truth_layers", absl::GetFlag(FLAGS_truth_layers), 1, 1000),
            in_range("ffn_fixed_ms", absl::GetFlag(FLAGS_ffn_fixed_ms), 0, 1e6),  // a step over 1000 s is a typo
            in_range("ffn_per_token_ms", absl::GetFlag(FLAGS_ffn_per_token_ms), 0, 1e6),
@@ -436,6 +441,7 @@ absl::StatusOr<SimConfig> BaseConfigFromFlags(const TruthModel& truth) {
   base.acceptance_sigma = absl::GetFlag(FLAGS_acceptance_sigma);
   base.acceptance_prior_strength = absl::GetFlag(FLAGS_prior_strength);
   base.max_step_slack = absl::GetFlag(FLAGS_step_slack);
+  base.min_plan_gain = absl::GetFlag(FLAGS_min_plan_gain);
   base.floor_at_default = absl::GetFlag(FLAGS_floor_at_default);
   base.seed = absl::GetFlag(FLAGS_seed);
   base.stale_steps = absl::GetFlag(FLAGS_stale_steps);
@@ -641,6 +647,7 @@ Row ComparisonRunner::MakeRow(const RowSpec& spec, int k, double slo_ms, const R
           VerifyModeName(spec.verify), k, planned ? slo_ms : 0, result,
           planned && spec.guard ? instance_.base.max_step_slack : -1,
           spec.padded || IsDspark(spec.verify), instance_.base.stale_steps};
+  row.min_plan_gain = planned && spec.guard && !IsDspark(spec.verify) ? instance_.base.min_plan_gain : 0;
   row.draft = DraftName(TruthFor(spec));
   row.verify_mode = spec.verify_label.empty() ? row.verify : spec.verify_label;
   if (IsDspark(spec.verify)) {
@@ -726,7 +733,10 @@ absl::Status ComparisonRunner::RunPlannerRows(const std::vector<RowSpec>& specs,
     const int k = specs[i].k.value_or(section_k);
     SimConfig c = ConfigFor(specs[i], k);
     c.tpot_slo_us = row_slo_ms(specs[i]) * 1000;
-    if (!specs[i].guard) c.max_step_slack = -1;
+    if (!specs[i].guard) {  // the oracle rows: no guard of either kind
+      c.max_step_slack = -1;
+      c.min_plan_gain = 0;
+    }
     jobs.push_back(Job(c, TruthFor(specs[i])));
     job_row_k.push_back({i, k});
   }
@@ -793,6 +803,8 @@ nlohmann::json RowJson(const Row& row, const std::string& eval_cost, const SimCo
   j["k"] = row.k;
   j["k_max"] = absl::GetFlag(FLAGS_k_max);
   j["step_slack"] = row.step_slack;
+  // Written only when set, so every output without the default guard is unchanged.
+  if (row.min_plan_gain > 0) j["min_plan_gain"] = row.min_plan_gain;
   j["tpot_slo_ms"] = row.tpot_slo_ms;
   j["eval_cost"] = eval_cost;
   j["steps"] = r.steps;

@@ -658,6 +658,7 @@ const GlobalDecision* Balancer::DecideAndAssign(absl::Span<const BalancerRequest
   p.extra_work = own_summary_.extra_tokens > 0 || (own_summary_.flags & kSummaryExtend) != 0;
   consecutive_failures_ = 0;
   ++balanced_steps_;
+  if (d->kept_default) ++kept_default_steps_;
   out.balanced = true;
   out.draft_depth = d->draft_depth;
   if (config_.planner.agreed_draft_depth) {
@@ -784,6 +785,7 @@ BalancerStats Balancer::Stats() const {
   BalancerStats s;
   s.steps = static_cast<int64_t>(step_);
   s.balanced_steps = balanced_steps_;
+  s.kept_default_steps = kept_default_steps_;
   s.fallbacks = fallbacks_;
   s.enabled = enabled_;
   s.disabled_reason = disabled_reason_;
@@ -814,9 +816,9 @@ void Balancer::MaybeLog() {
   const BalancerStats s = Stats();
   Logger()->info(
       "rank {} step {}: bubble {:.4f} ({:.0f} us/rank), goodput {:.0f} tok/s, {:.1f} tok/step, "
-      "model error {:.3f}, barrier/plan {:.3f}, balanced {}/{}, fallbacks {}{}",
+      "model error {:.3f}, barrier/plan {:.3f}, balanced {}/{} (kept default {}), fallbacks {}{}",
       rank_, s.steps, s.bubble_fraction, s.bubble_us, s.goodput_tok_per_s, s.tokens_per_step,
-      s.predicted_error, s.barrier_over_plan, s.balanced_steps, s.steps, s.fallbacks,
+      s.predicted_error, s.barrier_over_plan, s.balanced_steps, s.steps, s.kept_default_steps, s.fallbacks,
       s.enabled ? "" : " (disabled)");
   if (config_.metrics_file.empty()) return;
   std::ofstream f(config_.metrics_file, std::ios::app);
@@ -831,12 +833,12 @@ void Balancer::MaybeLog() {
   f << absl::StrFormat(
       "{\"rank\":%d,\"step\":%d,\"bubble_fraction\":%.6f,\"bubble_us\":%.3f,\"goodput_tok_per_s\":%.3f,"
       "\"tokens_per_step\":%.3f,\"predicted_error\":%.6f,\"barrier_over_plan\":%.6f,"
-      "\"balanced_steps\":%d,\"fallbacks\":%d,"
+      "\"balanced_steps\":%d,\"kept_default_steps\":%d,\"fallbacks\":%d,"
       "\"enabled\":%s,\"ab\":{\"on\":{\"epochs\":%d,\"bubble\":%.6f,\"bubble_ci95\":%.6f,"
       "\"goodput\":%.3f,\"goodput_ci95\":%.3f},\"off\":{\"epochs\":%d,\"bubble\":%.6f,"
       "\"bubble_ci95\":%.6f,\"goodput\":%.3f,\"goodput_ci95\":%.3f}}}\n",
       rank_, s.steps, s.bubble_fraction, s.bubble_us, s.goodput_tok_per_s, s.tokens_per_step,
-      s.predicted_error, s.barrier_over_plan, s.balanced_steps, s.fallbacks,
+      s.predicted_error, s.barrier_over_plan, s.balanced_steps, s.kept_default_steps, s.fallbacks,
       s.enabled ? "true" : "false",
       s.arm_on.epochs, s.arm_on.bubble_fraction, s.arm_on.bubble_ci95, s.arm_on.goodput_tok_per_s,
       s.arm_on.goodput_ci95, s.arm_off.epochs, s.arm_off.bubble_fraction, s.arm_off.bubble_ci95,

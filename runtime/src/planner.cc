@@ -416,6 +416,7 @@ struct UsableTotals {
   double floor_us = 0;  // the barrier with every rank at its floors
   double base_gain = 0, base_tokens = 0, max_base_tokens = 0;
   double default_barrier = 0, default_tokens = 0, max_default_tokens = 0;
+  double default_gain = 0;  // expected tokens of the engine's default plan
 };
 
 // Checks every summary (a wrong magic, version or config hash is an error) and totals the usable
@@ -433,6 +434,7 @@ absl::StatusOr<UsableTotals> TotalUsable(absl::Span<const RankSummary> summaries
     usable.push_back(static_cast<uint32_t>(r));
     t.default_barrier = std::max<double>(t.default_barrier, s.default_attention_us);
     t.default_tokens += s.default_tokens;
+    t.default_gain += s.default_gain;
     t.max_default_tokens = std::max<double>(t.max_default_tokens, s.default_tokens);
     t.depth_lo = std::max<int>(t.depth_lo, s.min_depth);
     t.floor_us = std::max<double>(t.floor_us, s.base_attention_us);
@@ -715,6 +717,10 @@ absl::Status PlannerConfig::Validate() const {
   if (std::isnan(max_step_slack)) {
     return absl::InvalidArgumentError("planner: max_step_slack is NaN");
   }
+  if (!(min_plan_gain >= 0 && min_plan_gain <= 10)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("planner: min_plan_gain = %g must be in 0..10", min_plan_gain));
+  }
   if (num_ranks < 1 || num_ranks > 65536) {
     return absl::InvalidArgumentError(
         absl::StrFormat("planner: num_ranks = %d must be in 1..65536", num_ranks));
@@ -754,6 +760,8 @@ uint64_t PlannerConfig::Hash() const {
   h.Value(exact_rank_tokens);
   h.Value(order_by_gain);
   h.Value(dspark_context_sps);
+  // Hashed only when set, so the hash of every configuration without the guard is unchanged.
+  if (min_plan_gain != 0) h.Value(min_plan_gain);
   h.Value(kSummaryVersion);
   return h.digest();
 }
@@ -1027,6 +1035,36 @@ void Planner::WalkKnots(const LocalState& st, const std::array<int64_t, kMaxDraf
   for (int d = d_lo; d <= d_hi; ++d) s.num_knots[d - 1] = static_cast<uint8_t>(knot[d]);
 }
 
+namespace {
+// Step 5 of Decide, the default guard (PlannerConfig::min_plan_gain): records the default plan's
+// predicted goodput in `best` and, unless `best` beats it by more than the margin, replaces `best`
+// with the default plan. The default plan must respect every floor (default_k >= the deepest),
+// else the plan stands. Every rank runs this on the same bytes, so all keep or all plan.
+void GuardDefault(const PlannerConfig& c, const UsableTotals& t, double default_step_us,
+                  const BestPlan& plans, GlobalDecision& best) {
+  if (!(default_step_us > 0)) return;
+  best.default_tokens_per_us = t.default_gain / default_step_us;
+  if (c.min_plan_gain <= 0 || t.depth_lo > c.default_k) return;
+  if (best.tokens_per_us > best.default_tokens_per_us * (1 + c.min_plan_gain)) return;
+  const int num_planned = best.num_planned_ranks;
+  const double default_tokens_per_us = best.default_tokens_per_us;
+  best = GlobalDecision{};
+  best.kept_default = true;
+  best.draft_depth = c.default_k;
+  best.barrier_us = t.default_barrier;
+  best.step_us = default_step_us;
+  best.expected_tokens = t.default_gain;
+  best.tokens_per_us = default_tokens_per_us;
+  best.default_tokens_per_us = default_tokens_per_us;
+  best.default_step_us = default_step_us;
+  best.ffn_tokens = std::llround(plans.FfnTokens(t.default_tokens, t.max_default_tokens));
+  best.padded_rank_tokens = c.global.padded_tokens
+                                ? TierFor(c.token_tiers, std::llround(t.max_default_tokens))
+                                : 0;
+  best.num_planned_ranks = num_planned;
+}
+}  // namespace
+
 absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> summaries) const {
   const PlannerConfig& c = config_;
   const bool local = c.mode == PlanMode::kLocal;
@@ -1049,15 +1087,17 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
   // Step 2: the engine's default plan prices the TPOT guard. With per-rank draft depths the
   // draft time is already inside each rank's costs.
   BestPlan plans(c, num_usable);
-  plans.SetDefaultStep(totals->default_barrier +
-                       plans.GlobalUs(totals->default_tokens, totals->max_default_tokens,
-                                      c.agreed_draft_depth ? c.default_k : 0));
+  const double default_step_us =
+      totals->default_barrier + plans.GlobalUs(totals->default_tokens, totals->max_default_tokens,
+                                               c.agreed_draft_depth ? c.default_k : 0);
+  plans.SetDefaultStep(default_step_us);
   // Step 3: sweep the barrier over the ranks' knots, for each feasible depth.
   if (!c.agreed_draft_depth) {
     SweepPerRankDepths(c, summaries, *totals, decide_, plans);
     GlobalDecision best = plans.best();
     best.draft_depth = c.k_max;  // a cap: each rank drafts to its deepest assigned length
     best.num_planned_ranks = num_usable;
+    GuardDefault(c, *totals, default_step_us, plans, best);
     return best;
   }
   decide_.segments.resize(summaries.size());
@@ -1076,6 +1116,7 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
   // layers: one depth for the whole instance).
   GlobalDecision best = plans.best();
   best.num_planned_ranks = num_usable;
+  GuardDefault(c, *totals, default_step_us, plans, best);
   if (!local && num_usable < static_cast<int>(summaries.size())) {
     best.draft_depth = std::max(best.draft_depth, c.default_k);
   }
@@ -1109,6 +1150,10 @@ absl::Status Planner::AssignFrom(const LocalState& st, const GlobalDecision& d,
   }
   if (dspark()) {
     AssignDspark(st, d, verify_len);
+    return absl::OkStatus();
+  }
+  if (d.kept_default) {  // the default guard: every rank runs the engine's default lengths
+    for (size_t i = 0; i < n; ++i) verify_len[i] = DefaultVerifyLen(config_.default_k, st.batch[i].k_cap);
     return absl::OkStatus();
   }
   for (size_t i = 0; i < n; ++i) {
@@ -1165,7 +1210,7 @@ void Planner::RankTokens(absl::Span<const RankSummary> summaries, const GlobalDe
       continue;
     }
     int64_t tokens = s.default_tokens;
-    if (balanced && config_.mode != PlanMode::kOff && SummaryUsable(s, r)) {
+    if (balanced && config_.mode != PlanMode::kOff && !decision.kept_default && SummaryUsable(s, r)) {
       if (dspark()) {  // every rank runs the agreed tier, an idle one on dummy rows
         tokens = decision.padded_rank_tokens;
       } else if (config_.global.padded_tokens) {

@@ -98,6 +98,14 @@ TEST(Flags, UnknownAndMalformedFlagsAreNamed) {
   ASSERT_TRUE(grid.ok()) << grid.status();
   EXPECT_TRUE(grid->balancer.model.uses_grid());
   EXPECT_FALSE(ParseFlags({}, "ffn_per_token_us=nan").ok());
+  f = ParseFlags({{"DPB_MIN_PLAN_GAIN", "0.05"}}, "");
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_DOUBLE_EQ(f->balancer.planner.min_plan_gain, 0.05);
+  EXPECT_DOUBLE_EQ(ParseFlags({}, "")->balancer.planner.min_plan_gain, 0);
+  f = ParseFlags({{"DPB_MIN_PLAN_GAIN", "-0.5"}}, "");
+  ASSERT_FALSE(f.ok());
+  EXPECT_NE(f.status().message().find("min_plan_gain"), std::string::npos) << f.status();
+  EXPECT_NE(f.status().message().find("-0.5"), std::string::npos) << f.status();
   f = ParseFlags({{"DPB_TPOT_SLO_MS", "-3"}}, "");
   ASSERT_FALSE(f.ok());
   EXPECT_NE(f.status().message().find("tpot_slo_ms"), std::string::npos) << f.status();

@@ -189,6 +189,40 @@ TEST(Balancer, TpotSloHoldsLateRequestsAtTheDefaultLength) {
   EXPECT_EQ(ShortenedRequestSteps(1e12), free);
 }
 
+// The default guard through the balancer: the plan that stops verifying never-accepted drafts
+// (above) predicts far less than 11x the default plan's goodput, so with min_plan_gain = 10 every
+// step keeps the default length and the stats count each as kept; without the guard none is.
+TEST(Balancer, DefaultGuardKeepsDefaultLengthsAndCountsTheSteps) {
+  for (double margin : {0.0, 10.0}) {
+    auto group = *InProcessGroup::Create(1, sizeof(RankSummary));
+    BalancerConfig c = Config(1);
+    c.planner.min_plan_gain = margin;
+    auto b = *Balancer::Create(c, 0, *group->Join(0));
+    std::vector<BalancerRequest> batch(8);
+    for (int i = 0; i < 8; ++i) batch[i] = {.request_id = i, .ctx_tokens = 1000 + 700 * i, .k_cap = 7};
+    int64_t changed = 0;
+    for (int s = 0; s < 30; ++s) {
+      std::vector<int32_t> v(batch.size());
+      ASSERT_TRUE(b->Plan(batch, -1, absl::MakeSpan(v)).balanced);
+      std::vector<BalancerAccepted> acc;
+      for (size_t i = 0; i < batch.size(); ++i) {
+        changed += v[i] != 1;
+        acc.push_back({batch[i].request_id, v[i], 0, false});
+      }
+      ASSERT_TRUE(b->Report(20000, 60000, acc).ok());
+    }
+    const BalancerStats st = b->Stats();
+    EXPECT_EQ(st.balanced_steps, 30);
+    if (margin > 0) {
+      EXPECT_EQ(changed, 0);
+      EXPECT_EQ(st.kept_default_steps, 30);
+    } else {
+      EXPECT_GT(changed, 0);
+      EXPECT_EQ(st.kept_default_steps, 0);
+    }
+  }
+}
+
 TEST(Balancer, ARankWithGarbageFallsBackAloneWithoutStallingOthers) {
   auto garbage = [](int r, int /*s*/, std::mt19937_64& rng) {
     auto b = Batch(rng, 10, 100 * r);

@@ -714,6 +714,108 @@ TEST(PlannerTpotGuard, StepWithinSlackOfDefaultAndNearBestGuardedPlan) {
   }
 }
 
+// The default guard (PlannerConfig::min_plan_gain): the guarded planner keeps every rank at
+// min(default_k, k_cap) exactly when the unguarded plan's predicted goodput is at most (1 + margin)
+// x the default plan's (priced here independently) and no floor is above default_k; otherwise
+// its decision and lengths are the unguarded planner's, bit for bit. Run as separate ranks,
+// every rank takes the same decision and RankTokens gives the default plan's tokens. Both
+// outcomes must occur often, or the test shows nothing.
+TEST(PlannerDefaultGuard, KeepsTheDefaultExactlyWhenThePlanDoesNotBeatItByTheMargin) {
+  std::mt19937_64 rng(6100);
+  int kept = 0, planned = 0, floors_block = 0;
+  for (int trial = 0; trial < 120; ++trial) {
+    const CostModel m = trial % 2 ? CostModel::PublishedV2() : RegimeModel();
+    PlannerConfig c = RandomConfig(rng, 4);
+    c.max_step_slack = trial % 4 < 2 ? -1 : 0.03;
+    c.agreed_draft_depth = trial % 5 != 0;  // every fifth: a dense draft, per-rank depths
+    Batches b = RandomInstance(rng, 4, 12, c.k_max, /*floors=*/trial % 4 == 1);
+    for (auto& rank : b)
+      for (PlanRequest& r : rank) r.k_cap = std::min(r.k_cap, c.k_max);
+    for (auto& rank : b)
+      for (PlanRequest& r : rank) r.k_min = std::min(r.k_min, r.k_cap);
+    if (trial % 7 < 3) {  // drafts that almost never pass: the default verifies what no plan would
+      std::array<double, kMaxDraftLen> rare;
+      rare.fill(0.002);
+      for (auto& rank : b)
+        for (size_t i = 0; i < rank.size(); i += 2) rank[i].acceptance = *AcceptanceCurve::FromConditional(rare);
+    }
+    const double margin = std::array<double, 3>{0.01, 0.05, 0.2}[trial % 3];
+    SCOPED_TRACE(::testing::Message() << "trial " << trial << " margin " << margin);
+    std::vector<std::vector<int32_t>> kdef(b.size());
+    bool floors_ok = true;
+    for (size_t r = 0; r < b.size(); ++r) {
+      for (const PlanRequest& q : b[r]) {
+        kdef[r].push_back(DefaultVerifyLen(c.default_k, q.k_cap));
+        floors_ok = floors_ok && q.k_min <= c.default_k;
+      }
+    }
+    const double default_goodput =
+        Objective(b, kdef, c.agreed_draft_depth ? c.default_k : kPerRankDepth, m, c.global);
+
+    Planner free = *Planner::Create(c, m);
+    std::vector<std::vector<int32_t>> kfree;
+    absl::StatusOr<GlobalDecision> dfree = free.PlanAll(b, std::vector<int64_t>(4, -1), &kfree);
+    ASSERT_TRUE(dfree.ok()) << dfree.status();
+    EXPECT_FALSE(dfree->kept_default);
+    EXPECT_NEAR(dfree->default_tokens_per_us, default_goodput, 1e-5 * default_goodput);
+
+    PlannerConfig gc = c;
+    gc.min_plan_gain = margin;
+    EXPECT_NE(gc.Hash(), c.Hash()) << "ranks with different margins must not agree";
+    Planner guarded = *Planner::Create(gc, m);
+    std::vector<std::vector<int32_t>> kg;
+    absl::StatusOr<GlobalDecision> dg = guarded.PlanAll(b, std::vector<int64_t>(4, -1), &kg);
+    ASSERT_TRUE(dg.ok()) << dg.status();
+    const bool beats = dfree->tokens_per_us > (1 + margin) * dfree->default_tokens_per_us;
+    floors_block += !floors_ok && !beats;
+    const bool keep = floors_ok && !beats;
+    ASSERT_EQ(dg->kept_default, keep);
+    if (keep) {
+      ++kept;
+      EXPECT_EQ(kg, kdef);
+      EXPECT_EQ(dg->draft_depth, c.default_k);
+      EXPECT_NEAR(dg->tokens_per_us, default_goodput, 1e-5 * default_goodput);
+      EXPECT_NEAR(dg->step_us, dfree->default_step_us, 1e-6 * dfree->default_step_us);
+    } else {
+      ++planned;
+      EXPECT_EQ(kg, kfree);
+      EXPECT_EQ(*dg, *dfree);
+    }
+
+    const RankRun run = RunAsRanks(gc, m, b, std::vector<int64_t>(4, -1));
+    for (const GlobalDecision& d : run.decisions) EXPECT_EQ(d, *dg) << "ranks disagree";
+    EXPECT_EQ(run.k, kg);
+    std::vector<int64_t> totals(4);
+    guarded.RankTokens(run.summaries, *dg, /*balanced=*/true, absl::MakeSpan(totals));
+    for (int r = 0; r < 4; ++r) {
+      if (!keep) break;
+      int64_t tokens = 0;
+      for (int32_t v : kdef[r]) tokens += 1 + v;
+      EXPECT_EQ(totals[r], tokens) << "rank " << r;
+    }
+  }
+  std::printf("default guard: kept %d, planned %d (%d only because a floor is above default_k)\n",
+              kept, planned, floors_block);
+  EXPECT_GE(kept, 15);
+  EXPECT_GE(planned, 15);
+  EXPECT_GE(floors_block, 1);
+}
+
+// A margin outside 0..10 (or NaN) is refused at Create, naming the value.
+TEST(PlannerDefaultGuard, BadMarginIsAnErrorNamingIt) {
+  for (double bad : {-0.1, 11.0, std::nan("")}) {
+    PlannerConfig c;
+    c.min_plan_gain = bad;
+    absl::StatusOr<Planner> p = Planner::Create(c, CostModel::PublishedV2());
+    ASSERT_FALSE(p.ok()) << bad;
+    EXPECT_NE(p.status().message().find("min_plan_gain"), std::string::npos) << p.status();
+  }
+  PlannerConfig off;
+  PlannerConfig zero = off;
+  zero.min_plan_gain = 0;
+  EXPECT_EQ(off.Hash(), zero.Hash());
+}
+
 // PlanMode::kLocal: each rank plans alone, as if every other rank ran a batch like its own (its
 // FFN term scaled by num_ranks), with the draft depth it needs. Each rank's lengths are within
 // 1% of an exhaustive search of that rank-local objective.

@@ -148,6 +148,8 @@ struct ReportedStep {
 struct BalancerStats {
   int64_t steps = 0;
   int64_t balanced_steps = 0;
+  int64_t kept_default_steps = 0;     // balanced steps whose plan the default guard kept at the
+                                      // default lengths (PlannerConfig::min_plan_gain)
   int64_t fallbacks = 0;
   bool enabled = true;
   std::string disabled_reason;
@@ -327,7 +329,7 @@ class Balancer {
   std::unique_ptr<OnlineCostModel> online_;
   int64_t epoch_ = -1;
   // Metrics.
-  int64_t balanced_steps_ = 0, fallbacks_ = 0;
+  int64_t balanced_steps_ = 0, kept_default_steps_ = 0, fallbacks_ = 0;
   BubbleMeter bubble_;  // measured attention times of every step (BalancerStats: per-step mean)
   RunningStat predicted_error_, tokens_per_step_, barrier_over_plan_;
   bool warned_barrier_ = false;

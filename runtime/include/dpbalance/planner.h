@@ -67,6 +67,13 @@ struct PlannerConfig {
   // engine's default plan (every request at default_k) for the same batches. < 0: no guard.
   // Requests that accept little get ~1 token a step, so their TPOT follows the step time.
   double max_step_slack = -1;
+  // Default guard: the plan replaces the engine's default plan (every request at default_k) only
+  // when its predicted goodput beats the default plan's by more than this fraction; otherwise
+  // every rank keeps its default lengths (GlobalDecision::kept_default). A plan is a bet on the
+  // cost model and the acceptance estimates: a predicted gain smaller than their error is as
+  // likely a loss (docs/live_vllm.md, greedy). Applies only where the default plan is feasible
+  // (no request's floor above default_k). 0: off, the best plan always runs.
+  double min_plan_gain = 0;
   // true: one draft depth for the instance (an MTP draft has MoE layers, so every rank runs the
   // same number of draft steps; its cost is global). false: a dense draft (e.g. EAGLE) that each
   // rank runs to its own depth, the deepest verify length it assigns; the draft time is then part
@@ -136,6 +143,8 @@ struct GlobalDecision {
   int64_t ffn_tokens = 0;          // tokens the FFN term was charged for
   int32_t padded_rank_tokens = 0;  // per-rank token tier (padded mode), else 0
   int num_planned_ranks = 0;       // ranks whose summaries were valid
+  bool kept_default = false;       // the default guard kept every rank at its default lengths
+  double default_tokens_per_us = 0;  // predicted goodput of the engine's default plan (0: none)
 
   bool operator==(const GlobalDecision&) const = default;  // every field equal
 };
