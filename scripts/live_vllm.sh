@@ -16,14 +16,15 @@
 #
 #   scripts/live_vllm.sh [--json FILE] [--workload mixed,greedy] [--replicates N] [--requests N]
 #                        [--seed S] [--dp N] [--ks "1 3 5 7"] [--slo p99|off] [--no-ab]
-#                        [--keep-logs DIR] [--quick]
+#                        [--min-plan-gain F] [--keep-logs DIR] [--quick]
 #   scripts/live_vllm.sh --install-only   (the venv and the plugin package, nothing run;
 #                                          scripts/serve_vllm.sh and the README's quickstart)
 #
 # --quick: one replicate of the mixed workload, 48 requests, without the A/B arm and the
 # no-speculation arm (the CI test: six instances, 610 s on 2 cores at load ~2). Defaults: both
 # workloads, 3 replicates, 120 requests, seed 1, DP 2, --slo p99 (DPB_TPOT_SLO_MS = static_best's
-# TPOT p99 in the first replicate). LIVE_VLLM_ARGS adds live_bench.py run-arm flags to every arm.
+# TPOT p99 in the first replicate), --min-plan-gain 0.02 (the plugin arms' default guard,
+# DPB_MIN_PLAN_GAIN; 0 turns it off). LIVE_VLLM_ARGS adds live_bench.py run-arm flags to every arm.
 #
 # The virtual environment lives outside the work tree, in $DPBALANCE_VLLM_VENV (default
 # ~/.cache/dpb-vllm/venv), made once and reused; it holds the pinned versions of
@@ -45,6 +46,7 @@ KS="1 3 5 7"
 SLO=p99
 AB=1
 NOSPEC=1
+MIN_GAIN=0.02                  # the plugin arms' default guard (DPB_MIN_PLAN_GAIN, its default)
 ARGS=("$@")
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -61,6 +63,7 @@ while [ $# -gt 0 ]; do
     --ks) KS="${2:?--ks needs a list of static lengths}"; shift 2 ;;
     --slo) SLO="${2:?--slo needs p99 or off}"; shift 2 ;;
     --no-ab) AB=0; shift ;;
+    --min-plan-gain) MIN_GAIN="${2:?--min-plan-gain needs a fraction}"; shift 2 ;;
     -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) echo "live_vllm.sh: unknown flag '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -74,6 +77,7 @@ for v in "$REPLICATES:--replicates" "$REQS:--requests" "$SEED:--seed" "$DP:--dp"
 done
 [ "$REPLICATES" -ge 1 ] && [ "$DP" -ge 2 ] && [ "$REQS" -ge 8 ] \
   || { echo "live_vllm.sh: need --replicates >= 1, --dp >= 2, --requests >= 8" >&2; exit 2; }
+case "$MIN_GAIN" in ''|*[!0-9.]*|*.*.*) echo "live_vllm.sh: --min-plan-gain '$MIN_GAIN' is not a fraction (0..10)" >&2; exit 2 ;; esac
 for w in ${WORKLOADS//,/ }; do
   case "$w" in mixed|greedy) ;; *) echo "live_vllm.sh: --workload '$w' is not mixed or greedy" >&2; exit 2 ;; esac
 done
@@ -119,8 +123,15 @@ if [ ! -e "$STAMP" ]; then
   # other requirements come from the lock file.
   "$PY" -m pip install --no-deps -r "$REQ" >>"$CACHE/install.log" 2>&1 \
     || install_failed "pip install --no-deps -r $REQ (tail of the log: $(tail -n 3 "$CACHE/install.log" | tr '\n' ' '))"
-  "$PY" -c 'import torch, vllm, vllm._C' >>"$CACHE/install.log" 2>&1 \
-    || install_failed "import torch, vllm, vllm._C in $VENV ($(tail -n 1 "$CACHE/install.log"))"
+  # The kernels as vLLM loads them (CpuPlatform.import_kernels): the wheel carries three builds,
+  # _C (AVX-512 with BF16), _C_AVX512 and _C_AVX2, and picks by what the CPU has; importing
+  # vllm._C itself dies with SIGILL on a CPU without AVX-512 (an AMD EPYC with AVX2 only, seen
+  # here), where vLLM itself runs on _C_AVX2.
+  "$PY" -c 'import torch, vllm
+from vllm.platforms import current_platform
+current_platform.import_kernels()
+assert hasattr(torch.ops._C, "rms_norm"), "no vLLM CPU kernels registered"' >>"$CACHE/install.log" 2>&1 \
+    || install_failed "load vLLM's CPU kernels (current_platform.import_kernels) in $VENV ($(tail -n 1 "$CACHE/install.log"))"
   rm -f "$VENV"/.dpb-pins-*
   touch "$STAMP"
 fi
@@ -234,7 +245,7 @@ for W in ${WORKLOADS//,/ }; do
   # TPOT p99, so the plan may shorten a request only while it stays within static_best's tail.
   # shellcheck disable=SC2206
   PLUGIN_ENV=(DPB_PLUGIN=dpbalance DPB_DEFAULT_K="$SB" DPB_COST_MODEL="$WORK/$W-cpu_model.json"
-              DPB_DRAFT_US=0 $FLAGS)
+              DPB_DRAFT_US=0 DPB_MIN_PLAN_GAIN="$MIN_GAIN" $FLAGS)
   SLO_ENV=()
   SLO_MS=0
   if [ "$SLO" = p99 ]; then SLO_ENV=(DPB_TPOT_SLO_MS="$SB_P99"); SLO_MS=$SB_P99; fi
@@ -253,7 +264,7 @@ for W in ${WORKLOADS//,/ }; do
   # The replay's prediction of the same requests (their measured acceptance, the fitted model).
   "$PY" "$LB" predict --runs-root "$RUNS" --workload "$W" --dp "$DP" --replay "$REPLAY" \
     --model "$WORK/$W-cpu_model.json" --terms "$WORK/$W-terms.json" --static-best-k "$SB" \
-    --tpot-slo-ms "$SLO_MS" --h200-model "$ROOT/docs/generated/model_packed.json" \
+    --tpot-slo-ms "$SLO_MS" --min-plan-gain "$MIN_GAIN" --h200-model "$ROOT/docs/generated/model_packed.json" \
     --keep-trace "$WORK/$W-served.jsonl" \
     --json "$WORK/$W-predicted.json" | sed 's/^/  /'
   PRED_ARGS+=("$WORK/$W-predicted.json")

@@ -101,7 +101,7 @@ TEST(Flags, UnknownAndMalformedFlagsAreNamed) {
   f = ParseFlags({{"DPB_MIN_PLAN_GAIN", "0.05"}}, "");
   ASSERT_TRUE(f.ok()) << f.status();
   EXPECT_DOUBLE_EQ(f->balancer.planner.min_plan_gain, 0.05);
-  EXPECT_DOUBLE_EQ(ParseFlags({}, "")->balancer.planner.min_plan_gain, 0);
+  EXPECT_DOUBLE_EQ(ParseFlags({}, "")->balancer.planner.min_plan_gain, 0.02);
   f = ParseFlags({{"DPB_MIN_PLAN_GAIN", "-0.5"}}, "");
   ASSERT_FALSE(f.ok());
   EXPECT_NE(f.status().message().find("min_plan_gain"), std::string::npos) << f.status();
