@@ -1210,14 +1210,14 @@ void Planner::RankTokens(absl::Span<const RankSummary> summaries, const GlobalDe
       continue;
     }
     int64_t tokens = s.default_tokens;
-    if (balanced && config_.mode != PlanMode::kOff && !decision.kept_default && SummaryUsable(s, r)) {
+    if (balanced && config_.mode != PlanMode::kOff && SummaryUsable(s, r)) {
       if (dspark()) {  // every rank runs the agreed tier, an idle one on dummy rows
         tokens = decision.padded_rank_tokens;
       } else if (config_.global.padded_tokens) {
         // A rank that can verify runs the tier and fills up to it; one that cannot (no
         // requests, no drafts) runs what it has.
         tokens = s.max_depth > 0 ? decision.padded_rank_tokens : int64_t{s.base_tokens};
-      } else {
+      } else if (!decision.kept_default) {  // kept: the default lengths' tokens, as unbalanced
         tokens = config_.exact_rank_tokens ? s.base_tokens + ChooseKnot(s, decision, config_).extra_tokens
                                            : s.base_tokens;
       }

@@ -182,8 +182,9 @@ class Planner {
 
   // Every rank's query tokens this step from the summaries alone, identical on every rank:
   // `balanced` (the decision was applied): for a usable summary the agreed tier in padded mode
-  // (the rank's lengths stay within it, padding rows make up the rest), else the planned knot's
-  // tokens (exact_rank_tokens) or the base's; otherwise (and for records without kSummaryValid) the tokens
+  // (the rank's lengths stay within it, padding rows make up the rest; a kept default too), else
+  // the planned knot's tokens (exact_rank_tokens) or the base's, or for a kept default
+  // (GlobalDecision::kept_default) its default lengths' tokens; otherwise (and for records without kSummaryValid) the tokens
   // of its default lengths. Each plus the rank's extra_tokens; -1 for a record without the
   // summary magic (an empty one: nothing is known of that rank). One slot per summary.
   void RankTokens(absl::Span<const RankSummary> summaries, const GlobalDecision& decision,
