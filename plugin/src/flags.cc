@@ -242,7 +242,8 @@ absl::StatusOr<PluginFlags> ParseFlags(const std::map<std::string, std::string>&
   PluginFlags f;
   f.balancer.planner.max_step_slack = 0.03;
   // The default guard (docs/flags.md): a plan must beat the default plan's predicted goodput by
-  // more than 2% (about the attention model's error), or every rank keeps its default lengths.
+  // more than 2%, or every rank keeps its default lengths (free on the replay's truths,
+  // docs/results.md).
   f.balancer.planner.min_plan_gain = 0.02;
   f.routing.strategy = RoutingStrategy::kCostAware;  // the router ABI recommends ours (E)
   for (const auto& [name, value] : env) {
