@@ -77,7 +77,9 @@ for v in "$REPLICATES:--replicates" "$REQS:--requests" "$SEED:--seed" "$DP:--dp"
 done
 [ "$REPLICATES" -ge 1 ] && [ "$DP" -ge 2 ] && [ "$REQS" -ge 8 ] \
   || { echo "live_vllm.sh: need --replicates >= 1, --dp >= 2, --requests >= 8" >&2; exit 2; }
-case "$MIN_GAIN" in ''|*[!0-9.]*|*.*.*) echo "live_vllm.sh: --min-plan-gain '$MIN_GAIN' is not a fraction (0..10)" >&2; exit 2 ;; esac
+case "$MIN_GAIN" in
+  ''|*[!0-9.]*|*.*.*) echo "live_vllm.sh: --min-plan-gain '$MIN_GAIN' is not a fraction (0..10)" >&2; exit 2 ;;
+esac
 for w in ${WORKLOADS//,/ }; do
   case "$w" in mixed|greedy) ;; *) echo "live_vllm.sh: --workload '$w' is not mixed or greedy" >&2; exit 2 ;; esac
 done
@@ -264,7 +266,8 @@ for W in ${WORKLOADS//,/ }; do
   # The replay's prediction of the same requests (their measured acceptance, the fitted model).
   "$PY" "$LB" predict --runs-root "$RUNS" --workload "$W" --dp "$DP" --replay "$REPLAY" \
     --model "$WORK/$W-cpu_model.json" --terms "$WORK/$W-terms.json" --static-best-k "$SB" \
-    --tpot-slo-ms "$SLO_MS" --min-plan-gain "$MIN_GAIN" --h200-model "$ROOT/docs/generated/model_packed.json" \
+    --tpot-slo-ms "$SLO_MS" --min-plan-gain "$MIN_GAIN" \
+    --h200-model "$ROOT/docs/generated/model_packed.json" \
     --keep-trace "$WORK/$W-served.jsonl" \
     --json "$WORK/$W-predicted.json" | sed 's/^/  /'
   PRED_ARGS+=("$WORK/$W-predicted.json")

@@ -647,7 +647,8 @@ Row ComparisonRunner::MakeRow(const RowSpec& spec, int k, double slo_ms, const R
           VerifyModeName(spec.verify), k, planned ? slo_ms : 0, result,
           planned && spec.guard ? instance_.base.max_step_slack : -1,
           spec.padded || IsDspark(spec.verify), instance_.base.stale_steps};
-  row.min_plan_gain = planned && spec.guard && !IsDspark(spec.verify) ? instance_.base.min_plan_gain : 0;
+  row.min_plan_gain =
+      planned && spec.guard && !IsDspark(spec.verify) ? instance_.base.min_plan_gain : 0;
   row.draft = DraftName(TruthFor(spec));
   row.verify_mode = spec.verify_label.empty() ? row.verify : spec.verify_label;
   if (IsDspark(spec.verify)) {

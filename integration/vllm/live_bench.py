@@ -1128,7 +1128,8 @@ def _predict(a, out, counts, reqs, per_rank, terms, tmp):
                 "--ffn_per_token_ms", str(terms["ffn_per_token_us"] / 1e3),
                 "--draft_ms", "0", "--stale_steps", "0", "--tiers", "none", "--k_max", "7"]
         out[f"cpu_{variant}"] = predict_rows(a.replay, trace, base, (1, 3, 5, 7),
-                                             a.static_best_k, a.tpot_slo_ms, a.seeds, tmp, min_plan_gain=a.min_plan_gain)
+                                             a.static_best_k, a.tpot_slo_ms, a.seeds, tmp,
+                                             min_plan_gain=a.min_plan_gain)
         if variant == "slots" and a.keep_trace:
             write_trace(a.keep_trace, served)
             out["trace"] = a.keep_trace

@@ -818,8 +818,8 @@ void Balancer::MaybeLog() {
       "rank {} step {}: bubble {:.4f} ({:.0f} us/rank), goodput {:.0f} tok/s, {:.1f} tok/step, "
       "model error {:.3f}, barrier/plan {:.3f}, balanced {}/{} (kept default {}), fallbacks {}{}",
       rank_, s.steps, s.bubble_fraction, s.bubble_us, s.goodput_tok_per_s, s.tokens_per_step,
-      s.predicted_error, s.barrier_over_plan, s.balanced_steps, s.steps, s.kept_default_steps, s.fallbacks,
-      s.enabled ? "" : " (disabled)");
+      s.predicted_error, s.barrier_over_plan, s.balanced_steps, s.steps, s.kept_default_steps,
+      s.fallbacks, s.enabled ? "" : " (disabled)");
   if (config_.metrics_file.empty()) return;
   std::ofstream f(config_.metrics_file, std::ios::app);
   if (!f) {  // writable at init (the flag checks it): it went away since; say so once

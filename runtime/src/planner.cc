@@ -1036,9 +1036,9 @@ void Planner::WalkKnots(const LocalState& st, const std::array<int64_t, kMaxDraf
 }
 
 namespace {
-// Step 5 of Decide, the default guard (PlannerConfig::min_plan_gain): records the default plan's
-// predicted goodput in `best` and, unless `best` beats it by more than the margin, replaces `best`
-// with the default plan. The default plan must respect every floor (default_k >= the deepest),
+// After Decide's sweep, the default guard (PlannerConfig::min_plan_gain): records the default
+// plan's predicted goodput in `best` and, unless `best` beats it by more than the margin,
+// replaces `best` with the default plan. The default plan must respect every floor (default_k >= the deepest),
 // else the plan stands. Every rank runs this on the same bytes, so all keep or all plan.
 void GuardDefault(const PlannerConfig& c, const UsableTotals& t, double default_step_us,
                   const BestPlan& plans, GlobalDecision& best) {
@@ -1144,16 +1144,14 @@ absl::Status Planner::AssignFrom(const LocalState& st, const GlobalDecision& d,
     return absl::InvalidArgumentError(absl::StrFormat(
         "planner: verify_len has %d slots for a batch of %d", verify_len.size(), n));
   }
-  if (config_.mode == PlanMode::kOff) {
+  // Mode off, or the default guard kept the default plan (DSpark decisions never do): every
+  // request at the engine's default length.
+  if (config_.mode == PlanMode::kOff || d.kept_default) {
     for (size_t i = 0; i < n; ++i) verify_len[i] = DefaultVerifyLen(config_.default_k, st.batch[i].k_cap);
     return absl::OkStatus();
   }
   if (dspark()) {
     AssignDspark(st, d, verify_len);
-    return absl::OkStatus();
-  }
-  if (d.kept_default) {  // the default guard: every rank runs the engine's default lengths
-    for (size_t i = 0; i < n; ++i) verify_len[i] = DefaultVerifyLen(config_.default_k, st.batch[i].k_cap);
     return absl::OkStatus();
   }
   for (size_t i = 0; i < n; ++i) {

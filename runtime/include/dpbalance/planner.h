@@ -184,8 +184,8 @@ class Planner {
   // `balanced` (the decision was applied): for a usable summary the agreed tier in padded mode
   // (the rank's lengths stay within it, padding rows make up the rest; a kept default too), else
   // the planned knot's tokens (exact_rank_tokens) or the base's, or for a kept default
-  // (GlobalDecision::kept_default) its default lengths' tokens; otherwise (and for records without kSummaryValid) the tokens
-  // of its default lengths. Each plus the rank's extra_tokens; -1 for a record without the
+  // (GlobalDecision::kept_default) its default lengths' tokens; otherwise (and for records
+  // without kSummaryValid) the tokens of its default lengths. Each plus the rank's extra_tokens; -1 for a record without the
   // summary magic (an empty one: nothing is known of that rank). One slot per summary.
   void RankTokens(absl::Span<const RankSummary> summaries, const GlobalDecision& decision,
                   bool balanced, absl::Span<int64_t> out) const;
