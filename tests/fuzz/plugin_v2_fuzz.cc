@@ -2,8 +2,10 @@
 // and `report` with arbitrary arguments on 1-rank in-process instances initialised once per
 // process (one per init below). The header's contract: anything may come back as a result code,
 // but never a crash; `plan` always fills verify_len with lengths in 0..max(k_cap, 0) (0 on a
-// no-verify step), this rank's rank_tokens entry is what its lengths add up to, and the padded
-// size is never below it.
+// no-verify step); this rank's rank_tokens entry is what its lengths add up to, except on a
+// balanced step of an instance with tiers, where it is the agreed tier (the lengths within it,
+// padding rows make up the rest) or, for a rank that cannot verify, its lengths' total (the
+// header's "Token totals"); each plus extra_tokens, and the padded size is never below it.
 //
 // Input (FuzzedDataProvider): which instance; then up to 4 steps, each a step kind (any int32,
 // not only the enumerators), a batch (ids as byte strings from a small pool, or NULL, or of any
@@ -84,7 +86,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const Instances instances;
   static const std::vector<std::string> kIds = {"a", "req-1", "req-2", std::string(40, 'x'), std::string("\0\1", 2)};
   FuzzedDataProvider in(data, size);
-  void* ctx = instances.contexts[in.ConsumeIntegralInRange(0, kNumInits - 1)];
+  const int inst = in.ConsumeIntegralInRange(0, kNumInits - 1);
+  void* ctx = instances.contexts[inst];
 
   std::vector<dpbRequest_v2_t> requests;
   std::vector<std::string> ids;
@@ -137,11 +140,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       own += 1 + verify_len[i];
     }
     // A step the plugin accepted (so extra_tokens was in range): its own total is what the
-    // lengths add up to, and the padded size holds it.
+    // lengths add up to or, balanced with tiers, a tier holding them; the padded size holds it.
     if (r == dpbSuccess) {
+      const std::vector<int32_t>& tiers = kInits[inst].tiers;
+      const int64_t planned = rank_tokens - st.extra_tokens;
+      const bool tier = res.balanced && !tiers.empty() && planned >= own &&
+                        std::find(tiers.begin(), tiers.end(), planned) != tiers.end();
       own += st.extra_tokens;
-      if (rank_tokens != own) Fail("own rank_tokens differs from the lengths' total", rank_tokens, own);
-      if (res.padded_tokens < own) Fail("padded size below the rank's total", res.padded_tokens, own);
+      if (rank_tokens != own && !tier) Fail("own rank_tokens is neither the lengths' total nor a tier holding them", rank_tokens, own);
+      if (res.padded_tokens < rank_tokens) Fail("padded size below the rank's total", res.padded_tokens, rank_tokens);
     }
     // The report: this plan, an older one or garbage; measured times anywhere in double.
     dpbReport_v2_t rep{};
