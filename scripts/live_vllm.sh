@@ -16,7 +16,7 @@
 #
 #   scripts/live_vllm.sh [--json FILE] [--workload mixed,greedy] [--replicates N] [--requests N]
 #                        [--seed S] [--dp N] [--ks "1 3 5 7"] [--slo p99|off] [--no-ab]
-#                        [--min-plan-gain F] [--keep-logs DIR] [--quick]
+#                        [--min-plan-gain F] [--value-deferral] [--keep-logs DIR] [--quick]
 #   scripts/live_vllm.sh --install-only   (the venv and the plugin package, nothing run;
 #                                          scripts/serve_vllm.sh and the README's quickstart)
 #
@@ -24,7 +24,9 @@
 # no-speculation arm (the CI test: six instances, 610 s on 2 cores at load ~2). Defaults: both
 # workloads, 3 replicates, 120 requests, seed 1, DP 2, --slo p99 (DPB_TPOT_SLO_MS = static_best's
 # TPOT p99 in the first replicate), --min-plan-gain 0.02 (the plugin arms' default guard,
-# DPB_MIN_PLAN_GAIN; 0 turns it off). LIVE_VLLM_ARGS adds live_bench.py run-arm flags to every arm.
+# DPB_MIN_PLAN_GAIN; 0 turns it off). --value-deferral: the plugin arms value tokens by their
+# deferral cost (DPB_VALUE_DEFERRAL=1; the replay's prediction the same). LIVE_VLLM_ARGS adds
+# live_bench.py run-arm flags to every arm.
 #
 # The virtual environment lives outside the work tree, in $DPBALANCE_VLLM_VENV (default
 # ~/.cache/dpb-vllm/venv), made once and reused; it holds the pinned versions of
@@ -47,6 +49,7 @@ SLO=p99
 AB=1
 NOSPEC=1
 MIN_GAIN=0.02                  # the plugin arms' default guard (DPB_MIN_PLAN_GAIN, its default)
+DEFER=0                        # the plugin arms' DPB_VALUE_DEFERRAL (its default: off)
 ARGS=("$@")
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -64,6 +67,7 @@ while [ $# -gt 0 ]; do
     --slo) SLO="${2:?--slo needs p99 or off}"; shift 2 ;;
     --no-ab) AB=0; shift ;;
     --min-plan-gain) MIN_GAIN="${2:?--min-plan-gain needs a fraction}"; shift 2 ;;
+    --value-deferral) DEFER=1; shift ;;
     -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) echo "live_vllm.sh: unknown flag '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -247,7 +251,9 @@ for W in ${WORKLOADS//,/ }; do
   # TPOT p99, so the plan may shorten a request only while it stays within static_best's tail.
   # shellcheck disable=SC2206
   PLUGIN_ENV=(DPB_PLUGIN=dpbalance DPB_DEFAULT_K="$SB" DPB_COST_MODEL="$WORK/$W-cpu_model.json"
-              DPB_DRAFT_US=0 DPB_MIN_PLAN_GAIN="$MIN_GAIN" $FLAGS)
+              DPB_DRAFT_US=0 DPB_MIN_PLAN_GAIN="$MIN_GAIN" DPB_VALUE_DEFERRAL="$DEFER" $FLAGS)
+  PRED_DEFER=()
+  [ "$DEFER" = 1 ] && PRED_DEFER=(--value-deferral)
   SLO_ENV=()
   SLO_MS=0
   if [ "$SLO" = p99 ]; then SLO_ENV=(DPB_TPOT_SLO_MS="$SB_P99"); SLO_MS=$SB_P99; fi
@@ -266,7 +272,7 @@ for W in ${WORKLOADS//,/ }; do
   # The replay's prediction of the same requests (their measured acceptance, the fitted model).
   "$PY" "$LB" predict --runs-root "$RUNS" --workload "$W" --dp "$DP" --replay "$REPLAY" \
     --model "$WORK/$W-cpu_model.json" --terms "$WORK/$W-terms.json" --static-best-k "$SB" \
-    --tpot-slo-ms "$SLO_MS" --min-plan-gain "$MIN_GAIN" \
+    --tpot-slo-ms "$SLO_MS" --min-plan-gain "$MIN_GAIN" ${PRED_DEFER[@]+"${PRED_DEFER[@]}"} \
     --h200-model "$ROOT/docs/generated/model_packed.json" \
     --keep-trace "$WORK/$W-served.jsonl" \
     --json "$WORK/$W-predicted.json" | sed 's/^/  /'

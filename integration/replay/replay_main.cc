@@ -92,6 +92,10 @@ ABSL_FLAG(double, step_slack, 0.03,
 ABSL_FLAG(double, min_plan_gain, 0,
           "planner default guard: a plan replaces the default-k plan only when its predicted "
           "goodput is more than (1 + this) x the default plan's; 0 disables");
+ABSL_FLAG(bool, value_deferral, false,
+          "planner rows: value each request's tokens by its own cost per emitted token at the "
+          "default length over its rank's mean (PlannerConfig::value_deferral): a token a plan "
+          "defers costs its request another step later");
 ABSL_FLAG(std::string, truth, "v2",
           "truth attention model: v2, v1, v2+GRID or a cost-model JSON file");
 ABSL_FLAG(std::string, planner_model, "truth",
@@ -168,6 +172,7 @@ struct Row {
   std::string verify_mode; // JSON: off, static_best, goodput, dspark, dspark_fill, ...
   std::string dspark_sps;  // DSpark rows: profiled or context
   double min_plan_gain = 0;  // planner rows: the default guard they ran under (0: none)
+  bool value_deferral = false;  // planner rows: tokens valued by their deferral cost
 };
 
 // What every row shares: the trace, the truth timing model and the configuration the rows vary.
@@ -442,6 +447,7 @@ absl::StatusOr<SimConfig> BaseConfigFromFlags(const TruthModel& truth) {
   base.acceptance_prior_strength = absl::GetFlag(FLAGS_prior_strength);
   base.max_step_slack = absl::GetFlag(FLAGS_step_slack);
   base.min_plan_gain = absl::GetFlag(FLAGS_min_plan_gain);
+  base.value_deferral = absl::GetFlag(FLAGS_value_deferral);
   base.floor_at_default = absl::GetFlag(FLAGS_floor_at_default);
   base.seed = absl::GetFlag(FLAGS_seed);
   base.stale_steps = absl::GetFlag(FLAGS_stale_steps);
@@ -649,6 +655,7 @@ Row ComparisonRunner::MakeRow(const RowSpec& spec, int k, double slo_ms, const R
           spec.padded || IsDspark(spec.verify), instance_.base.stale_steps};
   row.min_plan_gain =
       planned && spec.guard && !IsDspark(spec.verify) ? instance_.base.min_plan_gain : 0;
+  row.value_deferral = planned && !IsDspark(spec.verify) && instance_.base.value_deferral;
   row.draft = DraftName(TruthFor(spec));
   row.verify_mode = spec.verify_label.empty() ? row.verify : spec.verify_label;
   if (IsDspark(spec.verify)) {
@@ -806,6 +813,7 @@ nlohmann::json RowJson(const Row& row, const std::string& eval_cost, const SimCo
   j["step_slack"] = row.step_slack;
   // Written only when set, so every output without the default guard is unchanged.
   if (row.min_plan_gain > 0) j["min_plan_gain"] = row.min_plan_gain;
+  if (row.value_deferral) j["value_deferral"] = true;
   j["tpot_slo_ms"] = row.tpot_slo_ms;
   j["eval_cost"] = eval_cost;
   j["steps"] = r.steps;

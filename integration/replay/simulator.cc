@@ -216,6 +216,7 @@ absl::StatusOr<Simulation> Simulation::Create(const SimConfig& cfg, const TruthM
   pc.global = truth.global;  // the global terms are instance facts every rank knows
   pc.max_step_slack = cfg.max_step_slack;
   pc.min_plan_gain = cfg.min_plan_gain;
+  pc.value_deferral = cfg.value_deferral;
   pc.agreed_draft_depth = !truth.per_rank_draft;
   pc.uniform_per_rank = cfg.uniform_per_rank;
   if (cfg.verify != VerifyMode::kOracle) {

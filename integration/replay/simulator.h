@@ -83,6 +83,7 @@ struct SimConfig {
   int k_max = 7;                          // planner modes: draft depth limit
   double max_step_slack = 0.05;           // planner modes: TPOT guard (PlannerConfig), < 0 off
   double min_plan_gain = 0;               // planner modes: default guard (PlannerConfig), 0 off
+  bool value_deferral = false;            // planner modes: PlannerConfig::value_deferral
   bool floor_at_default = false;          // planner modes: k_min = min(static_k, cap) (TPOT floor)
   bool uniform_per_rank = false;          // planner modes: one verify length per rank (granularity)
   double tpot_slo_us = 0;                 // planner modes: per-request TPOT SLO floors (TpotSlo),

@@ -1033,11 +1033,13 @@ def write_trace(path, requests):
                                 "output_length": r["out"], "acceptance": r["rates"]}) + "\n")
 
 
-def predict_rows(binary, trace, base, ks, default_k, slo_ms, seeds, tmp, min_plan_gain=0.0):
+def predict_rows(binary, trace, base, ks, default_k, slo_ms, seeds, tmp, min_plan_gain=0.0,
+                 value_deferral=False):
     """Static k rows, goodput and dspark_fill at default_k; per row the seeds' mean goodput,
     bubble and TPOT p99. default_k None: the best static row's k (as the live run anchors the
-    plugin at its own static_best), for truths the live run did not measure. min_plan_gain: the
-    plugin's default guard (DPB_MIN_PLAN_GAIN), on the goodput row."""
+    plugin at its own static_best), for truths the live run did not measure. min_plan_gain and
+    value_deferral: the plugin arm's DPB_MIN_PLAN_GAIN and DPB_VALUE_DEFERRAL, on the goodput
+    row."""
     rows = {}
     specs = [(f"static k={k}", ["--verify", "off", "--k", str(k)]) for k in ks]
     for name, extra in specs:
@@ -1046,7 +1048,8 @@ def predict_rows(binary, trace, base, ks, default_k, slo_ms, seeds, tmp, min_pla
         default_k = max(ks, key=lambda k: rows[f"static k={k}"]["goodput_tok_per_s"])
     specs = [("dpbalance", ["--verify", "goodput", "--k", str(default_k),
                             "--tpot_slo_ms", str(slo_ms) if slo_ms else "off",
-                            "--min_plan_gain", str(min_plan_gain)]),
+                            "--min_plan_gain", str(min_plan_gain)]
+                            + (["--value_deferral"] if value_deferral else [])),
              ("dspark", ["--verify", "dspark_fill", "--k", str(default_k)])]
     for name, extra in specs:
         rows[name] = _replay_mean(binary, trace, base + extra, seeds, tmp)
@@ -1107,7 +1110,7 @@ def cmd_predict(a):
     terms = json.load(open(a.terms))
     out = {"workload": a.workload, "dp": a.dp, "model": a.model, "terms": terms,
            "seeds": a.seeds, "noise": a.noise, "slo_ms": a.tpot_slo_ms,
-           "min_plan_gain": a.min_plan_gain}
+           "min_plan_gain": a.min_plan_gain, "value_deferral": a.value_deferral}
     reqs = sorted(client["requests"], key=lambda r: int(r["id"].split("-")[1]))
     per_rank = max(1, client["concurrency"] // a.dp)
     with tempfile.TemporaryDirectory(prefix="dpb-predict-") as tmp:
@@ -1129,7 +1132,8 @@ def _predict(a, out, counts, reqs, per_rank, terms, tmp):
                 "--draft_ms", "0", "--stale_steps", "0", "--tiers", "none", "--k_max", "7"]
         out[f"cpu_{variant}"] = predict_rows(a.replay, trace, base, (1, 3, 5, 7),
                                              a.static_best_k, a.tpot_slo_ms, a.seeds, tmp,
-                                             min_plan_gain=a.min_plan_gain)
+                                             min_plan_gain=a.min_plan_gain,
+                                             value_deferral=a.value_deferral)
         if variant == "slots" and a.keep_trace:
             write_trace(a.keep_trace, served)
             out["trace"] = a.keep_trace
@@ -1149,7 +1153,8 @@ def _predict(a, out, counts, reqs, per_rank, terms, tmp):
                 "--truth_layers", "61", "--draft_ms", "0", "--stale_steps", "0",
                 "--tiers", "none", "--k_max", "7"]
         out["h200_served"] = predict_rows(a.replay, trace, base, (1, 3, 5, 7), None, 0,
-                                          a.seeds, tmp, min_plan_gain=a.min_plan_gain)
+                                          a.seeds, tmp, min_plan_gain=a.min_plan_gain,
+                                          value_deferral=a.value_deferral)
         # Scaled up: the bundled trace's own lengths (unscaled), each request with the measured
         # rates of served request i mod n (the mix's classes in their shares), DP 16.
         rows = load_trace(a.trace)[:a.h200_requests]
@@ -1161,7 +1166,8 @@ def _predict(a, out, counts, reqs, per_rank, terms, tmp):
                 "--truth", a.h200_model, "--truth_layers", "61", "--draft_ms", "0",
                 "--stale_steps", "0", "--tiers", "none", "--k_max", "7"]
         out["h200_scaled"] = predict_rows(a.replay, trace, base, (1, 3, 5, 7), None, 0, a.seeds,
-                                          tmp, min_plan_gain=a.min_plan_gain)
+                                          tmp, min_plan_gain=a.min_plan_gain,
+                                          value_deferral=a.value_deferral)
         out["h200_scaled"]["setup"] = (f"the first {len(rows)} requests of {a.trace}, DP 16, "
                                        "512 in flight, 64 per rank, routing D z1.2")
     with open(a.json, "w") as f:
@@ -1254,6 +1260,8 @@ def main(argv=None):
     pr.add_argument("--tpot-slo-ms", type=float, default=0.0)
     pr.add_argument("--min-plan-gain", type=float, default=0.02,
                     help="the plugin arm's default guard (DPB_MIN_PLAN_GAIN; the plugin's default)")
+    pr.add_argument("--value-deferral", action="store_true",
+                    help="the plugin arm ran with DPB_VALUE_DEFERRAL=1 (the replay's --value_deferral)")
     pr.add_argument("--seeds", type=int, default=3)
     pr.add_argument("--noise", type=float, default=0.1,
                     help="the truth's per-step log-normal noise on attention (this VM's per-step "

@@ -83,6 +83,7 @@ void AddPlannerFlags(FlagTable& t) {
       {"draft_us", Double(0, 1e9, [](PluginFlags& f, double x) { f.balancer.planner.global.draft_per_step_us = x; })},
       {"step_slack", Double(-1, 100, [](PluginFlags& f, double x) { f.balancer.planner.max_step_slack = x; })},
       {"min_plan_gain", Double(0, 10, [](PluginFlags& f, double x) { f.balancer.planner.min_plan_gain = x; })},
+      {"value_deferral", Int(0, 1, [](PluginFlags& f, int x) { f.balancer.planner.value_deferral = x; })},
       {"granularity", [](PluginFlags& f, const std::string& v) -> absl::Status {
          if (v != "request" && v != "rank") return BadValue(v, "request or rank");
          f.balancer.planner.uniform_per_rank = v == "rank";

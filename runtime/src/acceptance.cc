@@ -57,9 +57,16 @@ absl::StatusOr<AcceptanceCurve> AcceptanceCurve::FromSurvivals(absl::Span<const 
 }
 
 double AcceptanceCurve::ExpectedTokens(int k) const {
-  double e = 1.0;
+  double e = bonus_;
   for (int j = 0; j < k && j < kMaxDraftLen; ++j) e += cum_[j];
   return e;
+}
+
+AcceptanceCurve AcceptanceCurve::Valued(double value) const {
+  AcceptanceCurve c = *this;
+  for (double& p : c.cum_) p *= value;
+  c.bonus_ = bonus_ * value;
+  return c;
 }
 
 std::array<double, kMaxDraftLen> MtpK8ConditionalProfile() {

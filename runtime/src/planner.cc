@@ -760,8 +760,9 @@ uint64_t PlannerConfig::Hash() const {
   h.Value(exact_rank_tokens);
   h.Value(order_by_gain);
   h.Value(dspark_context_sps);
-  // Hashed only when set, so the hash of every configuration without the guard is unchanged.
+  // Hashed only when set, so the hash of every configuration without them is unchanged.
   if (min_plan_gain != 0) h.Value(min_plan_gain);
+  if (value_deferral) h.Value(value_deferral);
   h.Value(kSummaryVersion);
   return h.digest();
 }
@@ -857,9 +858,76 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
   return absl::OkStatus();
 }
 
+std::vector<double> DeferralWeights(const CostModel& model, const GlobalCost& global,
+                                    int num_ranks, int default_k, bool agreed_draft_depth,
+                                    absl::Span<const PlanRequest> batch) {
+  const size_t n = batch.size();
+  std::vector<double> w(n, 1.0);
+  if (n < 2) return w;
+  // The batch at its default lengths, and the critical-path maxima without each request
+  // (prefix and suffix maxima).
+  BatchAggregates all;
+  std::vector<double> q(n), pre_pairs(n + 1, 0), pre_keys(n + 1, 0), suf_pairs(n + 1, 0),
+      suf_keys(n + 1, 0);
+  for (size_t i = 0; i < n; ++i) {
+    q[i] = 1.0 + DefaultVerifyLen(default_k, batch[i].k_cap);
+    all.Add(RequestLoad{batch[i].ctx_tokens, static_cast<int32_t>(q[i])});
+    const double ctx = static_cast<double>(batch[i].ctx_tokens);
+    pre_pairs[i + 1] = std::max(pre_pairs[i], q[i] * ctx);
+    pre_keys[i + 1] = std::max(pre_keys[i], ctx);
+  }
+  for (size_t i = n; i-- > 0;) {
+    const double ctx = static_cast<double>(batch[i].ctx_tokens);
+    suf_pairs[i] = std::max(suf_pairs[i + 1], q[i] * ctx);
+    suf_keys[i] = std::max(suf_keys[i + 1], ctx);
+  }
+  const double rank_us = model.AttentionUs(all);
+  std::vector<double> own(n);
+  double own_sum = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const double ctx = static_cast<double>(batch[i].ctx_tokens);
+    BatchAggregates without = all;
+    without.num_requests -= 1;
+    without.query_tokens -= q[i];
+    without.query_key_pairs -= q[i] * ctx;
+    without.key_tokens -= ctx;
+    without.max_query_key_pairs = std::max(pre_pairs[i], suf_pairs[i + 1]);
+    without.max_key_tokens = std::max(pre_keys[i], suf_keys[i + 1]);
+    own[i] = std::max(0.0, rank_us - model.AttentionUs(without));
+    own_sum += own[i];
+  }
+  // The rest of the rank's attention, and its share of the instance's step (as if every rank ran
+  // this rank's tokens), shared equally by its requests.
+  const double shared =
+      (std::max(0.0, rank_us - own_sum) +
+       global.StepUs(all.query_tokens * num_ranks, agreed_draft_depth ? default_k : 0) / num_ranks) /
+      static_cast<double>(n);
+  double cost_sum = 0, tokens_sum = 0;
+  std::vector<double> per_token(n);
+  for (size_t i = 0; i < n; ++i) {
+    const double cost = own[i] + shared;
+    const double tokens = batch[i].acceptance.ExpectedTokens(static_cast<int>(q[i]) - 1);
+    per_token[i] = cost / tokens;
+    cost_sum += cost;
+    tokens_sum += tokens;
+  }
+  const double mean = cost_sum / tokens_sum;
+  if (!(mean > 0) || !std::isfinite(mean)) return w;
+  for (size_t i = 0; i < n; ++i) w[i] = std::clamp(per_token[i] / mean, 0.25, 4.0);
+  return w;
+}
+
 void Planner::SetBase(LocalState& st, absl::Span<const PlanRequest> batch,
                       int64_t kv_free_tokens) const {
   st.batch.assign(batch.begin(), batch.end());
+  if (config_.value_deferral && !dspark()) {
+    // Each request's tokens at its deferral value: every gain below (base, default, items,
+    // knots, Assign's fill) reads the valued curve.
+    const std::vector<double> w =
+        DeferralWeights(model_, config_.global, config_.num_ranks, config_.default_k,
+                        config_.agreed_draft_depth, batch);
+    for (size_t i = 0; i < st.batch.size(); ++i) st.batch[i].acceptance = st.batch[i].acceptance.Valued(w[i]);
+  }
   st.kv_free_tokens = kv_free_tokens;
   st.base_len.resize(batch.size());
   st.base_agg = BatchAggregates{};
@@ -870,7 +938,7 @@ void Planner::SetBase(LocalState& st, absl::Span<const PlanRequest> batch,
     const int32_t k = Floor(batch[i]);
     st.base_len[i] = k;
     st.base_agg.Add(RequestLoad{batch[i].ctx_tokens, 1 + k});
-    st.base_gain += batch[i].acceptance.ExpectedTokens(k);
+    st.base_gain += st.batch[i].acceptance.ExpectedTokens(k);
     st.min_depth = std::max(st.min_depth, static_cast<int>(k));
     st.max_cap = std::max(st.max_cap, static_cast<int>(batch[i].k_cap));
   }

@@ -106,6 +106,13 @@ TEST(Flags, UnknownAndMalformedFlagsAreNamed) {
   ASSERT_FALSE(f.ok());
   EXPECT_NE(f.status().message().find("min_plan_gain"), std::string::npos) << f.status();
   EXPECT_NE(f.status().message().find("-0.5"), std::string::npos) << f.status();
+  EXPECT_FALSE(ParseFlags({}, "")->balancer.planner.value_deferral);
+  f = ParseFlags({{"DPB_VALUE_DEFERRAL", "1"}}, "");
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_TRUE(f->balancer.planner.value_deferral);
+  f = ParseFlags({{"DPB_VALUE_DEFERRAL", "2"}}, "");
+  ASSERT_FALSE(f.ok());
+  EXPECT_NE(f.status().message().find("value_deferral"), std::string::npos) << f.status();
   f = ParseFlags({{"DPB_TPOT_SLO_MS", "-3"}}, "");
   ASSERT_FALSE(f.ok());
   EXPECT_NE(f.status().message().find("tpot_slo_ms"), std::string::npos) << f.status();

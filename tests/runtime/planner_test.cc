@@ -819,6 +819,137 @@ TEST(PlannerDefaultGuard, BadMarginIsAnErrorNamingIt) {
   EXPECT_EQ(off.Hash(), zero.Hash());
 }
 
+// DeferralWeights against an independent pricing. With a model of per-request terms only (B,
+// Q, C, K: no maxima, no hinges), a request's own attention is its terms at its default length,
+// and the shared part is the instance step's global cost over the ranks, split equally; the
+// weight is its cost per expected token over the batch's. The weights' mean weighted by the
+// tokens is 1; a longer context or a lower acceptance (the rest equal) weighs more; identical
+// requests weigh 1; fewer than two requests weigh 1.
+TEST(PlannerValueDeferral, WeightsAreEachRequestsCostPerTokenOverItsRanks) {
+  CostModel::Weights wt{};
+  for (Regime r : {Regime::kSingleQuery, Regime::kMultiQuery}) {
+    wt[FeatureIndex(r, CostTerm::kNumRequests)] = 7;
+    wt[FeatureIndex(r, CostTerm::kQueryTokens)] = 3;
+    wt[FeatureIndex(r, CostTerm::kKeyTokens)] = 0.004;
+  }
+  wt[FeatureIndex(Regime::kMultiQuery, CostTerm::kQueryKeyPairs)] = 0.02;
+  const CostModel m = *CostModel::Create(wt, "per-request");
+  std::mt19937_64 rng(7100);
+  int clamped = 0, unclamped = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    PlannerConfig c = RandomConfig(rng, 1 + static_cast<int>(rng() % 8));
+    const Batches b = RandomInstance(rng, 1, 24, c.k_max, false);
+    const std::vector<PlanRequest>& batch = b[0];
+    SCOPED_TRACE(::testing::Message() << "trial " << trial << " n " << batch.size());
+    const std::vector<double> w =
+        DeferralWeights(m, c.global, c.num_ranks, c.default_k, c.agreed_draft_depth, batch);
+    ASSERT_EQ(w.size(), batch.size());
+    if (batch.size() < 2) {
+      EXPECT_EQ(w, std::vector<double>(batch.size(), 1.0));
+      continue;
+    }
+    bool multi = false;
+    double q_sum = 0;
+    for (const PlanRequest& r : batch) {
+      multi = multi || DefaultVerifyLen(c.default_k, r.k_cap) > 0;
+      q_sum += 1 + DefaultVerifyLen(c.default_k, r.k_cap);
+    }
+    const double shared =
+        c.global.StepUs(q_sum * c.num_ranks, c.default_k) / c.num_ranks / batch.size();
+    std::vector<double> cost, tokens;
+    double cost_sum = 0, tokens_sum = 0;
+    for (const PlanRequest& r : batch) {
+      const int k = DefaultVerifyLen(c.default_k, r.k_cap);
+      const double q = 1 + k, ctx = static_cast<double>(r.ctx_tokens);
+      cost.push_back(7 + 3 * q + 0.004 * ctx + (multi ? 0.02 * q * ctx : 0) + shared);
+      tokens.push_back(r.acceptance.ExpectedTokens(k));
+      cost_sum += cost.back();
+      tokens_sum += tokens.back();
+    }
+    double weighted_tokens = 0;
+    bool any_clamped = false;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const double want = (cost[i] / tokens[i]) / (cost_sum / tokens_sum);
+      any_clamped = any_clamped || want < 0.25 || want > 4;
+      EXPECT_NEAR(w[i], std::clamp(want, 0.25, 4.0), 1e-9 * want) << "request " << i;
+      weighted_tokens += w[i] * tokens[i];
+    }
+    clamped += any_clamped;
+    unclamped += !any_clamped;
+    if (!any_clamped) {
+      EXPECT_NEAR(weighted_tokens, tokens_sum, 1e-9 * tokens_sum);
+    }
+  }
+  // Both cases occur (the lognormal contexts span two orders of magnitude).
+  EXPECT_GE(clamped, 10);
+  EXPECT_GE(unclamped, 50);
+
+  // The direction, on any model: one request changed, the rest equal.
+  for (const CostModel& model : {m, CostModel::PublishedV2(), RegimeModel()}) {
+    PlannerConfig c;
+    c.num_ranks = 4;
+    std::vector<PlanRequest> batch(6);
+    std::array<double, kMaxDraftLen> rates;
+    rates.fill(0.8);
+    for (PlanRequest& r : batch) {
+      r.ctx_tokens = 4000;
+      r.k_cap = 7;
+      r.acceptance = *AcceptanceCurve::FromConditional(rates);
+    }
+    for (double w : DeferralWeights(model, c.global, 4, 3, true, batch)) EXPECT_NEAR(w, 1.0, 1e-12);
+    batch[0].ctx_tokens = 40000;  // a long context re-read every step
+    rates.fill(0.3);
+    batch[1].acceptance = *AcceptanceCurve::FromConditional(rates);  // few tokens a step
+    const std::vector<double> w = DeferralWeights(model, c.global, 4, 3, true, batch);
+    EXPECT_GT(w[0], w[2]) << model.name();
+    EXPECT_GT(w[1], w[2]) << model.name();
+    EXPECT_NEAR(w[2], w[5], 1e-12);
+  }
+}
+
+// With value_deferral the planner maximises the valued objective: each request's expected tokens
+// times its weight, per microsecond. On small instances it is within 1% of an exhaustive search
+// of that objective (the batches valued by DeferralWeights, searched as plain tokens), and it
+// plans differently from the unvalued planner on some of them (or the test shows nothing).
+TEST(PlannerValueDeferral, WithinOnePercentOfTheExhaustiveValuedOptimum) {
+  std::mt19937_64 rng(7200);
+  int differs = 0;
+  double worst = 1.0;
+  for (int trial = 0; trial < 60; ++trial) {
+    const CostModel model = trial % 2 ? CostModel::PublishedV2() : RegimeModel();
+    auto [b, c] = SmallCase(rng, trial);
+    Batches valued = b;
+    for (auto& rank : valued) {
+      const std::vector<double> w =
+          DeferralWeights(model, c.global, c.num_ranks, c.default_k, c.agreed_draft_depth, rank);
+      for (size_t i = 0; i < rank.size(); ++i) rank[i].acceptance = rank[i].acceptance.Valued(w[i]);
+    }
+    PlannerConfig vc = c;
+    vc.value_deferral = true;
+    EXPECT_NE(vc.Hash(), c.Hash()) << "ranks that value differently must not agree";
+    Planner p = *Planner::Create(vc, model);
+    std::vector<std::vector<int32_t>> k;
+    absl::StatusOr<GlobalDecision> d = p.PlanAll(b, std::vector<int64_t>(c.num_ranks, -1), &k);
+    ASSERT_TRUE(d.ok()) << d.status();
+    const double got = Objective(valued, k, d->draft_depth, model, c.global);
+    const double best = BruteForce(valued, model, c.global);
+    ASSERT_GE(got, 0.99 * best) << "trial " << trial;
+    worst = std::min(worst, got / best);
+    // The flag is the same as handing the planner the valued batch.
+    Planner on_valued = *Planner::Create(c, model);
+    std::vector<std::vector<int32_t>> kv;
+    ASSERT_TRUE(on_valued.PlanAll(valued, std::vector<int64_t>(c.num_ranks, -1), &kv).ok());
+    EXPECT_EQ(kv, k);
+    Planner plain = *Planner::Create(c, model);
+    std::vector<std::vector<int32_t>> kp;
+    ASSERT_TRUE(plain.PlanAll(b, std::vector<int64_t>(c.num_ranks, -1), &kp).ok());
+    differs += kp != k;
+  }
+  std::printf("value_deferral: worst planner/exhaustive valued objective %.5f, %d of 60 plans differ\n",
+              worst, differs);
+  EXPECT_GE(differs, 5);
+}
+
 // PlanMode::kLocal: each rank plans alone, as if every other rank ran a batch like its own (its
 // FFN term scaled by num_ranks), with the draft depth it needs. Each rank's lengths are within
 // 1% of an exhaustive search of that rank-local objective.

@@ -39,9 +39,14 @@ class AcceptanceCurve {
   double Accept(int j) const { return (j >= 1 && j <= kMaxDraftLen) ? cum_[j - 1] : 0.0; }
   // Expected emitted tokens when verifying k drafts (k clamped to [0, kMaxDraftLen]).
   double ExpectedTokens(int k) const;
+  // The same curve with every token, the bonus token included, counted as `value` tokens
+  // (value > 0): what the planner maximises when a request's tokens are worth more or less than
+  // one (PlannerConfig::value_deferral). Accept(j) may then exceed 1.
+  AcceptanceCurve Valued(double value) const;
 
  private:
   std::array<double, kMaxDraftLen> cum_{};
+  double bonus_ = 1.0;  // the value of the token every step emits (1 unless Valued)
 };
 
 // The conditional profile of multi-layer MTP at K = 8 (GSM8K, temperature 0), derived from the

@@ -74,6 +74,14 @@ struct PlannerConfig {
   // likely a loss (docs/live_vllm.md, greedy). Applies only where the default plan is feasible
   // (no request's floor above default_k). 0: off, the best plan always runs.
   double min_plan_gain = 0;
+  // Deferral value (DeferralWeights): a token a plan does not verify now is not lost, it is
+  // emitted in a later step, which costs its request one more step's attention and share of the
+  // step. Each request's tokens are then valued by its own cost per emitted token (at the
+  // engine's default lengths) over its rank's mean: a request whose tokens cost more to emit
+  // later (a long context re-read every step) keeps its drafts before a cheap one does. The
+  // weights have a token-weighted mean of 1 on each rank, so only the order within a rank
+  // changes, not how ranks trade against the barrier. false: every token counts 1.
+  bool value_deferral = false;
   // true: one draft depth for the instance (an MTP draft has MoE layers, so every rank runs the
   // same number of draft steps; its cost is global). false: a dense draft (e.g. EAGLE) that each
   // rank runs to its own depth, the deepest verify length it assigns; the draft time is then part
@@ -131,6 +139,17 @@ struct PlanRequest {
   // first decode steps), so DSpark's budget counts survival 1 at each of its positions.
   bool no_lagged_survival = false;
 };
+
+// Per-request value weights of PlannerConfig::value_deferral for one rank's batch. Each request
+// i at its default length k_i = min(default_k, k_cap) costs c_i per step: its own attention (the
+// model's time for the batch less the time without it, kernel-grid terms left out) plus an equal
+// share of the rest of the rank's attention and of the instance step's global cost divided by
+// the ranks; it emits e_i = ExpectedTokens(k_i) tokens a step. w_i = (c_i / e_i) / (sum c / sum
+// e), clamped to [1/4, 4]: the weights' mean weighted by e_i is 1 (before the clamp). Fewer than
+// two requests: all 1.
+std::vector<double> DeferralWeights(const CostModel& model, const GlobalCost& global,
+                                    int num_ranks, int default_k, bool agreed_draft_depth,
+                                    absl::Span<const PlanRequest> batch);
 
 struct GlobalDecision {
   int draft_depth = 0;             // agreed draft depth (every rank drafts this many steps);
