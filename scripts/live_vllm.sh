@@ -153,7 +153,8 @@ fi
 
 # --- the runs ----------------------------------------------------------------------------
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/dpb-live.XXXXXX")"
-trap 'rm -rf "$WORK"' EXIT
+# On every exit, a failed run's included: --keep-logs keeps what the runs wrote (keep_logs, below).
+trap 'keep_logs; rm -rf "$WORK"' EXIT
 MODEL="$WORK/model"
 LB="$ROOT/integration/vllm/live_bench.py"
 "$PY" "$LB" write-model "$MODEL" --shape decode

@@ -1049,7 +1049,7 @@ def predict_rows(binary, trace, base, ks, default_k, slo_ms, seeds, tmp, min_pla
     specs = [("dpbalance", ["--verify", "goodput", "--k", str(default_k),
                             "--tpot_slo_ms", str(slo_ms) if slo_ms else "off",
                             "--min_plan_gain", str(min_plan_gain)]
-                            + (["--value_deferral"] if value_deferral else [])),
+                            + (["--value_deferral=true"] if value_deferral else [])),
              ("dspark", ["--verify", "dspark_fill", "--k", str(default_k)])]
     for name, extra in specs:
         rows[name] = _replay_mean(binary, trace, base + extra, seeds, tmp)
