@@ -153,7 +153,8 @@ fi
 
 # --- the runs ----------------------------------------------------------------------------
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/dpb-live.XXXXXX")"
-# On every exit, a failed run's included: --keep-logs keeps what the runs wrote (keep_logs, below).
+# On every exit, a failed run's included, --keep-logs keeps what the runs wrote.
+keep_logs() { [ -n "$KEEP" ] && { mkdir -p "$KEEP"; cp -r "$WORK"/. "$KEEP"/; }; return 0; }
 trap 'keep_logs; rm -rf "$WORK"' EXIT
 MODEL="$WORK/model"
 LB="$ROOT/integration/vllm/live_bench.py"
@@ -189,8 +190,6 @@ if [ ! -x "$CAL" ] || [ ! -x "$REPLAY" ]; then
     || { echo "live_vllm.sh: cannot build dpbalance-calibrate and dpbalance-replay (cmake --build --preset release)" >&2; exit 1; }
 fi
 
-keep_logs() { [ -n "$KEEP" ] && { mkdir -p "$KEEP"; cp -r "$WORK"/. "$KEEP"/; }; return 0; }
-
 run_arm() {  # WORKLOAD REPLICATE NAME MODE K_SPEC [ENV...]
   local w=$1 rep=$2 name=$3 mode=$4 k=$5; shift 5
   local dir="$RUNS/$w/dp$DP/${name}_r$rep"
@@ -201,8 +200,7 @@ run_arm() {  # WORKLOAD REPLICATE NAME MODE K_SPEC [ENV...]
       --k-spec "$k" --log-dir "$dir" "${COMMON[@]}" >"$dir/arm.log" 2>&1; then
     echo "live_vllm.sh: arm '$name' ($w, replicate $rep) failed; the last lines of its log:" >&2
     tail -n 40 "$dir/arm.log" >&2
-    keep_logs
-    exit 1
+    exit 1  # the EXIT trap keeps the logs
   fi
   grep -E '^live_bench:|dpbalance_vllm: plugin entry point|dpbalance: enabled' "$dir/arm.log" | sort | uniq -c | sed 's/^/  /'
 }
@@ -290,5 +288,4 @@ PYEOF
 
 "$PY" "$LB" summarize --json "$JSON" --runs-root "$RUNS" --predicted "$WORK/predicted.json" \
   --command "scripts/live_vllm.sh ${ARGS[*]}"
-keep_logs
 echo "live_vllm.sh: wrote $JSON"

@@ -928,24 +928,26 @@ void Planner::SetBase(LocalState& st, absl::Span<const PlanRequest> batch,
                         config_.agreed_draft_depth, batch);
     for (size_t i = 0; i < st.batch.size(); ++i) st.batch[i].acceptance = st.batch[i].acceptance.Valued(w[i]);
   }
+  // From here on only st.batch is read: its curves are the valued ones.
+  const std::vector<PlanRequest>& reqs = st.batch;
   st.kv_free_tokens = kv_free_tokens;
-  st.base_len.resize(batch.size());
+  st.base_len.resize(reqs.size());
   st.base_agg = BatchAggregates{};
   st.base_gain = 0;
   st.min_depth = 0;
   st.max_cap = 0;
-  for (size_t i = 0; i < batch.size(); ++i) {
-    const int32_t k = Floor(batch[i]);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    const int32_t k = Floor(reqs[i]);
     st.base_len[i] = k;
-    st.base_agg.Add(RequestLoad{batch[i].ctx_tokens, 1 + k});
-    st.base_gain += st.batch[i].acceptance.ExpectedTokens(k);
+    st.base_agg.Add(RequestLoad{reqs[i].ctx_tokens, 1 + k});
+    st.base_gain += reqs[i].acceptance.ExpectedTokens(k);
     st.min_depth = std::max(st.min_depth, static_cast<int>(k));
-    st.max_cap = std::max(st.max_cap, static_cast<int>(batch[i].k_cap));
+    st.max_cap = std::max(st.max_cap, static_cast<int>(reqs[i].k_cap));
   }
   if (model_.uses_grid()) {  // one simulation per kernel path; later steps move it linearly
     st.base_loads.clear();
-    for (size_t i = 0; i < batch.size(); ++i) {
-      st.base_loads.push_back(RequestLoad{batch[i].ctx_tokens, 1 + st.base_len[i]});
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      st.base_loads.push_back(RequestLoad{reqs[i].ctx_tokens, 1 + st.base_len[i]});
     }
     model_.FillGrid(st.base_loads, &st.base_agg);
   }
@@ -1106,8 +1108,8 @@ void Planner::WalkKnots(const LocalState& st, const std::array<int64_t, kMaxDraf
 namespace {
 // After Decide's sweep, the default guard (PlannerConfig::min_plan_gain): records the default
 // plan's predicted goodput in `best` and, unless `best` beats it by more than the margin,
-// replaces `best` with the default plan. The default plan must respect every floor (default_k >= the deepest),
-// else the plan stands. Every rank runs this on the same bytes, so all keep or all plan.
+// replaces `best` with the default plan. The default plan must respect every floor
+// (default_k >= the deepest), else the plan stands. Every rank runs this on the same bytes, so all keep or all plan.
 void GuardDefault(const PlannerConfig& c, const UsableTotals& t, double default_step_us,
                   const BestPlan& plans, GlobalDecision& best) {
   if (!(default_step_us > 0)) return;
