@@ -23,8 +23,9 @@
 # --quick: one replicate of the mixed workload, 48 requests, without the A/B arm and the
 # no-speculation arm (the CI test: six instances, 610 s on 2 cores at load ~2). Defaults: both
 # workloads, 3 replicates, 120 requests, seed 1, DP 2, --slo p99 (DPB_TPOT_SLO_MS = static_best's
-# TPOT p99 in the first replicate), --min-plan-gain 0.02 (the plugin arms' default guard,
-# DPB_MIN_PLAN_GAIN; 0 turns it off). --value-deferral: the plugin arms value tokens by their
+# TPOT p99 in the first replicate), the plugin's own default guard (DPB_MIN_PLAN_GAIN unset: 0.02,
+# or the calibrated model's out-of-fold error, which the run's `dpbalance-calibrate --cv 5`
+# records in the model; --min-plan-gain F sets it, 0 turns it off). --value-deferral: the plugin arms value tokens by their
 # deferral cost (DPB_VALUE_DEFERRAL=1; the replay's prediction the same). LIVE_VLLM_ARGS adds
 # live_bench.py run-arm flags to every arm.
 #
@@ -48,7 +49,7 @@ KS="1 3 5 7"
 SLO=p99
 AB=1
 NOSPEC=1
-MIN_GAIN=0.02                  # the plugin arms' default guard (DPB_MIN_PLAN_GAIN, its default)
+MIN_GAIN=                      # the plugin arms' DPB_MIN_PLAN_GAIN (empty: the plugin's default)
 DEFER=0                        # the plugin arms' DPB_VALUE_DEFERRAL (its default: off)
 ARGS=("$@")
 while [ $# -gt 0 ]; do
@@ -82,7 +83,7 @@ done
 [ "$REPLICATES" -ge 1 ] && [ "$DP" -ge 2 ] && [ "$REQS" -ge 8 ] \
   || { echo "live_vllm.sh: need --replicates >= 1, --dp >= 2, --requests >= 8" >&2; exit 2; }
 case "$MIN_GAIN" in
-  ''|*[!0-9.]*|*.*.*) echo "live_vllm.sh: --min-plan-gain '$MIN_GAIN' is not a fraction (0..10)" >&2; exit 2 ;;
+  *[!0-9.]*|*.*.*) echo "live_vllm.sh: --min-plan-gain '$MIN_GAIN' is not a fraction (0..10)" >&2; exit 2 ;;
 esac
 for w in ${WORKLOADS//,/ }; do
   case "$w" in mixed|greedy) ;; *) echo "live_vllm.sh: --workload '$w' is not mixed or greedy" >&2; exit 2 ;; esac
@@ -250,13 +251,22 @@ for W in ${WORKLOADS//,/ }; do
   # TPOT p99, so the plan may shorten a request only while it stays within static_best's tail.
   # shellcheck disable=SC2206
   PLUGIN_ENV=(DPB_PLUGIN=dpbalance DPB_DEFAULT_K="$SB" DPB_COST_MODEL="$WORK/$W-cpu_model.json"
-              DPB_DRAFT_US=0 DPB_MIN_PLAN_GAIN="$MIN_GAIN" DPB_VALUE_DEFERRAL="$DEFER" $FLAGS)
+              DPB_DRAFT_US=0 DPB_VALUE_DEFERRAL="$DEFER" $FLAGS)
+  # The margin the plugin arms plan with (for the prediction): the one given, else the plugin's
+  # default for this model (flags.cc: 0.02, or the model's recorded cv_mape when larger).
+  if [ -n "$MIN_GAIN" ]; then
+    PLUGIN_ENV+=(DPB_MIN_PLAN_GAIN="$MIN_GAIN")
+    GAIN="$MIN_GAIN"
+  else
+    GAIN=$("$PY" -c 'import json, sys; print(max(0.02, json.load(open(sys.argv[1])).get("cv_mape", 0)))' \
+             "$WORK/$W-cpu_model.json")
+  fi
   PRED_DEFER=()
   [ "$DEFER" = 1 ] && PRED_DEFER=(--value-deferral)
   SLO_ENV=()
   SLO_MS=0
   if [ "$SLO" = p99 ]; then SLO_ENV=(DPB_TPOT_SLO_MS="$SB_P99"); SLO_MS=$SB_P99; fi
-  echo "live_vllm.sh: $W: static_best k=$SB (TPOT p99 $SB_P99 ms); plugin flags: ${PLUGIN_ENV[*]} ${SLO_ENV[*]}"
+  echo "live_vllm.sh: $W: static_best k=$SB (TPOT p99 $SB_P99 ms); plugin flags: ${PLUGIN_ENV[*]} ${SLO_ENV[*]}; default guard $GAIN"
   plugin_arms "$W" 1 fwd
   # Later replicates alternate the order: plugin arms, static arms (descending), and back.
   for ((rep = 2; rep <= REPLICATES; rep++)); do
@@ -271,7 +281,7 @@ for W in ${WORKLOADS//,/ }; do
   # The replay's prediction of the same requests (their measured acceptance, the fitted model).
   "$PY" "$LB" predict --runs-root "$RUNS" --workload "$W" --dp "$DP" --replay "$REPLAY" \
     --model "$WORK/$W-cpu_model.json" --terms "$WORK/$W-terms.json" --static-best-k "$SB" \
-    --tpot-slo-ms "$SLO_MS" --min-plan-gain "$MIN_GAIN" ${PRED_DEFER[@]+"${PRED_DEFER[@]}"} \
+    --tpot-slo-ms "$SLO_MS" --min-plan-gain "$GAIN" ${PRED_DEFER[@]+"${PRED_DEFER[@]}"} \
     --h200-model "$ROOT/docs/generated/model_packed.json" \
     --keep-trace "$WORK/$W-served.jsonl" \
     --json "$WORK/$W-predicted.json" | sed 's/^/  /'

@@ -334,7 +334,9 @@ int FitAttention(const Options& options) {
   if (!options.model_out.empty()) {
     std::ofstream f(options.model_out);
     if (!f) return Usage(absl::StrFormat("cannot write --out '%s'", options.model_out));
-    f << model->WithGridSimulation(sim).ToJson() << "\n";  // its rows' rule: priced the same way
+    // Its rows' rule, priced the same way; with --cv, its out-of-fold error (the plugin's guard).
+    const double cv_mape = out.contains("cv") ? out["cv"]["ours"]["mape"].get<double>() : 0.0;
+    f << model->WithGridSimulation(sim).WithCvMape(cv_mape).ToJson() << "\n";
   }
   return 0;
 }

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <functional>
@@ -82,7 +83,10 @@ void AddPlannerFlags(FlagTable& t) {
       {"step_overhead_us", Double(0, 1e9, [](PluginFlags& f, double x) { f.balancer.planner.global.step_overhead_us = x; })},
       {"draft_us", Double(0, 1e9, [](PluginFlags& f, double x) { f.balancer.planner.global.draft_per_step_us = x; })},
       {"step_slack", Double(-1, 100, [](PluginFlags& f, double x) { f.balancer.planner.max_step_slack = x; })},
-      {"min_plan_gain", Double(0, 10, [](PluginFlags& f, double x) { f.balancer.planner.min_plan_gain = x; })},
+      {"min_plan_gain", Double(0, 10, [](PluginFlags& f, double x) {
+         f.balancer.planner.min_plan_gain = x;
+         f.min_plan_gain_set = true;
+       })},
       {"value_deferral", Int(0, 1, [](PluginFlags& f, int x) { f.balancer.planner.value_deferral = x; })},
       {"granularity", [](PluginFlags& f, const std::string& v) -> absl::Status {
          if (v != "request" && v != "rank") return BadValue(v, "request or rank");
@@ -261,6 +265,11 @@ absl::StatusOr<PluginFlags> ParseFlags(const std::map<std::string, std::string>&
     const std::string key(absl::StripAsciiWhitespace(entry.substr(0, eq)));
     const std::string value(absl::StripAsciiWhitespace(entry.substr(eq + 1)));
     if (absl::Status s = Apply(f, key, value, "the config string"); !s.ok()) return s;
+  }
+  // A plan is a bet on the cost model: unless told otherwise, it must beat the default plan by
+  // more than the model's own cross-validated error, when its file records one (docs/flags.md).
+  if (!f.min_plan_gain_set && f.balancer.model.cv_mape() > f.balancer.planner.min_plan_gain) {
+    f.balancer.planner.min_plan_gain = std::min(10.0, f.balancer.model.cv_mape());
   }
   if (f.balancer.planner.default_k > f.balancer.planner.k_max) {
     return absl::InvalidArgumentError(absl::StrCat("flag 'default_k' (", f.balancer.planner.default_k,

@@ -20,6 +20,9 @@ struct PluginFlags {
   std::string backend = "nccl";    // inproc | callback | nccl (when init says "from flags")
   std::string group = "default";   // inproc group name
   std::string log_level = "info";
+  // Whether min_plan_gain was given (DPB_MIN_PLAN_GAIN or the config string); if not, a cost
+  // model that records its fit's error (CostModel::cv_mape) sets the default guard's margin.
+  bool min_plan_gain_set = false;
 };
 
 // `env` maps variable names to values (the process environment in production, a map in tests).

@@ -216,6 +216,12 @@ CostModel CostModel::Scaled(double factor) const {
   return m;
 }
 
+CostModel CostModel::WithCvMape(double cv_mape) const {
+  CostModel m = *this;
+  m.cv_mape_ = cv_mape;
+  return m;
+}
+
 std::string CostModel::ToJson() const {
   nlohmann::json j;
   j["format"] = "dpbalance-cost-model";
@@ -227,6 +233,7 @@ std::string CostModel::ToJson() const {
   if (grid_.enabled() && grid_sim_ == GridSimulation::kFast) {
     j["grid_simulation"] = std::string(GridSimulationName(grid_sim_));
   }
+  if (cv_mape_ > 0) j["cv_mape"] = cv_mape_;
   for (int f = 0; f < kNumCostFeatures; ++f) j["weights_us"][FeatureName(f)] = weights_us_[f];
   return j.dump(2);
 }
@@ -282,9 +289,18 @@ absl::StatusOr<CostModel> CostModel::FromJson(std::string_view text, std::string
     }
     w[pos] = it.value().get<double>();
   }
+  double cv_mape = 0;
+  if (j.contains("cv_mape")) {
+    const nlohmann::json& v = j["cv_mape"];
+    if (!v.is_number() || !(v.get<double>() >= 0 && v.get<double>() <= 10)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(source, ": cv_mape is ", v.dump(), ", expected a fraction in 0..10"));
+    }
+    cv_mape = v.get<double>();
+  }
   absl::StatusOr<CostModel> m = Create(w, absl::StrCat(j.value("name", "fitted"), "(", source, ")"), grid);
   if (!m.ok()) return m.status();
-  return m->WithGridSimulation(sim);
+  return m->WithGridSimulation(sim).WithCvMape(cv_mape);
 }
 
 absl::StatusOr<CostModel> CostModel::FromFile(const std::string& path) {

@@ -1,6 +1,7 @@
 # dpbalance-calibrate's command line on the shared H200 rows: --cv 5 prints a "5-fold CV, ours"
 # MAPE line within a little of the figure docs/cost-model.md publishes for the same command,
-# and well below the refitted published form's.
+# and well below the refitted published form's; the model it writes (--out) records that MAPE
+# as "cv_mape" (the plugin's default guard margin, docs/flags.md).
 #   cmake -DCALIBRATE=path/to/dpbalance-calibrate -DDATA=integration/calibrate/data -P ...
 # Each case: rows file|kernel (none: without grid)|the published CV MAPE (docs/cost-model.md).
 set(cases
@@ -13,7 +14,8 @@ foreach(entry IN LISTS cases)
   list(GET case 0 rows)
   list(GET case 1 kernel)
   list(GET case 2 published)
-  set(args --train ${DATA}/${rows} --cv 5)
+  set(model_out "${CMAKE_CURRENT_BINARY_DIR}/calibrate_cv_${kernel}.json")
+  set(args --train ${DATA}/${rows} --cv 5 --out ${model_out})
   if(NOT kernel STREQUAL "none")
     list(APPEND args --kernel ${kernel})
   endif()
@@ -39,6 +41,18 @@ foreach(entry IN LISTS cases)
   # The published figure is rounded to 3 decimals; allow 0.005 for that and the fold shuffle.
   execute_process(COMMAND awk "BEGIN { exit !(${ours} <= ${published} + 0.005 && ${ours} < ${refit} / 4) }"
                   RESULT_VARIABLE within)
+  file(READ ${model_out} model)
+  if(NOT model MATCHES "\"cv_mape\": ([0-9.e-]+)")
+    message(SEND_ERROR "${rows} (kernel ${kernel}): no cv_mape in the --out model:\n${model}")
+    set(failed 1)
+    continue()
+  endif()
+  execute_process(COMMAND awk "BEGIN { d = ${CMAKE_MATCH_1} - ${ours}; exit !(d < 1e-4 && d > -1e-4) }"
+                  RESULT_VARIABLE recorded)
+  if(NOT recorded EQUAL 0)
+    message(SEND_ERROR "${rows} (kernel ${kernel}): the model records cv_mape ${CMAKE_MATCH_1}, the CV line says ${ours}")
+    set(failed 1)
+  endif()
   if(within EQUAL 0)
     message(STATUS "ok: ${rows} (kernel ${kernel}): CV MAPE ${ours} (docs ${published}, published form refit ${refit})")
   else()

@@ -178,6 +178,34 @@ std::string Beyond(const std::string& bound, bool integer, double direction) {
 // Every numeric DPB_* flag accepts both ends of its documented range and refuses the values
 // just outside them, naming the flag and the value; every flag is documented, and every one not
 // listed below as a word, list or path has a range in the table.
+// The default guard's margin from the cost model: a model file that records its fit's
+// cross-validated error (cv_mape, as dpbalance-calibrate --cv writes it) raises the default
+// 0.02 to that error; a smaller error leaves 0.02; DPB_MIN_PLAN_GAIN or the config string,
+// given, always win (0 included); a model without the record leaves the default.
+TEST(Flags, TheModelsFitErrorSetsTheDefaultGuardUnlessGiven) {
+  auto model_file = [](const std::string& name, double cv_mape) {
+    const std::string path = ::testing::TempDir() + "/" + name;
+    std::ofstream(path) << CostModel::PublishedV2().WithCvMape(cv_mape).ToJson();
+    return path;
+  };
+  const std::string noisy = model_file("flags_cv_noisy.json", 0.123);
+  const std::string sharp = model_file("flags_cv_sharp.json", 0.011);
+  const std::string none = model_file("flags_cv_none.json", 0);
+  auto margin = [](std::map<std::string, std::string> env, const std::string& config) {
+    absl::StatusOr<PluginFlags> f = ParseFlags(env, config);
+    EXPECT_TRUE(f.ok()) << f.status();
+    return f.ok() ? f->balancer.planner.min_plan_gain : -1.0;
+  };
+  EXPECT_DOUBLE_EQ(margin({{"DPB_COST_MODEL", noisy}}, ""), 0.123);
+  EXPECT_DOUBLE_EQ(margin({}, "cost_model=" + noisy), 0.123);
+  EXPECT_DOUBLE_EQ(margin({{"DPB_COST_MODEL", sharp}}, ""), 0.02);
+  EXPECT_DOUBLE_EQ(margin({{"DPB_COST_MODEL", none}}, ""), 0.02);
+  EXPECT_DOUBLE_EQ(margin({}, ""), 0.02);
+  EXPECT_DOUBLE_EQ(margin({{"DPB_COST_MODEL", noisy}, {"DPB_MIN_PLAN_GAIN", "0.05"}}, ""), 0.05);
+  EXPECT_DOUBLE_EQ(margin({{"DPB_COST_MODEL", noisy}, {"DPB_MIN_PLAN_GAIN", "0"}}, ""), 0);
+  EXPECT_DOUBLE_EQ(margin({{"DPB_COST_MODEL", noisy}}, "min_plan_gain=0.3"), 0.3);
+}
+
 TEST(Flags, EveryNumericFlagTakesItsDocumentedRangeAndNothingOutside) {
   std::set<std::string> listed;
   const std::vector<DocumentedRange> ranges = DocumentedRanges(&listed);

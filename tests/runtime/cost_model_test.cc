@@ -181,6 +181,28 @@ TEST(CostModel, JsonRoundTripAndErrors) {
   EXPECT_FALSE(CostModel::FromJson("{\"format\":\"x\"}", "g").ok());
 }
 
+// The fit's cross-validated error rides in the model file ("cv_mape", written only when known)
+// and comes back; a value that is not a fraction in 0..10 is an error naming the file and it.
+TEST(CostModel, CvMapeRoundTripsAndIsChecked) {
+  const CostModel v2 = CostModel::PublishedV2();
+  EXPECT_EQ(v2.cv_mape(), 0);
+  EXPECT_EQ(v2.ToJson().find("cv_mape"), std::string::npos) << "unknown: not written";
+  absl::StatusOr<CostModel> back = CostModel::FromJson(v2.WithCvMape(0.0991).ToJson(), "fit.json");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_DOUBLE_EQ(back->cv_mape(), 0.0991);
+  EXPECT_EQ(back->weights_us(), v2.weights_us());
+  EXPECT_DOUBLE_EQ(back->Scaled(2).WithGridSimulation(GridSimulation::kFast).cv_mape(), 0.0991);
+  for (const char* bad : {"-0.1", "11", "\"0.1\""}) {
+    absl::StatusOr<CostModel> m = CostModel::FromJson(
+        absl::StrCat(R"({"format":"dpbalance-cost-model","version":1,"cv_mape":)", bad,
+                     R"(,"weights_us":{}})"),
+        "bad.json");
+    ASSERT_FALSE(m.ok()) << bad;
+    EXPECT_NE(m.status().message().find("bad.json: cv_mape is"), std::string::npos) << m.status();
+    EXPECT_NE(m.status().message().find(bad), std::string::npos) << m.status();
+  }
+}
+
 // "v2+GRID": V2's plain weights, the named grid, and a seed on every makespan of both kernel
 // paths (so the terms are simulated and an online refit can learn them), adding at most
 // microseconds; bad specs name themselves.

@@ -195,6 +195,12 @@ class CostModel {
   std::optional<PublishedForm> published_form() const { return published_form_; }
   // Returns a copy with every coefficient multiplied by `factor` (> 0).
   CostModel Scaled(double factor) const;
+  // The fit's cross-validated error (mean absolute percentage error over out-of-fold rows, as a
+  // fraction), when the model was fitted with it (dpbalance-calibrate --cv writes it to the
+  // model file as "cv_mape"); 0: unknown. The plugin's default guard takes it as its margin
+  // (docs/flags.md, DPB_MIN_PLAN_GAIN).
+  double cv_mape() const { return cv_mape_; }
+  CostModel WithCvMape(double cv_mape) const;
 
  private:
   void IndexActiveTerms();
@@ -203,6 +209,7 @@ class CostModel {
   Weights weights_us_{};
   std::string name_ = "zero";
   std::optional<PublishedForm> published_form_;
+  double cv_mape_ = 0;
   KernelGrid grid_;
   GridSlopes grid_slopes_;
   GridSimulation grid_sim_ = GridSimulation::kReference;
