@@ -11,17 +11,103 @@ Usage: gqa_tail.py ROWS DUMP [HELD_OUT_ROWS]
 
 Prints: the out-of-fold p90; the share of each group of rows among the tail (the rows at or
 above the p90); the noise floor, i.e. the p90 a perfect model would show against the median of
-7 timed calls, from each row's min and max; and the spread of the p90 of a held-out sample of
-that size drawn from the out-of-fold errors.
+7 timed calls, from each row's min and max; the noise between configurations, which the 7 calls
+of one row cannot show (rows the kernel's work orders, and one-request launches); and the spread
+of the p90 of a held-out sample of that size drawn from the out-of-fold errors.
 """
 import json
+import math
 import random
 import sys
+
+BLOCK_N = 64  # fa2-gqa-h200's key block (KernelGrid::block_n)
 
 
 def p90(values):
     v = sorted(values)
     return v[min(len(v) - 1, int(0.9 * (len(v) - 1) + 0.5))]  # SummarizeErrors' index
+
+
+def key_blocks(ctx):
+    return -(-ctx // BLOCK_N)
+
+
+def weighted_median(values, weights):
+    pairs = sorted(zip(values, weights))
+    half, acc = sum(weights) / 2, 0.0
+    for v, w in pairs:
+        acc += w
+        if acc >= half:
+            return v
+    return pairs[-1][0]
+
+
+def isotonic_l1(y):
+    """The non-decreasing sequence nearest y in sum |f - y| (pool adjacent violators, medians)."""
+    pools = []
+    for v in y:
+        pools.append([v])
+        while len(pools) > 1 and sorted(pools[-2])[(len(pools[-2]) - 1) // 2] > \
+                sorted(pools[-1])[(len(pools[-1]) - 1) // 2]:
+            pools[-2:] = [pools[-2] + pools[-1]]
+    out = []
+    for pool in pools:
+        out += [sorted(pool)[(len(pool) - 1) // 2]] * len(pool)
+    return out
+
+
+def between_configurations(rows):
+    """Noise between configurations: what no model of the batch's shape can fit, from the rows.
+
+    The verify path (some q > 1, q <= 8 < block_m) launches one CTA per (head, request), each
+    streaming its request's key blocks, so more requests or more keys per request never make it
+    faster. A pair where one row's batch dominates the other's (at least as many requests, the
+    k-th longest at least as long for every k) but ran faster says the time is not a function of
+    the batch alone. A one-request launch is 128 CTAs of the same work: its time is a function of
+    the key blocks only, and the best non-decreasing such function, fitted to those very rows,
+    bounds what any model of the shape can do on them."""
+    verify = []
+    for i, r in enumerate(rows):
+        if max(r["q"]) > 1:
+            verify.append((i, sorted((key_blocks(c) for c in r["ctx"]), reverse=True), r))
+    pairs, violations = 0, []
+    for ia, a, ra in verify:
+        for ib, b, rb in verify:
+            if ia == ib or a == b or len(b) < len(a) or any(x > y for x, y in zip(a, b)):
+                continue
+            pairs += 1
+            if ra["attn_ms"] > rb["attn_ms"]:
+                violations.append((ra["attn_ms"] / rb["attn_ms"] - 1, ia, ib, a, b, ra, rb))
+    violations.sort(key=lambda v: -v[0])
+    beyond = sum(1 for v in violations if v[5]["attn_ms_min"] > v[6]["attn_ms_max"])
+    print(f"between configurations, verify path ({len(verify)} rows): {pairs} pairs where one "
+          f"row's batch dominates the other's; in {len(violations)} the dominated one ran "
+          f"longer, in {beyond} of them by more than both rows' 7-call ranges")
+    for ratio, ia, ib, a, b, ra, rb in violations[:4]:
+        print(f"  row {ia} ({len(a)} request(s), longest {a[0]} key blocks) took {ratio:.1%} longer "
+              f"than row {ib} ({len(b)} request(s), longest {b[0]}): {1000 * ra['attn_ms']:.0f} us "
+              f"(fastest call {1000 * ra['attn_ms_min']:.0f}) against {1000 * rb['attn_ms']:.0f} us "
+              f"(slowest call {1000 * rb['attn_ms_max']:.0f})")
+    one = sorted(((key_blocks(r["ctx"][0]), r) for _, _, r in verify if len(r["ctx"]) == 1),
+                 key=lambda xr: (xr[0], xr[1]["attn_ms"]))
+    fit = isotonic_l1([math.log(r["attn_ms"]) for _, r in one])
+    errs = [abs(math.exp(f) / r["attn_ms"] - 1) for f, (_, r) in zip(fit, one)]
+    print(f"  one-request launches ({len(one)} rows): the best non-decreasing function of key "
+          f"blocks, fitted to these rows: MAPE {sum(errs) / len(errs):.4f}, p90 {p90(errs):.4f}, "
+          f"max {max(errs):.4f}")
+    long_rows = [(x, 1000 * r["attn_ms"]) for x, r in one if x >= 100]
+    best = None
+    for c in range(0, 201):  # t = c + rate x; for each c the L1-relative rate is a weighted median
+        rate = weighted_median([(t - c) / x for x, t in long_rows], [x / t for x, t in long_rows])
+        e = sorted(abs(c + rate * x - t) / t for x, t in long_rows)
+        if best is None or sum(e) < sum(best[2]):
+            best = (c, rate, e)
+    c, rate, e = best
+    spread = sorted((r["attn_ms_max"] - r["attn_ms_min"]) / r["attn_ms"] for x, r in one if x >= 100)
+    print(f"  of them {len(long_rows)} with >= 100 key blocks, where a launch is a constant plus a "
+          f"rate per block: the best such line ({c} us + {rate:.3f} us/block), fitted to them, "
+          f"MAPE {sum(e) / len(e):.4f}, p90 {p90(e):.4f}, max {max(e):.4f}; their 7-call range is "
+          f"{spread[len(spread) // 2]:.3f} of the median at the median row")
 
 
 def main():
@@ -84,6 +170,7 @@ def main():
         part = by_spread[i * q:(i + 1) * q] if i < 3 else by_spread[3 * q:]
         print(f"  spread quartile {i + 1} ({part[0]['spread']:.3f}-{part[-1]['spread']:.3f}): "
               f"out-of-fold p90 {p90([x['ape'] for x in part]):.4f}")
+    between_configurations(rows)
     # A held-out sample's p90, were its rows' errors drawn like the out-of-fold ones.
     draws = sorted(p90(rng.choices(ape, k=held_out)) for _ in range(4000))
     print(f"held-out sample of {held_out} rows, errors drawn from the out-of-fold ones: p90 "
