@@ -29,6 +29,13 @@ for lag in 1 0; do
       | tee docs/generated/seeds_${n}_lag$lag.txt
   done
 done
+# Mooncake V2 over seeds 1-10, without and with the deferral value: is the 1.05x target's gap
+# larger than the seeds' spread (results.md section 8)?
+for d in "" "--value_deferral=true"; do
+  n=$([ -z "$d" ] && echo seeds_mooncake_lag1_s10 || echo seeds_mooncake_lag1_defer_s10)
+  python3 scripts/replay_seeds.py $B/integration/dpbalance-replay 10 /tmp/dpb-$n --stale_steps 1 $d \
+    | tee docs/generated/$n.txt
+done
 # What one step of lag costs the planner rows, split by what they predict (lag.h).
 python3 scripts/lag_study.py $B/integration/dpbalance-replay 3 | tee docs/generated/lag_study.txt
 # The step bound on the V2 truth (Mooncake and Azure, DSpark's engine: tiers, block draft): each
