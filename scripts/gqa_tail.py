@@ -90,12 +90,16 @@ def between_configurations(rows):
               f"(slowest call {1000 * rb['attn_ms_max']:.0f})")
     one = sorted(((key_blocks(r["ctx"][0]), r) for _, _, r in verify if len(r["ctx"]) == 1),
                  key=lambda xr: (xr[0], xr[1]["attn_ms"]))
+    if not one:
+        return
     fit = isotonic_l1([math.log(r["attn_ms"]) for _, r in one])
     errs = [abs(math.exp(f) / r["attn_ms"] - 1) for f, (_, r) in zip(fit, one)]
     print(f"  one-request launches ({len(one)} rows): the best non-decreasing function of key "
           f"blocks, fitted to these rows: MAPE {sum(errs) / len(errs):.4f}, p90 {p90(errs):.4f}, "
           f"max {max(errs):.4f}")
     long_rows = [(x, 1000 * r["attn_ms"]) for x, r in one if x >= 100]
+    if not long_rows:
+        return
     best = None
     for c in range(0, 201):  # t = c + rate x; for each c the L1-relative rate is a weighted median
         rate = weighted_median([(t - c) / x for x, t in long_rows], [x / t for x, t in long_rows])
