@@ -21,6 +21,8 @@ import random
 import sys
 
 BLOCK_N = 64  # fa2-gqa-h200's key block (KernelGrid::block_n)
+HEADS = 128   # query heads per KV head (KernelGrid::heads)
+SLOTS = 264   # CTA slots: 132 SMs x 2 resident CTAs (KernelGrid::num_sms x ctas_per_sm)
 
 
 def p90(values):
@@ -127,8 +129,11 @@ def main():
         measured, predicted = float(d[6]), float(d[7])
         if abs(measured - 1000 * r["attn_ms"]) > 1:
             sys.exit(f"row order differs: measured {measured} us against attn_ms {r['attn_ms']}")
+        blocks = [key_blocks(c) for c in r["ctx"]]
         data.append(dict(ape=abs(predicted - measured) / measured, measured=measured,
+                         signed=(predicted - measured) / measured,
                          requests=len(r["ctx"]), q=max(r["q"]), max_ctx=max(r["ctx"]),
+                         waves=HEADS * len(blocks) / SLOTS, blocks_per_cta=sum(blocks) / len(blocks),
                          mode=r["mode"],
                          spread=(r["attn_ms_max"] - r["attn_ms_min"]) / r["attn_ms"]))
     ape = [x["ape"] for x in data]
@@ -145,6 +150,10 @@ def main():
         ("longest context", lambda x: "< 4k" if x["max_ctx"] < 4096 else "4k-32k" if x["max_ctx"] < 32768
          else "32k-100k" if x["max_ctx"] < 100000 else ">= 100k"),
         ("mix", lambda x: x["mode"]),
+        # The verify launch's waves (heads x requests CTAs over the slots) and key blocks per CTA.
+        ("verify waves, key blocks per CTA", lambda x: "decode (every q = 1)" if x["q"] == 1 else
+         ("< 1 wave" if x["waves"] <= 1 else "1-8 waves" if x["waves"] <= 8 else "> 8 waves") +
+         (", < 32" if x["blocks_per_cta"] < 32 else ", 32-128" if x["blocks_per_cta"] < 128 else ", >= 128")),
     ]
     for name, key in groups:
         print(f"by {name}:")
@@ -153,9 +162,11 @@ def main():
             seen.setdefault(key(x), []).append(x)
         for k, xs in sorted(seen.items()):
             n_tail = sum(1 for x in xs if x["ape"] >= cut)
+            signed = sorted(x["signed"] for x in xs)
             print(f"  {k:22} {len(xs):4} rows, MAPE {sum(x['ape'] for x in xs) / len(xs):.4f}, "
                   f"p90 {p90([x['ape'] for x in xs]):.4f}; {n_tail:3} in the tail "
-                  f"({n_tail / len(xs):.0%} of them, {n_tail / len(tail):.0%} of the tail)")
+                  f"({n_tail / len(xs):.0%} of them, {n_tail / len(tail):.0%} of the tail); "
+                  f"median signed error {signed[len(signed) // 2]:+.4f}")
     # The noise floor. Each row is the median of 7 timed calls; its min and max give the spread.
     # For 7 normal draws the expected range is 2.704 sigma and the median's standard deviation
     # 0.4629 sigma (variance 0.2143 sigma^2), so a perfect model errs by |N(0, 0.171 x range)|.
