@@ -11,24 +11,18 @@ pass on made-up rows whose answer is known.
   python3 tests/integration/gqa_tail_test.py
 """
 import contextlib
-import importlib.util
 import io
 import itertools
 import os
 import random
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-spec = importlib.util.spec_from_file_location("gqa_tail", os.path.join(ROOT, "scripts", "gqa_tail.py"))
-gqa_tail = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(gqa_tail)
-failed = []
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from script_checks import Checks, load_module  # noqa: E402
 
-
-def check(name, ok, detail=""):
-    print(f'{"PASS" if ok else "FAIL"} {name} {detail}')
-    if not ok:
-        failed.append(name)
+gqa_tail = load_module("gqa_tail", "scripts", "gqa_tail.py")
+checks = Checks()
+check = checks.check
 
 
 def brute_isotonic_cost(y):
@@ -84,6 +78,4 @@ check("between_configurations finds both dominance pairs (row 3's longest equals
 check("between_configurations names the rows of the violation",
       "row 0 (1 request(s), longest 600 key blocks) took 15.4% longer than row 1" in text)
 
-if failed:
-    sys.exit(f"FAILED: {', '.join(failed)}")
-print("all passed")
+checks.finish()

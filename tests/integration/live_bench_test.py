@@ -5,7 +5,6 @@ steady-state window. The live run itself is tests/integration/live_vllm_test.sh 
 
   python3 tests/integration/live_bench_test.py
 """
-import importlib.util
 import json
 import math
 import os
@@ -13,19 +12,12 @@ import sys
 import tempfile
 from types import SimpleNamespace
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-spec = importlib.util.spec_from_file_location(
-    "live_bench", os.path.join(ROOT, "integration", "vllm", "live_bench.py"))
-lb = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(lb)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from script_checks import ROOT, Checks, load_module  # noqa: E402
 
-failed = []
-
-
-def check(name, ok, detail=""):
-    print(f'{"PASS" if ok else "FAIL"} {name}{": " + str(detail) if detail else ""}')
-    if not ok:
-        failed.append(name)
+lb = load_module("live_bench", "integration", "vllm", "live_bench.py")
+checks = Checks()
+check = checks.check
 
 
 def stream_args(model, **kw):
@@ -121,5 +113,4 @@ client = {"t_begin": 100.0, "concurrency": 2, "dp": 2, "placement": "rr", "reque
 w = lb.steady_window(client)
 check("steady window and its tokens", w == (1.5, 4.0, 3), w)
 
-print(f"{len(failed)} failed" if failed else "all passed")
-sys.exit(1 if failed else 0)
+checks.finish()
