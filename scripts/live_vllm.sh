@@ -258,11 +258,12 @@ for W in ${WORKLOADS//,/ }; do
     PLUGIN_ENV+=(DPB_MIN_PLAN_GAIN="$MIN_GAIN")
     GAIN="$MIN_GAIN"
   else
-    GAIN=$("$PY" -c 'import json, sys; print(max(0.02, json.load(open(sys.argv[1])).get("cv_mape", 0)))' \
-             "$WORK/$W-cpu_model.json")
+    GAIN=$("$PY" "$LB" default-margin "$WORK/$W-cpu_model.json")
   fi
-  PRED_DEFER=()
-  [ "$DEFER" = 1 ] && PRED_DEFER=(--value-deferral)
+  PRED_EXTRA=()
+  [ "$DEFER" = 1 ] && PRED_EXTRA=(--value-deferral)
+  # The H200 rows plan with the plugin's margin for the H200 model unless one was given.
+  [ -n "$MIN_GAIN" ] && PRED_EXTRA+=(--h200-min-plan-gain "$MIN_GAIN")
   SLO_ENV=()
   SLO_MS=0
   if [ "$SLO" = p99 ]; then SLO_ENV=(DPB_TPOT_SLO_MS="$SB_P99"); SLO_MS=$SB_P99; fi
@@ -281,7 +282,7 @@ for W in ${WORKLOADS//,/ }; do
   # The replay's prediction of the same requests (their measured acceptance, the fitted model).
   "$PY" "$LB" predict --runs-root "$RUNS" --workload "$W" --dp "$DP" --replay "$REPLAY" \
     --model "$WORK/$W-cpu_model.json" --terms "$WORK/$W-terms.json" --static-best-k "$SB" \
-    --tpot-slo-ms "$SLO_MS" --min-plan-gain "$GAIN" ${PRED_DEFER[@]+"${PRED_DEFER[@]}"} \
+    --tpot-slo-ms "$SLO_MS" --min-plan-gain "$GAIN" ${PRED_EXTRA[@]+"${PRED_EXTRA[@]}"} \
     --h200-model "$ROOT/docs/generated/model_packed.json" \
     --keep-trace "$WORK/$W-served.jsonl" \
     --json "$WORK/$W-predicted.json" | sed 's/^/  /'

@@ -1033,6 +1033,14 @@ def write_trace(path, requests):
                                 "output_length": r["out"], "acceptance": r["rates"]}) + "\n")
 
 
+def plugin_default_margin(model_path):
+    """The default guard's margin the plugin plans with for this cost-model file when
+    DPB_MIN_PLAN_GAIN is not given (plugin/src/flags.cc): 0.02, or the fit's cross-validated
+    error recorded in the file (`cv_mape`, dpbalance-calibrate --cv K --out) when larger."""
+    with open(model_path) as f:
+        return max(0.02, float(json.load(f).get("cv_mape", 0.0)))
+
+
 def predict_rows(binary, trace, base, ks, default_k, slo_ms, seeds, tmp, min_plan_gain=0.0,
                  value_deferral=False):
     """Static k rows, goodput and dspark_fill at default_k; per row the seeds' mean goodput,
@@ -1143,6 +1151,10 @@ def _predict(a, out, counts, reqs, per_rank, terms, tmp):
                                                   "static_best_k", "bubble_reduction",
                                                   "tpot_p99_ratio")})
     if a.h200_model:
+        # The plugin on an H200 plans with the margin of its own model, not this CPU fit's.
+        h200_gain = (a.h200_min_plan_gain if a.h200_min_plan_gain is not None
+                     else plugin_default_margin(a.h200_model))
+        out["h200_min_plan_gain"] = h200_gain
         served = [{"in": r["in"], "out": max(1, r["out"]),
                    "rates": conditional_rates(counts[r["id"]], per="slots")
                    if r["id"] in counts else [0.0]} for r in reqs]
@@ -1153,7 +1165,7 @@ def _predict(a, out, counts, reqs, per_rank, terms, tmp):
                 "--truth_layers", "61", "--draft_ms", "0", "--stale_steps", "0",
                 "--tiers", "none", "--k_max", "7"]
         out["h200_served"] = predict_rows(a.replay, trace, base, (1, 3, 5, 7), None, 0,
-                                          a.seeds, tmp, min_plan_gain=a.min_plan_gain,
+                                          a.seeds, tmp, min_plan_gain=h200_gain,
                                           value_deferral=a.value_deferral)
         # Scaled up: the bundled trace's own lengths (unscaled), each request with the measured
         # rates of served request i mod n (the mix's classes in their shares), DP 16.
@@ -1166,7 +1178,7 @@ def _predict(a, out, counts, reqs, per_rank, terms, tmp):
                 "--truth", a.h200_model, "--truth_layers", "61", "--draft_ms", "0",
                 "--stale_steps", "0", "--tiers", "none", "--k_max", "7"]
         out["h200_scaled"] = predict_rows(a.replay, trace, base, (1, 3, 5, 7), None, 0, a.seeds,
-                                          tmp, min_plan_gain=a.min_plan_gain,
+                                          tmp, min_plan_gain=h200_gain,
                                           value_deferral=a.value_deferral)
         out["h200_scaled"]["setup"] = (f"the first {len(rows)} requests of {a.trace}, DP 16, "
                                        "512 in flight, 64 per rank, routing D z1.2")
@@ -1249,6 +1261,9 @@ def main(argv=None):
     b.add_argument("--workload", required=True)
     b.add_argument("--dp", type=int, default=2)
     b.add_argument("--warmup", type=int, default=50)
+    dm = sub.add_parser("default-margin", help="the plugin's default guard margin for a cost-model "
+                        "file (DPB_MIN_PLAN_GAIN unset): 0.02, or its recorded cv_mape when larger")
+    dm.add_argument("model")
     pr = sub.add_parser("predict")
     pr.add_argument("--runs-root", required=True)
     pr.add_argument("--workload", required=True)
@@ -1267,6 +1282,9 @@ def main(argv=None):
                     help="the truth's per-step log-normal noise on attention (this VM's per-step "
                          "noise is about 10-14%%, docs/live_vllm.md)")
     pr.add_argument("--h200-model", default="")
+    pr.add_argument("--h200-min-plan-gain", type=float, default=None,
+                    help="the H200 rows' default guard (default: the plugin's own for --h200-model, "
+                         "0.02 or the cv_mape its file records when larger)")
     pr.add_argument("--h200-requests", type=int, default=3000)
     pr.add_argument("--trace", default=os.path.join(
         os.path.dirname(os.path.dirname(_HERE)),
@@ -1295,6 +1313,9 @@ def main(argv=None):
         return cmd_calibrate(a)
     if a.cmd == "predict":
         return cmd_predict(a)
+    if a.cmd == "default-margin":
+        print(plugin_default_margin(a.model))
+        return 0
     if a.cmd == "best-static":
         return cmd_best_static(a)
     if a.cmd == "run-arm":

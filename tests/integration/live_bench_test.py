@@ -113,4 +113,16 @@ client = {"t_begin": 100.0, "concurrency": 2, "dp": 2, "placement": "rr", "reque
 w = lb.steady_window(client)
 check("steady window and its tokens", w == (1.5, 4.0, 3), w)
 
+# The plugin's default margin for a model file (flags.cc's rule), which the live run's CPU arms
+# and the prediction's H200 rows each take from their own model.
+with tempfile.TemporaryDirectory() as d:
+    for name, body, want in [("none", {}, 0.02), ("small", {"cv_mape": 0.01}, 0.02),
+                             ("large", {"cv_mape": 0.148}, 0.148)]:
+        path = os.path.join(d, name + ".json")
+        with open(path, "w") as f:
+            json.dump(dict(body, format="dpbalance-cost-model"), f)
+        got = lb.plugin_default_margin(path)
+        check(f"default margin, model file with {body or 'no cv_mape'}", abs(got - want) < 1e-12,
+              got)
+
 checks.finish()
