@@ -99,17 +99,18 @@ def between_configurations(rows):
     print(f"  one-request launches ({len(one)} rows): the best non-decreasing function of key "
           f"blocks, fitted to these rows: MAPE {sum(errs) / len(errs):.4f}, p90 {p90(errs):.4f}, "
           f"max {max(errs):.4f}")
-    long_rows = [(x, 1000 * r["attn_ms"]) for x, r in one if x >= 100]
-    if not long_rows:
+    long_one = [(x, r) for x, r in one if x >= 100]
+    if not long_one:
         return
+    long_rows = [(x, 1000 * r["attn_ms"]) for x, r in long_one]
     best = None
     for c in range(0, 201):  # t = c + rate x; for each c the L1-relative rate is a weighted median
         rate = weighted_median([(t - c) / x for x, t in long_rows], [x / t for x, t in long_rows])
-        e = sorted(abs(c + rate * x - t) / t for x, t in long_rows)
+        e = [abs(c + rate * x - t) / t for x, t in long_rows]
         if best is None or sum(e) < sum(best[2]):
             best = (c, rate, e)
     c, rate, e = best
-    spread = sorted((r["attn_ms_max"] - r["attn_ms_min"]) / r["attn_ms"] for x, r in one if x >= 100)
+    spread = sorted((r["attn_ms_max"] - r["attn_ms_min"]) / r["attn_ms"] for _, r in long_one)
     print(f"  of them {len(long_rows)} with >= 100 key blocks, where a launch is a constant plus a "
           f"rate per block: the best such line ({c} us + {rate:.3f} us/block), fitted to them, "
           f"MAPE {sum(e) / len(e):.4f}, p90 {p90(e):.4f}, max {max(e):.4f}; their 7-call range is "
