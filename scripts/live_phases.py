@@ -29,18 +29,17 @@ def phases(client):
     window = live_bench.steady_window(client)
     if window is None:
         return None
-    start, end, _ = window
+    start, end, steady_tokens = window
     stamps = [(t, n) for r in client["requests"] for t, n in r.get("stamps", [])]
     first = min(t for t, _ in stamps)
     last = max(t for t, _ in stamps)
-    spans = {"ramp": (first, start), "steady": (start, end), "drain": (end, last)}
-    out = {"wall_s": client["wall_s"], "first_token_s": first}
-    # A stamp on a boundary belongs to the steady window, as steady_window counts it.
-    inside = {"ramp": lambda t: t < start, "steady": lambda t: start <= t <= end,
-              "drain": lambda t: t > end}
-    for name, (lo, hi) in spans.items():
-        out[name] = (hi - lo, sum(n for t, n in stamps if inside[name](t)))
-    return out
+    # The steady window's tokens are steady_window's own (a stamp on a boundary is inside it);
+    # the ramp holds the stamps before it and the drain every other.
+    ramp_tokens = sum(n for t, n in stamps if t < start)
+    drain_tokens = sum(n for _, n in stamps) - ramp_tokens - steady_tokens
+    return {"wall_s": client["wall_s"], "first_token_s": first,
+            "ramp": (start - first, ramp_tokens), "steady": (end - start, steady_tokens),
+            "drain": (last - end, drain_tokens)}
 
 
 def arm_name(run_dir):
