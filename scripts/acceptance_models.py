@@ -10,6 +10,12 @@ observed. Reported: the mean log-likelihood per request-step (higher is better).
   posterior around the instance's pooled rate, worth `prior_strength` observations.
 - shift(tau): one logit shift per request over the pooled rates (the shape the replay draws
   acceptance from), its MAP under a N(0, tau^2) prior from all the request's positions at once.
+- eb-shift: the same, with tau^2 learnt online by empirical Bayes (the rank's own requests:
+  tau^2 = mean of m_i^2 + v_i, each request's posterior mode and Laplace variance, with a prior
+  worth EB_PRIOR_REQUESTS requests at EB_TAU2_INIT); no width is chosen by hand. The plugin's
+  DPB_ACCEPTANCE=shift (AcceptanceEstimator's kShift), refitted once a step as here.
+- eb-hybrid: the per-position Beta of `beta`, centred on the request's eb-shift rates instead of
+  the pooled ones (tau -> 0 gives `beta` back).
 
   scripts/acceptance_models.py 'DIR/runs/mixed/dp2/static_k*_r1/worker_dp*.jsonl' [...]
 """
@@ -23,6 +29,12 @@ MTP = [0.762, 0.616, 0.513, 0.424, 0.364, 0.309, 0.272, 0.237]  # MtpK8Condition
 INIT = [MTP[0]] + [MTP[j] / MTP[j - 1] for j in range(1, K)]
 PRIOR_STRENGTH = 4.0  # DPB_PRIOR_STRENGTH's default
 TAUS = (0.5, 1.0, 2.0, 4.0)
+# AcceptanceEstimator's kShift constants (runtime/include/dpbalance/acceptance.h): the learnt
+# tau^2 starts at EB_TAU2_INIT worth EB_PRIOR_REQUESTS requests; retired requests' weight decays
+# by 1/EB_MEMORY_REQUESTS per retired request.
+EB_TAU2_INIT = 1.0
+EB_PRIOR_REQUESTS = 4.0
+EB_MEMORY_REQUESTS = 256.0
 
 
 def sig(x):
@@ -50,10 +62,15 @@ def beta_rates(c, pool):
 
 
 def shift_rates(c, pool, tau):
+    return shift_post(c, pool, tau)[0]
+
+
+def shift_post(c, pool, tau):
+    """(rates, posterior mode, Laplace variance) of the request's shift under N(0, tau^2)."""
     if c is None:
-        return pool
+        return pool, 0.0, tau ** 2
     base = [logit(p) for p in pool]
-    s = 0.0
+    s, h = 0.0, -1 / tau ** 2
     for _ in range(30):  # Newton on the log posterior of the shift
         g, h = -s / tau ** 2, -1 / tau ** 2
         for j in range(K):
@@ -65,7 +82,34 @@ def shift_rates(c, pool, tau):
         s = max(-15.0, min(15.0, s - step))
         if abs(step) < 1e-7:
             break
-    return [sig(b + s) for b in base]
+    h = -1 / tau ** 2 - sum(c[0][j] * sig(base[j] + s) * (1 - sig(base[j] + s)) for j in range(K))
+    return [sig(b + s) for b in base], s, -1 / h
+
+
+class EbShift:
+    """tau^2 by online EM over the rank's requests (the retired ones at their last posterior)."""
+
+    def __init__(self):
+        self.tau2 = EB_TAU2_INIT
+        self.done_sum, self.done_n = 0.0, 0.0
+
+    def refit(self, per, pool):
+        tot, n = EB_PRIOR_REQUESTS * EB_TAU2_INIT + self.done_sum, EB_PRIOR_REQUESTS + self.done_n
+        for c in per.values():
+            _, m, v = shift_post(c, pool, math.sqrt(self.tau2))
+            tot, n = tot + m * m + v, n + 1
+        self.tau2 = min(max(tot / n, 1e-4), 100.0)
+
+    def retire(self, c, pool):
+        _, m, v = shift_post(c, pool, math.sqrt(self.tau2))
+        keep = 1 - 1 / EB_MEMORY_REQUESTS
+        self.done_sum, self.done_n = self.done_sum * keep + m * m + v, self.done_n * keep + 1
+
+    def rates(self, c, pool):
+        return shift_post(c, pool, math.sqrt(self.tau2))[0]
+
+    def hybrid(self, c, pool):
+        return beta_rates(c, self.rates(c, pool))
 
 
 def loglik(rates, d, a):
@@ -74,11 +118,14 @@ def loglik(rates, d, a):
 
 
 def score(files):
-    total = {"beta": 0.0, **{f"shift({t:g})": 0.0 for t in TAUS}}
+    total = {"beta": 0.0, **{f"shift({t:g})": 0.0 for t in TAUS}, "eb-shift": 0.0, "eb-hybrid": 0.0}
+    taus = []
     n = 0
     for path in files:  # one rank of one instance: its own estimator, as the plugin keeps
         pool_counts = [[0.0] * K, [0.0] * K]
         per = {}
+        eb = EbShift()
+        active = set()
         for line in open(path):
             if not line.startswith("{"):
                 continue
@@ -92,10 +139,19 @@ def score(files):
                 total["beta"] += loglik(beta_rates(c, pool), d, a)
                 for t in TAUS:
                     total[f"shift({t:g})"] += loglik(shift_rates(c, pool, t), d, a)
+                total["eb-shift"] += loglik(eb.rates(c, pool), d, a)
+                total["eb-hybrid"] += loglik(eb.hybrid(c, pool), d, a)
                 n += 1
+            live = {rid for rid, _, _ in steps}
+            for rid in active - live:  # left the batch (finished, or preempted): retired
+                eb.retire(per[rid], pool)
+            active = live
             for rid, d, a in steps:
                 observe(pool_counts, d, a)
                 observe(per.setdefault(rid, [[0.0] * K, [0.0] * K]), d, a)
+            eb.refit({rid: per[rid] for rid in active}, pooled(pool_counts))
+        taus.append(math.sqrt(eb.tau2))
+    print("  learnt tau per log: " + " ".join(f"{t:.2f}" for t in taus))
     return n, {k: v / max(n, 1) for k, v in total.items()}
 
 

@@ -106,6 +106,7 @@ struct SimConfig {
   std::optional<GridSimulation> planner_grid_simulation;
   double acceptance_sigma = 1.0;          // per-request logit shift, standard deviation
   double acceptance_prior_strength = 4.0;
+  AcceptanceModel acceptance_model = AcceptanceModel::kBeta;  // the estimators' (acceptance.h)
   uint64_t seed = 1;
 };
 

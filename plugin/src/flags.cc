@@ -156,6 +156,12 @@ void AddBalancerFlags(FlagTable& t) {
       {"tpot_slo_ms", Double(0, 1e6, [](PluginFlags& f, double x) { f.balancer.tpot_slo_us = x * 1000; })},
       {"online", Int(0, 1, [](PluginFlags& f, int x) { f.balancer.online_calibration = x; })},
       {"prior_strength", Double(1e-3, 1e6, [](PluginFlags& f, double x) { f.balancer.acceptance_prior_strength = x; })},
+      {"acceptance", [](PluginFlags& f, const std::string& v) -> absl::Status {
+         absl::StatusOr<AcceptanceModel> m = ParseAcceptanceModel(v);
+         if (!m.ok()) return BadValue(v, "beta or shift");
+         f.balancer.acceptance_model = *m;
+         return absl::OkStatus();
+       }},
   });
 }
 

@@ -93,9 +93,23 @@ std::array<double, kMaxDraftLen> ShiftedProfile(const std::array<double, kMaxDra
   return a;
 }
 
+absl::StatusOr<AcceptanceModel> ParseAcceptanceModel(std::string_view name) {
+  if (name == "beta") return AcceptanceModel::kBeta;
+  if (name == "shift") return AcceptanceModel::kShift;
+  return absl::InvalidArgumentError(
+      absl::StrFormat("acceptance model '%s' is not beta or shift", name));
+}
+
+std::string_view AcceptanceModelName(AcceptanceModel model) {
+  return model == AcceptanceModel::kShift ? "shift" : "beta";
+}
+
 AcceptanceEstimator::AcceptanceEstimator(double prior_strength,
-                                         std::array<double, kMaxDraftLen> initial_rates)
-    : prior_strength_(prior_strength > 0 ? prior_strength : 1.0), initial_rates_(initial_rates) {}
+                                         std::array<double, kMaxDraftLen> initial_rates,
+                                         AcceptanceModel model)
+    : prior_strength_(prior_strength > 0 ? prior_strength : 1.0),
+      initial_rates_(initial_rates),
+      model_(model) {}
 
 void AcceptanceEstimator::Add(Counts& c, int verify_len, int accepted) {
   for (int j = 0; j < verify_len; ++j) {
@@ -114,7 +128,69 @@ absl::Status AcceptanceEstimator::Observe(int64_t request_id, int verify_len, in
   }
   Add(pooled_, verify_len, accepted);
   Add(per_request_[request_id], verify_len, accepted);
+  // About once a step: after as many observations as there are requests tracked.
+  if (model_ == AcceptanceModel::kShift &&
+      ++observed_since_refit_ >= static_cast<int64_t>(per_request_.size())) {
+    RefitShiftVariance();
+  }
   return absl::OkStatus();
+}
+
+void AcceptanceEstimator::Forget(int64_t request_id) {
+  const auto it = per_request_.find(request_id);
+  if (it == per_request_.end()) return;
+  if (model_ == AcceptanceModel::kShift) {
+    const ShiftPosterior post = Shift(it->second, PooledLogits());
+    constexpr double kKeep = 1.0 - 1.0 / kShiftMemoryRequests;
+    retired_sum_ = retired_sum_ * kKeep + post.mode * post.mode + post.variance;
+    retired_weight_ = retired_weight_ * kKeep + 1.0;
+  }
+  per_request_.erase(it);
+}
+
+std::array<double, kMaxDraftLen> AcceptanceEstimator::PooledLogits() const {
+  std::array<double, kMaxDraftLen> b = PooledRates();
+  for (double& x : b) {
+    const double p = std::clamp(x, 1e-6, 1 - 1e-6);
+    x = std::log(p / (1 - p));
+  }
+  return b;
+}
+
+// Newton on the log posterior of s, which is strictly concave (the prior's -s^2 / 2 tau^2 plus
+// Bernoulli log-likelihoods of sigmoid(b_j + s)), so it converges from 0 in a few steps.
+AcceptanceEstimator::ShiftPosterior AcceptanceEstimator::Shift(
+    const Counts& c, const std::array<double, kMaxDraftLen>& pooled_logits) const {
+  constexpr double kMaxShift = 15;  // logits: rates within ~3e-7 of 0 or 1 at a pooled 0.5
+  double s = 0;
+  double curvature = 1 / tau2_;  // -(second derivative) at s
+  for (int iter = 0; iter < 50; ++iter) {
+    double gradient = -s / tau2_;
+    curvature = 1 / tau2_;
+    for (int j = 0; j < kMaxDraftLen; ++j) {
+      if (c.trials[j] == 0) continue;
+      const double p = 1 / (1 + std::exp(-(pooled_logits[j] + s)));
+      gradient += c.successes[j] - c.trials[j] * p;
+      curvature += c.trials[j] * p * (1 - p);
+    }
+    const double step = gradient / curvature;
+    s = std::clamp(s + step, -kMaxShift, kMaxShift);
+    if (std::abs(step) < 1e-9) break;
+  }
+  return {s, 1 / curvature};
+}
+
+void AcceptanceEstimator::RefitShiftVariance() {
+  observed_since_refit_ = 0;
+  const std::array<double, kMaxDraftLen> b = PooledLogits();
+  double sum = kShiftPriorRequests * kShiftTau2Init + retired_sum_;
+  double weight = kShiftPriorRequests + retired_weight_;
+  for (const auto& [id, c] : per_request_) {
+    const ShiftPosterior post = Shift(c, b);
+    sum += post.mode * post.mode + post.variance;
+    weight += 1;
+  }
+  tau2_ = std::clamp(sum / weight, 1e-4, 100.0);
 }
 
 std::array<double, kMaxDraftLen> AcceptanceEstimator::PooledRates() const {
@@ -130,7 +206,11 @@ std::array<double, kMaxDraftLen> AcceptanceEstimator::PooledRates() const {
 AcceptanceCurve AcceptanceEstimator::Curve(int64_t request_id) const {
   std::array<double, kMaxDraftLen> a = PooledRates();
   const auto it = per_request_.find(request_id);
-  if (it != per_request_.end()) {
+  if (it != per_request_.end() && model_ == AcceptanceModel::kShift) {
+    const std::array<double, kMaxDraftLen> b = PooledLogits();
+    const double s = Shift(it->second, b).mode;
+    for (int j = 0; j < kMaxDraftLen; ++j) a[j] = 1 / (1 + std::exp(-(b[j] + s)));
+  } else if (it != per_request_.end()) {
     const Counts& c = it->second;
     for (int j = 0; j < kMaxDraftLen; ++j) {
       a[j] = (c.successes[j] + prior_strength_ * a[j]) / (c.trials[j] + prior_strength_);

@@ -95,7 +95,8 @@ absl::StatusOr<std::unique_ptr<Balancer>> Balancer::Create(BalancerConfig config
 Balancer::Balancer(BalancerConfig config, int rank, std::unique_ptr<AllGather> comm,
                    Planner planner)
     : config_(std::move(config)), rank_(rank), comm_(std::move(comm)), planner_(std::move(planner)),
-      estimator_(config_.acceptance_prior_strength, MtpK8ConditionalProfile()),
+      estimator_(config_.acceptance_prior_strength, MtpK8ConditionalProfile(),
+                 config_.acceptance_model),
       slo_(config_.tpot_slo_us) {
   gathered_.resize(static_cast<size_t>(config_.planner.num_ranks) * config_.attn_tp_size);
   idle_rows_.assign(config_.planner.num_ranks, false);

@@ -21,11 +21,13 @@ TEST(Flags, DefaultsEnvironmentAndConfigStringWhichWins) {
   EXPECT_EQ(f->balancer.tpot_slo_us, 0);  // no SLO unless the engine sets one
   EXPECT_FALSE(f->balancer.planner.uniform_per_rank);
   EXPECT_TRUE(f->balancer.planner.sample_heads);
+  EXPECT_EQ(f->balancer.acceptance_model, AcceptanceModel::kBeta);
 
   f = ParseFlags({{"DPB_MODE", "fill"}, {"DPB_K_MAX", "5"}, {"DPB_TIERS", "8,16,32"}},
                  "k_max=6; timeout_ms=20 ;ab_epoch=100;padded=1;agreed_depth=0;tpot_slo_ms=52.5;"
-                 "granularity=rank;grid_sim=exact");
+                 "granularity=rank;grid_sim=exact;acceptance=shift");
   ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->balancer.acceptance_model, AcceptanceModel::kShift);
   EXPECT_FALSE(f->balancer.planner.sample_heads);
   EXPECT_EQ(f->balancer.planner.mode, PlanMode::kFill);
   EXPECT_EQ(f->balancer.planner.k_max, 6);
@@ -85,6 +87,10 @@ TEST(Flags, UnknownAndMalformedFlagsAreNamed) {
   ASSERT_FALSE(f.ok());
   EXPECT_NE(f.status().message().find("granularity"), std::string::npos) << f.status();
   EXPECT_NE(f.status().message().find("batch"), std::string::npos) << f.status();
+  f = ParseFlags({{"DPB_ACCEPTANCE", "gauss"}}, "");
+  ASSERT_FALSE(f.ok());
+  EXPECT_NE(f.status().message().find("acceptance"), std::string::npos) << f.status();
+  EXPECT_NE(f.status().message().find("'gauss'"), std::string::npos) << f.status();
   f = ParseFlags({{"DPB_GRID_SIM", "fast"}}, "");
   ASSERT_FALSE(f.ok());
   EXPECT_NE(f.status().message().find("grid_sim"), std::string::npos) << f.status();
@@ -211,7 +217,8 @@ TEST(Flags, EveryNumericFlagTakesItsDocumentedRangeAndNothingOutside) {
   const std::vector<DocumentedRange> ranges = DocumentedRanges(&listed);
   const std::set<std::string> non_numeric = {"mode",      "tiers",   "granularity",  "cost_model",
                                              "grid_sim",  "backend", "group",        "log_level",
-                                             "metrics_file", "routing", "group_choice"};
+                                             "metrics_file", "routing", "group_choice",
+                                             "acceptance"};
   std::set<std::string> with_range;
   for (const DocumentedRange& d : ranges) with_range.insert(d.flag);
   for (const std::string& flag : FlagNames()) {

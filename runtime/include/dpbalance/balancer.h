@@ -54,6 +54,7 @@ struct BalancerConfig {
   int log_every_steps = 1000;              // periodic one-line summary (0: never)
   std::string metrics_file;                // JSON lines, one per log period (empty: none)
   double acceptance_prior_strength = 4.0;
+  AcceptanceModel acceptance_model = AcceptanceModel::kBeta;  // DPB_ACCEPTANCE (acceptance.h)
   bool online_calibration = true;          // refit `model` from this rank's measured attention
   // Per-request TPOT SLO (decode time / emitted tokens), us: a request that would exceed it if
   // it emitted only its bonus token this step gets the shortest verify length, up to the
