@@ -18,11 +18,18 @@ observed. Reported: the mean log-likelihood per request-step (higher is better).
   the pooled ones (tau -> 0 gives `beta` back).
 
   scripts/acceptance_models.py 'DIR/runs/mixed/dp2/static_k*_r1/worker_dp*.jsonl' [...]
+  scripts/acceptance_models.py --synthetic SIGMA [SEED]
+    a made-up log drawn the way the replay draws acceptance (each request's rates the MTP
+    profile shifted by N(0, SIGMA) in logit space; 16 requests at a time, 3 drafts a step,
+    5-80 tokens each, 1,500 steps), written to a temporary directory and scored the same way.
 """
 import glob
 import json
 import math
+import os
+import random
 import sys
+import tempfile
 
 K = 8
 MTP = [0.762, 0.616, 0.513, 0.424, 0.364, 0.309, 0.272, 0.237]  # MtpK8ConditionalProfile
@@ -155,9 +162,39 @@ def score(files):
     return n, {k: v / max(n, 1) for k, v in total.items()}
 
 
+def synthetic_log(sigma, seed, path):
+    rng = random.Random(seed)
+    live, next_id = [], 0
+    with open(path, "w") as f:
+        for _ in range(1500):
+            while len(live) < 16:
+                s = rng.gauss(0, sigma)
+                live.append([next_id, [sig(logit(p) + s) for p in INIT], rng.randint(5, 80)])
+                next_id += 1
+            rid, d, a = [], [], []
+            for r in live:
+                acc = 0
+                while acc < 3 and rng.random() < r[1][acc]:
+                    acc += 1
+                rid.append(r[0]), d.append(3), a.append(acc)
+                r[2] -= acc + 1
+            f.write(json.dumps({"kind": "model", "rid": rid, "d": d, "a": a}) + "\n")
+            live = [r for r in live if r[2] > 0]
+
+
 def main():
     if len(sys.argv) < 2:
         raise SystemExit(__doc__)
+    if sys.argv[1] == "--synthetic":
+        sigma = float(sys.argv[2])
+        seed = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "worker_dp0.jsonl")
+            synthetic_log(sigma, seed, path)
+            n, s = score([path])
+        print(f"synthetic sigma {sigma:g} seed {seed}: {n} request-steps; mean log-likelihood: "
+              + ", ".join(f"{k} {v:.4f}" for k, v in s.items()))
+        return
     for pattern in sys.argv[1:]:
         files = sorted(glob.glob(pattern))
         n, s = score(files)

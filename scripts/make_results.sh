@@ -36,6 +36,15 @@ for d in "" "--value_deferral=true"; do
   python3 scripts/replay_seeds.py $B/integration/dpbalance-replay 10 /tmp/dpb-$n --stale_steps 1 $d \
     | tee docs/generated/$n.txt
 done
+# The shift acceptance model (DPB_ACCEPTANCE=shift) on the three truths, seeds 1-3, lag 1: does a
+# better acceptance estimate lift our planner or the baseline (results.md 8, the ceiling)?
+for c in "mooncake" "azure --trace integration/replay/data/azure_conv_2023.csv" "h200truth ${H200[*]}"; do
+  set -- $c
+  n=$1
+  shift
+  python3 scripts/replay_seeds.py $B/integration/dpbalance-replay 3 /tmp/dpb-seeds-$n-shift \
+    --stale_steps 1 --acceptance shift "$@" | tee docs/generated/seeds_${n}_lag1_shift.txt
+done
 # What one step of lag costs the planner rows, split by what they predict (lag.h).
 python3 scripts/lag_study.py $B/integration/dpbalance-replay 3 | tee docs/generated/lag_study.txt
 # The step bound on the V2 truth (Mooncake and Azure, DSpark's engine: tiers, block draft): each

@@ -113,7 +113,8 @@ class AcceptanceEstimator {
   };
   static void Add(Counts& c, int verify_len, int accepted);
   // kShift: the request's shift posterior over `pooled_logits` under N(0, tau2_).
-  ShiftPosterior Shift(const Counts& c, const std::array<double, kMaxDraftLen>& pooled_logits) const;
+  ShiftPosterior Shift(const Counts& c,
+                       const std::array<double, kMaxDraftLen>& pooled_logits) const;
   std::array<double, kMaxDraftLen> PooledLogits() const;
   // kShift: one EM step of tau^2 over the tracked requests and the retired ones' memory.
   void RefitShiftVariance();
