@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_format.h"
 
@@ -140,7 +142,7 @@ void AcceptanceEstimator::Forget(int64_t request_id) {
   const auto it = per_request_.find(request_id);
   if (it == per_request_.end()) return;
   if (model_ == AcceptanceModel::kShift) {
-    const ShiftPosterior post = Shift(it->second, PooledLogits());
+    const ShiftPosterior post = Shift(it->second, Logits(PooledRates()));
     constexpr double kKeep = 1.0 - 1.0 / kShiftMemoryRequests;
     retired_sum_ = retired_sum_ * kKeep + post.mode * post.mode + post.variance;
     retired_weight_ = retired_weight_ * kKeep + 1.0;
@@ -148,13 +150,13 @@ void AcceptanceEstimator::Forget(int64_t request_id) {
   per_request_.erase(it);
 }
 
-std::array<double, kMaxDraftLen> AcceptanceEstimator::PooledLogits() const {
-  std::array<double, kMaxDraftLen> b = PooledRates();
-  for (double& x : b) {
+std::array<double, kMaxDraftLen> AcceptanceEstimator::Logits(
+    std::array<double, kMaxDraftLen> rates) {
+  for (double& x : rates) {
     const double p = std::clamp(x, 1e-6, 1 - 1e-6);
     x = std::log(p / (1 - p));
   }
-  return b;
+  return rates;
 }
 
 // Newton on the log posterior of s, which is strictly concave (the prior's -s^2 / 2 tau^2 plus
@@ -182,14 +184,19 @@ AcceptanceEstimator::ShiftPosterior AcceptanceEstimator::Shift(
 
 void AcceptanceEstimator::RefitShiftVariance() {
   observed_since_refit_ = 0;
-  const std::array<double, kMaxDraftLen> b = PooledLogits();
-  double sum = kShiftPriorRequests * kShiftTau2Init + retired_sum_;
-  double weight = kShiftPriorRequests + retired_weight_;
+  const std::array<double, kMaxDraftLen> b = Logits(PooledRates());
+  // Summed in request-id order: the hash map's order changes from process to process, and a
+  // last-bit difference in tau^2 would make two runs of the same stream plan differently.
+  std::vector<std::pair<int64_t, double>> terms;
+  terms.reserve(per_request_.size());
   for (const auto& [id, c] : per_request_) {
     const ShiftPosterior post = Shift(c, b);
-    sum += post.mode * post.mode + post.variance;
-    weight += 1;
+    terms.emplace_back(id, post.mode * post.mode + post.variance);
   }
+  std::sort(terms.begin(), terms.end());
+  double sum = kShiftPriorRequests * kShiftTau2Init + retired_sum_;
+  for (const auto& [id, term] : terms) sum += term;
+  const double weight = kShiftPriorRequests + retired_weight_ + static_cast<double>(terms.size());
   tau2_ = std::clamp(sum / weight, 1e-4, 100.0);
 }
 
@@ -207,7 +214,7 @@ AcceptanceCurve AcceptanceEstimator::Curve(int64_t request_id) const {
   std::array<double, kMaxDraftLen> a = PooledRates();
   const auto it = per_request_.find(request_id);
   if (it != per_request_.end() && model_ == AcceptanceModel::kShift) {
-    const std::array<double, kMaxDraftLen> b = PooledLogits();
+    const std::array<double, kMaxDraftLen> b = Logits(a);
     const double s = Shift(it->second, b).mode;
     for (int j = 0; j < kMaxDraftLen; ++j) a[j] = 1 / (1 + std::exp(-(b[j] + s)));
   } else if (it != per_request_.end()) {
