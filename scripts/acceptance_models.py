@@ -77,7 +77,7 @@ def shift_post(c, pool, tau):
     if c is None:
         return pool, 0.0, tau ** 2
     base = [logit(p) for p in pool]
-    s, h = 0.0, -1 / tau ** 2
+    s = 0.0
     for _ in range(30):  # Newton on the log posterior of the shift
         g, h = -s / tau ** 2, -1 / tau ** 2
         for j in range(K):

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """TPOT per request class, per arm, from a kept live run (`scripts/live_vllm.sh --keep-logs DIR`):
-each request's TPOT is (last token - first token) / (tokens - 1), as live_bench.py reports it;
+each request's TPOT and the percentiles as live_bench.py reports them (request_tpot_ms, pct);
 printed per arm (all replicates pooled): p50 and p99 over all requests, p50/p99 per class, and
 the slowest 1% of requests with their class, prompt and output lengths.
 
@@ -12,14 +12,9 @@ import os
 import re
 import sys
 
-
-def pct(values, p):
-    v = sorted(values)
-    if not v:
-        return float("nan")
-    k = (len(v) - 1) * p / 100
-    i = int(k)
-    return v[i] + (v[min(i + 1, len(v) - 1)] - v[i]) * (k - i)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "integration", "vllm"))
+from live_bench import pct, request_tpot_ms  # noqa: E402  (the report's own definitions)
 
 
 def arm_rows(base, arm):
@@ -27,9 +22,9 @@ def arm_rows(base, arm):
     for path in sorted(glob.glob(os.path.join(base, f"{arm}_r*", "client.json"))):
         with open(path) as f:
             for r in json.load(f)["requests"]:
-                tokens = sum(n for _, n in r["stamps"])
-                if tokens >= 2:
-                    rows.append(((r["end"] - r["first"]) / (tokens - 1) * 1000, r["cls"], r["in"], r["out"]))
+                tpot = request_tpot_ms(r)
+                if tpot is not None:
+                    rows.append((tpot, r["cls"], r["in"], r["out"]))
     return sorted(rows)
 
 

@@ -354,6 +354,14 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, max(0, int(math.ceil(q / 100 * len(xs))) - 1))]
 
 
+def request_tpot_ms(r):
+    """A served request's TPOT, ms: (last token - first token) / (output tokens - 1); None
+    when it has no first token or fewer than two tokens."""
+    if r["first"] is None or r["out"] <= 1:
+        return None
+    return (r["end"] - r["first"]) * 1e3 / (r["out"] - 1)
+
+
 def ci95(xs):
     if len(xs) < 2:
         return None
@@ -489,8 +497,7 @@ def summarize_arm(log_dir, dp, warmup):
     verified = sum(len(r.get("q") or []) for st in steps for r in st)  # request-steps
     reqs = client["requests"]
     toks = sum(r["out"] for r in reqs)
-    tpot = [(r["end"] - r["first"]) * 1e3 / (r["out"] - 1) for r in reqs
-            if r["first"] is not None and r["out"] > 1]
+    tpot = [t for t in map(request_tpot_ms, reqs) if t is not None]
     # The step's forward: the slowest rank's (every rank leaves the step's last MoE collective
     # together, then samples its own tokens). Attention's share of it, the mean rank's (what the
     # balancing can move) and the slowest rank's.

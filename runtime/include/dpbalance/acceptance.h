@@ -91,7 +91,6 @@ class AcceptanceEstimator {
   // The request is done: its state is dropped (kShift: its posterior joins the learnt width).
   void Forget(int64_t request_id);
   size_t num_tracked() const { return per_request_.size(); }
-  AcceptanceModel model() const { return model_; }
   // kShift: the learnt prior variance of the per-request logit shift (tau^2).
   double shift_variance() const { return tau2_; }
 
@@ -115,7 +114,7 @@ class AcceptanceEstimator {
   // kShift: the request's shift posterior over `pooled_logits` under N(0, tau2_).
   ShiftPosterior Shift(const Counts& c,
                        const std::array<double, kMaxDraftLen>& pooled_logits) const;
-  std::array<double, kMaxDraftLen> PooledLogits() const;
+  static std::array<double, kMaxDraftLen> Logits(std::array<double, kMaxDraftLen> rates);
   // kShift: one EM step of tau^2 over the tracked requests and the retired ones' memory.
   void RefitShiftVariance();
 
