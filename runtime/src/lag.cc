@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 namespace dpbalance {
@@ -59,7 +60,11 @@ PredictedRequest PredictRequest(int64_t seen_ctx, int64_t seen_remaining,
   };
   out.alive = prob_at_most(remaining - 1);
   out.pending_tokens = mean / at_most;
-  out.ctx_tokens += static_cast<int64_t>(std::llround(out.pending_tokens));
+  // Saturating: a context near the int64 limit (bad engine input) must not overflow.
+  const int64_t grown = static_cast<int64_t>(std::llround(out.pending_tokens));
+  out.ctx_tokens = out.ctx_tokens > std::numeric_limits<int64_t>::max() - grown
+                       ? std::numeric_limits<int64_t>::max()
+                       : out.ctx_tokens + grown;
   // Step 3: draft j emits only if the request can still emit j + 1 tokens (R - E >= j + 1).
   std::array<double, kMaxDraftLen> survivals{};
   for (int j = 1; j <= kMaxDraftLen; ++j) {

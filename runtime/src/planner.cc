@@ -803,9 +803,10 @@ absl::Status Planner::ValidateBatch(absl::Span<const PlanRequest> batch) const {
   }
   for (size_t i = 0; i < batch.size(); ++i) {
     const PlanRequest& r = batch[i];
-    if (r.ctx_tokens < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("planner: request %d: ctx_tokens = %d is negative", i, r.ctx_tokens));
+    if (r.ctx_tokens < 0 || r.ctx_tokens > kMaxCtxTokens) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "planner: request %d: ctx_tokens = %d %s", i, r.ctx_tokens,
+          r.ctx_tokens < 0 ? "is negative" : "exceeds 2^40 (kMaxCtxTokens)"));
     }
     if (r.k_cap < 0 || r.k_cap > config_.k_max) {
       return absl::InvalidArgumentError(absl::StrFormat(

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <functional>
 #include <memory>
@@ -225,6 +226,13 @@ TEST_F(PluginAbi, BadFlagsAndArgumentsFallBackToDefaults) {
   EXPECT_EQ(plugin_->plan(ctx, reqs, 2, -1, v, &d), dpbFallback);
   EXPECT_EQ(v[0], 3);  // min(default_k = 3, cap 5)
   EXPECT_EQ(v[1], 2);
+  // A context at int64's limit, on steps whose earlier plans are still unreported (the lag
+  // prediction adds to the context): a fallback each step, never an overflow.
+  dpbRequest_t huge = {4, INT64_MAX, 0, 5, nullptr, 0};
+  for (int step = 0; step < 3; ++step) {
+    EXPECT_EQ(plugin_->plan(ctx, &huge, 1, -1, v, &d), dpbFallback);
+    EXPECT_EQ(v[0], 3);
+  }
   EXPECT_EQ(plugin_->plan(ctx, reqs, -1, -1, v, &d), dpbInvalidArgument);
   EXPECT_EQ(plugin_->plan(nullptr, reqs, 2, -1, v, &d), dpbInvalidArgument);
   // Confidence out of [0, 1]: also a fallback.

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -88,6 +89,18 @@ TEST(Lag, BadInputIsClamped) {
   EXPECT_EQ(p.ctx_tokens, 0);
   EXPECT_EQ(p.k_cap, 0);
   EXPECT_EQ(p.alive, 0.0);
+}
+
+// A context at the int64 limit (a fuzzer found it through the plugin) saturates instead of
+// overflowing when the pending steps' tokens are added.
+TEST(Lag, ContextAtTheLimitSaturates) {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  const PredictedRequest p = PredictRequest(kMax, 100, {7, 7}, Curve(0.3), 7);
+  EXPECT_EQ(p.ctx_tokens, kMax);
+  EXPECT_GT(p.pending_tokens, 0.0);
+  EXPECT_EQ(PredictRequest(kMax - 1000, 100, {7}, Curve(0.3), 7).ctx_tokens,
+            kMax - 1000 + static_cast<int64_t>(std::llround(
+                              PredictRequest(kMax - 1000, 100, {7}, Curve(0.3), 7).pending_tokens)));
 }
 
 // The planner's request: each LagPredict bit takes its part from the prediction and leaves the

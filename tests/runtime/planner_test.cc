@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <set>
 
@@ -1002,6 +1003,12 @@ TEST(PlannerErrors, BadInputIsAStatusNamingTheValue) {
   absl::Status st = p.Summarize(0, b, -1, &s);
   ASSERT_FALSE(st.ok());
   EXPECT_NE(st.message().find("ctx_tokens = -3"), std::string::npos);
+  b[0].ctx_tokens = kMaxCtxTokens;  // the largest allowed
+  EXPECT_TRUE(p.Summarize(0, b, -1, &s).ok());
+  b[0].ctx_tokens = std::numeric_limits<int64_t>::max();
+  st = p.Summarize(0, b, -1, &s);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("ctx_tokens = 9223372036854775807 exceeds 2^40"), std::string::npos) << st;
   b[0] = PlanRequest{};
   b[0].k_min = 5;
   b[0].k_cap = 2;

@@ -129,6 +129,11 @@ struct PlannerConfig {
   uint64_t Hash() const;
 };
 
+// The largest context a request may claim: 2^40 tokens, thousands of times any model's window.
+// A larger one is bad engine input (the planner refuses the batch and the step falls back); the
+// bound keeps every sum and block count of contexts far from int64's limit.
+inline constexpr int64_t kMaxCtxTokens = int64_t{1} << 40;
+
 // One request as the planner sees it this step.
 struct PlanRequest {
   int64_t ctx_tokens = 0;  // context (keys) before this step's verify tokens, >= 0
