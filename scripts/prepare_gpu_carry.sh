@@ -8,7 +8,7 @@ cmake --preset release >/dev/null
 cmake --build --preset release
 rm -rf .gpu && mkdir -p .gpu/bin .gpu/lib
 cp build/release/tests/collectives/allgather_test build/release/bench/dpbalance-nccl-bench \
-   build/release/tests/plugin/plugin_abi_test .gpu/bin/
+   build/release/tests/plugin/plugin_abi_test build/release/tests/plugin/plugin_nccl_test .gpu/bin/
 cp build/release/plugin/libdpbalance.so .gpu/lib/
 for b in .gpu/bin/* .gpu/lib/libdpbalance.so; do
   ldd "$b" | awk '/=> \// {print $3}' | grep -E 'libabsl|libspdlog|libfmt|libgtest|libgmock' || true
