@@ -169,6 +169,12 @@ if [ -z "${VLLM_CPU_OMP_THREADS_BIND:-}" ]; then
   export VLLM_CPU_OMP_THREADS_BIND="$bind"
 fi
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
+# Keep freed memory in the processes (glibc: no trimming, mmap only above 32 MiB). On a VM that
+# hands freed guest pages back to its host (virtio-balloon free page reporting, as on the machines
+# of docs/live_vllm.md), taking such memory again is slow, and a worker stalls in the page fault
+# for up to a second, in every arm: the TPOT tail of "The TPOT tail is the machine's stalls".
+# GLIBC_TUNABLES= (set, empty) turns this off.
+export GLIBC_TUNABLES="${GLIBC_TUNABLES-glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=17179869184:glibc.malloc.top_pad=268435456}"
 # vLLM 0.32.0's CPU communicator lacks the collectives of its DP MoE path, and its CPU rejection
 # sampler drops the per-request sampling parameters: the package's platform plugin adds the one
 # and fixes the other (dpbalance_vllm/cpu_platform.py, patch/cpu_expand_kernel.py).
