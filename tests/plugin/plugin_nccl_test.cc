@@ -55,15 +55,28 @@ const dpbalancePlugin_t* Load() {
   if (lib == nullptr) return nullptr;
   return static_cast<const dpbalancePlugin_t*>(dlsym(lib, DPB_PLUGIN_SYMBOL));
 }
-#endif
 
-TEST(PluginNccl, EngineCommunicatorIsBorrowedAndStaysUsable) {
-#ifndef DPB_HAVE_NCCL
-  GTEST_SKIP() << "built without NCCL";
-#else
-  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
-  const dpbalancePlugin_t* plugin = Load();
-  ASSERT_NE(plugin, nullptr) << dlerror();
+class PluginNccl : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+    plugin_ = Load();
+    ASSERT_NE(plugin_, nullptr) << dlerror();
+  }
+  // One rank on device 0 over NCCL; the caller adds the communicator or the unique id.
+  static dpbInitArgs_t Args() {
+    dpbInitArgs_t a{};
+    a.num_ranks = 1;
+    a.rank = 0;
+    a.config = "log_every=0;timeout_ms=10000";
+    a.backend = dpbBackendNccl;
+    a.cuda_device = 0;
+    return a;
+  }
+  const dpbalancePlugin_t* plugin_ = nullptr;
+};
+
+TEST_F(PluginNccl, EngineCommunicatorIsBorrowedAndStaysUsable) {
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
   ncclUniqueId id;
   ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
@@ -71,23 +84,17 @@ TEST(PluginNccl, EngineCommunicatorIsBorrowedAndStaysUsable) {
   ASSERT_EQ(ncclCommInitRank(&comm, 1, id, 0), ncclSuccess);
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-
-  dpbInitArgs_t a{};
-  a.num_ranks = 1;
-  a.rank = 0;
-  a.config = "log_every=0;timeout_ms=10000";
-  a.backend = dpbBackendNccl;
+  dpbInitArgs_t a = Args();
   a.nccl_comm = comm;
   a.cuda_stream = stream;
-  a.cuda_device = 0;
   void* ctx = nullptr;
-  ASSERT_EQ(plugin->init(&a, &ctx), dpbSuccess);
-  const dpbStats_t s = RunSteps(plugin, ctx, 50);
+  ASSERT_EQ(plugin_->init(&a, &ctx), dpbSuccess);
+  const dpbStats_t s = RunSteps(plugin_, ctx, 50);
   EXPECT_EQ(s.steps, 50);
   EXPECT_EQ(s.balanced_steps, 50);
   EXPECT_EQ(s.fallbacks, 0);
   EXPECT_EQ(s.enabled, 1);
-  EXPECT_EQ(plugin->finalize(ctx), dpbSuccess);
+  EXPECT_EQ(plugin_->finalize(ctx), dpbSuccess);
 
   // The engine's communicator and stream are still its own: an all-gather on them works after the
   // plugin is gone, and the engine destroys them.
@@ -101,32 +108,23 @@ TEST(PluginNccl, EngineCommunicatorIsBorrowedAndStaysUsable) {
   cudaFree(buf);
   EXPECT_EQ(ncclCommDestroy(comm), ncclSuccess);
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
-#endif
 }
 
-TEST(PluginNccl, OwnCommunicatorFromAUniqueId) {
-#ifndef DPB_HAVE_NCCL
-  GTEST_SKIP() << "built without NCCL";
-#else
-  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
-  const dpbalancePlugin_t* plugin = Load();
-  ASSERT_NE(plugin, nullptr) << dlerror();
+TEST_F(PluginNccl, OwnCommunicatorFromAUniqueId) {
   ncclUniqueId id;
   ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
-  dpbInitArgs_t a{};
-  a.num_ranks = 1;
-  a.rank = 0;
-  a.config = "log_every=0;timeout_ms=10000";
-  a.backend = dpbBackendNccl;
+  dpbInitArgs_t a = Args();
   a.nccl_unique_id = &id;
-  a.cuda_device = 0;
   void* ctx = nullptr;
-  ASSERT_EQ(plugin->init(&a, &ctx), dpbSuccess);
-  const dpbStats_t s = RunSteps(plugin, ctx, 50);
+  ASSERT_EQ(plugin_->init(&a, &ctx), dpbSuccess);
+  const dpbStats_t s = RunSteps(plugin_, ctx, 50);
   EXPECT_EQ(s.balanced_steps, 50);
   EXPECT_EQ(s.fallbacks, 0);
-  EXPECT_EQ(plugin->finalize(ctx), dpbSuccess);
-#endif
+  EXPECT_EQ(plugin_->finalize(ctx), dpbSuccess);
 }
+
+#else
+TEST(PluginNccl, NeedsAnNcclBuild) { GTEST_SKIP() << "built without NCCL"; }
+#endif
 
 }  // namespace
