@@ -21,6 +21,7 @@ each configuration's true mean time would show against one measured row, with a 
 interval. Then our model's out-of-fold predictions against the shared rows and against the mean
 of the fresh passes (a truth with less noise, measured independently of every fit).
 """
+import argparse
 import json
 import math
 import random
@@ -28,6 +29,7 @@ import statistics
 import sys
 
 PASSES_SHORT = ("short-1", "short-2", "short-3")
+PASS_PAIRS = (("short-2", "short-1"), ("short-3", "short-1"), ("short-3", "short-2"))
 
 
 def pct(values, q):
@@ -49,33 +51,34 @@ def boot_p90(errors, draws=2000, seed=1):
     return ps[int(0.025 * draws)], ps[int(0.975 * draws)]
 
 
+def load_passes(path):
+    """h200_remeasure.py's output: {pass: {row: attn_ms}}."""
+    passes = {}
+    with open(path) as f:
+        for line_ in f:
+            r = json.loads(line_)
+            passes.setdefault(r["pass"], {})[r["row"]] = r["attn_ms"]
+    return passes
+
+
 def main():
-    args = sys.argv[1:]
-    opts = {}
-    for flag in ("--denoised", "--session2"):
-        if flag in args:
-            at = args.index(flag)
-            if at + 1 >= len(args):
-                sys.exit(f"h200_noise: {flag} needs a file name")
-            opts[flag] = args[at + 1]
-            del args[at:at + 2]
-    denoised_out = opts.get("--denoised")
-    if len(args) != 3:
-        sys.exit(__doc__)
-    sys.argv[1:] = args
-    rows = [json.loads(l) for l in open(sys.argv[1])]
-    fresh = {}
-    for l in open(sys.argv[2]):
-        r = json.loads(l)
-        fresh.setdefault(r["pass"], {})[r["row"]] = r["attn_ms"]
-    fresh2 = {}
-    if "--session2" in opts:
-        for l in open(opts["--session2"]):
-            r = json.loads(l)
-            fresh2.setdefault(r["pass"], {})[r["row"]] = r["attn_ms"]
-    oof = [float(l.split()[-1]) / 1000 for l in open(sys.argv[3])]
+    ap = argparse.ArgumentParser(usage="h200_noise.py ROWS REMEASURED DUMP [--session2 FILE] "
+                                       "[--denoised OUT]", description=__doc__)
+    ap.add_argument("rows")
+    ap.add_argument("remeasured")
+    ap.add_argument("dump")
+    ap.add_argument("--session2")
+    ap.add_argument("--denoised")
+    args = ap.parse_args()
+    denoised_out = args.denoised
+    with open(args.rows) as f:
+        rows = [json.loads(l) for l in f]
+    fresh = load_passes(args.remeasured)
+    fresh2 = load_passes(args.session2) if args.session2 else {}
+    with open(args.dump) as f:
+        oof = [float(l.split()[-1]) / 1000 for l in f]
     if len(oof) != len(rows):
-        sys.exit(f"h200_noise: {sys.argv[3]} has {len(oof)} rows, {sys.argv[1]} {len(rows)}")
+        sys.exit(f"h200_noise: {args.dump} has {len(oof)} rows, {args.rows} {len(rows)}")
     shared = [r["attn_ms"] for r in rows]
     short = sorted(fresh["short-1"])
     long_ = sorted(fresh.get("long", {}))
@@ -83,10 +86,10 @@ def main():
     print("1. The same configuration timed again, no model (error = a / b - 1)")
     for p in PASSES_SHORT:
         print(line(f"short rows: {p} / shared", [fresh[p][i] / shared[i] - 1 for i in short]))
-    for a, b in (("short-2", "short-1"), ("short-3", "short-1"), ("short-3", "short-2")):
+    for a, b in PASS_PAIRS:
         print(line(f"short rows: {a} / {b} (one session)", [fresh[a][i] / fresh[b][i] - 1 for i in short]))
     if fresh2:
-        for a, b in (("short-2", "short-1"), ("short-3", "short-1"), ("short-3", "short-2")):
+        for a, b in PASS_PAIRS:
             print(line(f"short rows: session 2 {a} / {b}", [fresh2[a][i] / fresh2[b][i] - 1 for i in short]))
         m1 = {i: statistics.mean(fresh[p][i] for p in PASSES_SHORT) for i in short}
         m2 = {i: statistics.mean(fresh2[p][i] for p in PASSES_SHORT) for i in short}

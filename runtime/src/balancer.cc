@@ -558,7 +558,7 @@ absl::Status Balancer::ToPlanBatch(absl::Span<const BalancerRequest> batch) {
     }
     PlanRequest& p = plan_batch_[i];
     int32_t default_len = DefaultVerifyLen(config_.planner.default_k, q.k_cap);
-    const bool valid = q.ctx_tokens >= 0 && q.ctx_tokens <= kMaxCtxTokens && q.k_cap >= 0 && q.k_cap <= k_max && q.k_min >= 0 &&
+    const bool valid = q.ctx_tokens >= 0 && q.k_cap >= 0 && q.k_cap <= k_max && q.k_min >= 0 &&
                        q.k_min <= q.k_cap;  // else Summarize names what is wrong
     if (pending.empty() || !valid) {  // the state the engine passed is the state: no prediction
       p = PlanRequest{q.ctx_tokens, 0, q.k_cap, curve};

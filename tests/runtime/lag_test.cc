@@ -98,9 +98,8 @@ TEST(Lag, ContextAtTheLimitSaturates) {
   const PredictedRequest p = PredictRequest(kMax, 100, {7, 7}, Curve(0.3), 7);
   EXPECT_EQ(p.ctx_tokens, kMax);
   EXPECT_GT(p.pending_tokens, 0.0);
-  EXPECT_EQ(PredictRequest(kMax - 1000, 100, {7}, Curve(0.3), 7).ctx_tokens,
-            kMax - 1000 + static_cast<int64_t>(std::llround(
-                              PredictRequest(kMax - 1000, 100, {7}, Curve(0.3), 7).pending_tokens)));
+  const PredictedRequest near = PredictRequest(kMax - 1000, 100, {7}, Curve(0.3), 7);
+  EXPECT_EQ(near.ctx_tokens, kMax - 1000 + static_cast<int64_t>(std::llround(near.pending_tokens)));
 }
 
 // The planner's request: each LagPredict bit takes its part from the prediction and leaves the
