@@ -16,7 +16,8 @@
 #
 #   scripts/live_vllm.sh [--json FILE] [--workload mixed,greedy] [--replicates N] [--requests N]
 #                        [--seed S] [--dp N] [--ks "1 3 5 7"] [--slo p99|off] [--no-ab]
-#                        [--min-plan-gain F] [--value-deferral] [--keep-logs DIR] [--quick]
+#                        [--min-plan-gain F] [--value-deferral] [--anchor-k K] [--keep-logs DIR]
+#                        [--quick]
 #   scripts/live_vllm.sh --install-only   (the venv and the plugin package, nothing run;
 #                                          scripts/serve_vllm.sh and the README's quickstart)
 #
@@ -26,7 +27,11 @@
 # TPOT p99 in the first replicate), the plugin's own default guard (DPB_MIN_PLAN_GAIN unset: 0.02,
 # or the calibrated model's out-of-fold error, which the run's `dpbalance-calibrate --cv 5`
 # records in the model; --min-plan-gain F sets it, 0 turns it off). --value-deferral: the plugin arms value tokens by their
-# deferral cost (DPB_VALUE_DEFERRAL=1; the replay's prediction the same). LIVE_VLLM_ARGS adds
+# deferral cost (DPB_VALUE_DEFERRAL=1; the replay's prediction the same). --anchor-k K: the plugin
+# arms are anchored at static k = K (DPB_DEFAULT_K, and the SLO from k = K's TPOT p99 in the
+# first replicate) instead of the first replicate's best static arm, for a static_best a user
+# found by an earlier sweep (one replicate's pick is noisy: docs/live_vllm.md); the summary's
+# static_best is still the best static arm over all replicates of this run. LIVE_VLLM_ARGS adds
 # live_bench.py run-arm flags to every arm.
 #
 # The virtual environment lives outside the work tree, in $DPBALANCE_VLLM_VENV (default
@@ -51,6 +56,7 @@ AB=1
 NOSPEC=1
 MIN_GAIN=                      # the plugin arms' DPB_MIN_PLAN_GAIN (empty: the plugin's default)
 DEFER=0                        # the plugin arms' DPB_VALUE_DEFERRAL (its default: off)
+ANCHOR_K=                      # the plugin arms' anchor (empty: replicate 1's best static arm)
 ARGS=("$@")
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -69,6 +75,7 @@ while [ $# -gt 0 ]; do
     --no-ab) AB=0; shift ;;
     --min-plan-gain) MIN_GAIN="${2:?--min-plan-gain needs a fraction}"; shift 2 ;;
     --value-deferral) DEFER=1; shift ;;
+    --anchor-k) ANCHOR_K="${2:?--anchor-k needs a static length}"; shift 2 ;;
     -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) echo "live_vllm.sh: unknown flag '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -91,6 +98,9 @@ done
 for k in $KS; do
   case "$k" in [1-7]) ;; *) echo "live_vllm.sh: --ks entry '$k' is not a draft length 1..7" >&2; exit 2 ;; esac
 done
+if [ -n "$ANCHOR_K" ]; then
+  case " $KS " in *" $ANCHOR_K "*) ;; *) echo "live_vllm.sh: --anchor-k '$ANCHOR_K' is not one of --ks ($KS)" >&2; exit 2 ;; esac
+fi
 case "$SLO" in p99|off) ;; *) echo "live_vllm.sh: --slo '$SLO' is not p99 or off" >&2; exit 2 ;; esac
 mkdir -p "$(dirname "$JSON")" 2>/dev/null || true
 if [ "$INSTALL_ONLY" = 0 ] && ! touch "$JSON" 2>/dev/null; then
@@ -251,7 +261,8 @@ for W in ${WORKLOADS//,/ }; do
   FLAGS=$("$PY" "$LB" calibrate "${cal_dirs[@]}" --dp "$DP" --rows "$WORK/$W-cpu_rows.jsonl" \
           --terms "$WORK/$W-terms.json")
   "$CAL" --train "$WORK/$W-cpu_rows.jsonl" --out "$WORK/$W-cpu_model.json" --cv 5 | sed 's/^/  calibrate: /'
-  read -r SB SB_P99 < <("$PY" "$LB" best-static --runs-root "$RUNS" --workload "$W" --dp "$DP")
+  read -r SB SB_P99 < <("$PY" "$LB" best-static --runs-root "$RUNS" --workload "$W" --dp "$DP" \
+                         ${ANCHOR_K:+--k "$ANCHOR_K"})
   # dpbalance is anchored at static_best: its fallback, TPOT guard and SLO floors are relative to
   # k = static_best's (DPB_DEFAULT_K), and with --slo p99 its TPOT SLO is static_best's measured
   # TPOT p99, so the plan may shorten a request only while it stays within static_best's tail.
@@ -273,7 +284,7 @@ for W in ${WORKLOADS//,/ }; do
   SLO_ENV=()
   SLO_MS=0
   if [ "$SLO" = p99 ]; then SLO_ENV=(DPB_TPOT_SLO_MS="$SB_P99"); SLO_MS=$SB_P99; fi
-  echo "live_vllm.sh: $W: static_best k=$SB (TPOT p99 $SB_P99 ms); plugin flags: ${PLUGIN_ENV[*]} ${SLO_ENV[*]}; default guard $GAIN"
+  echo "live_vllm.sh: $W: anchor ${ANCHOR_K:+(--anchor-k) }static k=$SB (TPOT p99 $SB_P99 ms); plugin flags: ${PLUGIN_ENV[*]} ${SLO_ENV[*]}; default guard $GAIN"
   plugin_arms "$W" 1 fwd
   # Later replicates alternate the order: plugin arms, static arms (descending), and back.
   for ((rep = 2; rep <= REPLICATES; rep++)); do

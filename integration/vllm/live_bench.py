@@ -742,7 +742,7 @@ def cmd_calibrate(a):
 
 def cmd_best_static(a):
     """The static arm of the best goodput (mean over its instances) under --runs-root for one
-    workload and DP size: prints `K TPOT_P99_MS` (its mean TPOT p99)."""
+    workload and DP size, or the one of length --k: prints `K TPOT_P99_MS` (its mean TPOT p99)."""
     found = collect(a.runs_root).get((a.workload, a.dp), [])
     by_k = {}
     for log_dir, client in found:
@@ -752,6 +752,11 @@ def cmd_best_static(a):
         raise SystemExit(f"live_bench: no static arm of workload {a.workload} at DP {a.dp} under "
                          f"{a.runs_root}")
     best = max(by_k, key=lambda k: mean_of(by_k[k], "goodput_tok_per_s") or 0)
+    if a.k is not None:
+        if a.k not in by_k:
+            raise SystemExit(f"live_bench: --k {a.k}: no static arm of that length under "
+                             f"{a.runs_root} (have {sorted(by_k)})")
+        best = a.k
     for k in sorted(by_k):
         print(f"static k={k}: goodput {fmt(mean_of(by_k[k], 'goodput_tok_per_s'), 1)} tok/s, "
               f"TPOT p99 {fmt(mean_of(by_k[k], 'tpot_p99_ms'), 1)} ms", file=sys.stderr)
@@ -1268,6 +1273,8 @@ def main(argv=None):
     b.add_argument("--workload", required=True)
     b.add_argument("--dp", type=int, default=2)
     b.add_argument("--warmup", type=int, default=50)
+    b.add_argument("--k", type=int, default=None,
+                   help="print this static length and its TPOT p99, not the best one's")
     dm = sub.add_parser("default-margin", help="the plugin's default guard margin for a cost-model "
                         "file (DPB_MIN_PLAN_GAIN unset): 0.02, or its recorded cv_mape when larger")
     dm.add_argument("model")

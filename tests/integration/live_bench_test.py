@@ -125,4 +125,28 @@ with tempfile.TemporaryDirectory() as d:
         check(f"default margin, model file with {body or 'no cv_mape'}", abs(got - want) < 1e-12,
               got)
 
+# best-static: the static arm of the best mean goodput, or the length --k names (the harness's
+# --anchor-k); a length with no static arm is an error naming it.
+import contextlib, io  # noqa: E402
+arms = {"d1": {"goodput_tok_per_s": 700.0, "tpot_p99_ms": 40.0},
+        "d3": {"goodput_tok_per_s": 800.0, "tpot_p99_ms": 50.0}}
+found = {("mixed", 2): [("d1", {"mode": "static", "k_spec": 1}),
+                        ("d3", {"mode": "static", "k_spec": 3}),
+                        ("dp", {"mode": "dpbalance", "k_spec": 3})]}
+saved = (lb.collect, lb.summarize_arm)
+lb.collect, lb.summarize_arm = (lambda root: found), (lambda d, dp, w: arms[d])
+try:
+    for k, want in [(None, "3 50.0"), (1, "1 40.0")]:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            lb.cmd_best_static(SimpleNamespace(runs_root="R", workload="mixed", dp=2, warmup=50, k=k))
+        check(f"best-static --k {k}", out.getvalue().strip() == want, out.getvalue())
+    try:
+        lb.cmd_best_static(SimpleNamespace(runs_root="R", workload="mixed", dp=2, warmup=50, k=5))
+        check("best-static --k 5 without such an arm is refused", False, "no error")
+    except SystemExit as e:
+        check("best-static --k 5 without such an arm is refused", "--k 5" in str(e), str(e))
+finally:
+    lb.collect, lb.summarize_arm = saved
+
 checks.finish()
