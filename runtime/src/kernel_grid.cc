@@ -1,6 +1,7 @@
 #include "dpbalance/kernel_grid.h"
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -870,6 +871,52 @@ unsigned SimulatedMakespans(unsigned terms) {
          (WantsColdReads(terms) ? 1u << kColdReadsMakespan : 0u);
 }
 
+// Which slot each CTA of a launch's first wave gets is the hardware's choice, and it changes
+// from launch to launch of one configuration: one decode launch of the H200 rows timed 4.9-5.2
+// ms in three passes and 6.9-7.4 ms in three others (the median of each pass's seven calls;
+// docs/cost-model.md, "The decode launch's placement"). The first wave
+// still goes breadth-first (one CTA on every SM before any SM gets a second), so what changes is
+// which first-round CTA each later CTA shares its SM with. A decode launch's makespans are
+// therefore the mean over kFirstWavePlacements placements: the launch order, and fixed
+// pseudo-random permutations of its first num_sms CTAs (the same on every machine and build:
+// splitmix64 from the placement's index). Cold reads keep the launch order's start times.
+uint64_t SplitMix64(uint64_t& state) {
+  uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+void AverageFirstWavePlacements(const KernelGrid& grid, const std::vector<double>& works,
+                                unsigned makespans, GridSimulation sim, double exit_cost,
+                                GridTerms* out) {
+  // A launch of at most num_sms CTAs runs one CTA per SM whatever the order.
+  const size_t first = std::min(works.size(), static_cast<size_t>(std::max(grid.num_sms, 1)));
+  if (works.size() <= first || makespans == 0) return;
+  thread_local std::vector<double> placed;
+  std::array<double, kNumGridMakespans> sum{};
+  for (int j = 0; j < kNumGridMakespans; ++j) sum[j] = (*out)[kGridMakespan0 + j];
+  for (int p = 1; p < kFirstWavePlacements; ++p) {
+    placed.assign(works.begin(), works.end());
+    uint64_t state = static_cast<uint64_t>(p);
+    for (size_t i = first - 1; i > 0; --i) {  // Fisher-Yates over the first round
+      std::swap(placed[i], placed[SplitMix64(state) % (i + 1)]);
+    }
+    std::array<double, kNumGridMakespans> m{};
+    if (sim == GridSimulation::kFast) {
+      SimulateMakespans(placed, grid.num_sms, grid.ctas_per_sm, kGridMakespanParams, makespans,
+                        exit_cost, m.data());
+    } else {
+      ReferenceMakespans(placed, grid.num_sms, grid.ctas_per_sm, kGridMakespanParams, makespans,
+                         exit_cost, m.data());
+    }
+    for (int j = 0; j < kNumGridMakespans; ++j) sum[j] += m[j];
+  }
+  for (int j = 0; j < kNumGridMakespans; ++j) {
+    if (makespans >> j & 1u) (*out)[kGridMakespan0 + j] = sum[j] / kFirstWavePlacements;
+  }
+}
+
 }  // namespace
 
 GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> batch,
@@ -921,6 +968,9 @@ GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> bat
     ReferenceMakespans(works, grid.num_sms, grid.ctas_per_sm, kGridMakespanParams, makespans,
                        kExitCost, &out[kGridMakespan0], cold_reads ? kColdReadsMakespan : -1,
                        cold_reads ? &starts : nullptr);
+  }
+  if (single_query_launch && grid.layout == KernelGrid::Layout::kHeadMajor) {
+    AverageFirstWavePlacements(grid, works, makespans, sim, kExitCost, &out);
   }
   HeadsLeftOut left_out;
   if (heads_left_out > 0) {

@@ -16,7 +16,8 @@
 //   - kHeadMajor: one CTA per (query head, request, row block); grid order: row block fastest,
 //     then request, then head. With every q_i = 1 the kernel swaps the query heads of one KV
 //     head into rows (`heads` rows per request) and may split each request's keys over several
-//     CTAs, followed by a combine kernel (`SplitKvCount`).
+//     CTAs, followed by a combine kernel (`SplitKvCount`); its makespans average several
+//     placements of its first wave on the SMs (kFirstWavePlacements).
 //   - kPackedRows: the heads of each query token are rows (heads * q_i rows per request); one
 //     CTA per (row block, request), row block fastest; row blocks past a request's rows exit
 //     at once.
@@ -93,6 +94,12 @@ inline constexpr std::array<std::array<double, 2>, kNumGridMakespans> kGridMakes
     {{1.0, 1.0}, {0.8, 1.0}, {0.65, 1.0}, {0.8, 4.0}, {0.8, 0.25}, {0.65, 4.0}}};
 inline constexpr int kColdReadsMakespan = 1;  // the makespan whose start times cold reads use
 inline constexpr std::array<double, kNumGridReuseWindows> kGridReuseWindows = {16, 64, 256, 1024};
+// A head-major decode launch (every q_i = 1) shares SMs between CTAs the hardware pairs
+// differently from launch to launch: its makespans are the mean over this many placements of
+// its first wave (the launch order and fixed pseudo-random permutations of its first num_sms
+// CTAs, the first wave's first round; kernel_grid.cc, AverageFirstWavePlacements). Cold reads
+// keep the launch order's start times.
+inline constexpr int kFirstWavePlacements = 8;
 using GridTerms = std::array<double, kNumGridTerms>;
 std::string GridTermName(int term);
 
