@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Engine stalls in a kept live run (`scripts/live_vllm.sh --keep-logs DIR`), and the TPOT they
-leave out: docs/live_vllm.md, "The TPOT tail is the engine's stalls".
+leave out: docs/live_vllm.md, "The TPOT tail is the machine's stalls".
 
 A stall is a forward step of fewer than --max-tokens scheduled tokens (not a prompt's prefill)
 that took longer than --min-ms on its rank (normal decode steps here take 20-40 ms). A stall on
@@ -12,8 +12,7 @@ Per arm (all replicates): instances, stalls, stall seconds, and TPOT p50/p99 as 
 reports them (request_tpot_ms, pct), then the same with each request's overlap with the stall
 intervals taken out of its decode time ("stall-free"), and that over the requests decoded wholly
 inside the steady window (live_bench.steady_window, the steady goodput's: no start-up prefill
-burst). Then, per replicate, the TPOT p99 ratio
-of ARM to BASE both ways.
+burst). Then, per replicate, the TPOT p99 ratio of ARM to BASE each of those ways.
 
   scripts/live_stalls.py DIR/runs/mixed/dp2 [--base static_k1] [--arm dpbalance]
                          [--min-ms 600] [--max-tokens 400] [--skip 3]
@@ -28,19 +27,17 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "integration", "vllm"))
-from live_bench import pct, request_tpot_ms, steady_window  # noqa: E402  (the report's own)
+from live_bench import pct, read_jsonl, request_tpot_ms, steady_window  # noqa: E402  (the report's own)
 
 
 def stall_intervals(inst, min_ms, max_tokens, skip):
     spans = []
     for path in sorted(glob.glob(os.path.join(inst, "worker_dp*.jsonl"))):
-        with open(path) as f:
-            for line in f:
-                s = json.loads(line)
-                if "fwd_us" not in s or s["i"] < skip:
-                    continue
-                if s["fwd_us"] > min_ms * 1e3 and s["tokens"] < max_tokens:
-                    spans.append((s["t"] - s["fwd_us"] / 1e6, s["t"]))
+        for s in read_jsonl(path):
+            if "fwd_us" not in s or s["i"] < skip:
+                continue
+            if s["fwd_us"] > min_ms * 1e3 and s["tokens"] < max_tokens:
+                spans.append((s["t"] - s["fwd_us"] / 1e6, s["t"]))
     spans.sort()
     merged = []
     for a, b in spans:

@@ -880,6 +880,21 @@ unsigned SimulatedMakespans(unsigned terms) {
 // therefore the mean over kFirstWavePlacements placements: the launch order, and fixed
 // pseudo-random permutations of its first num_sms CTAs (the same on every machine and build:
 // splitmix64 from the placement's index). Cold reads keep the launch order's start times.
+// The makespans of `works` under `params` (mask: which), by the rule SimulateGrid's `sim` names
+// for a launch listed whole (kFast: SimulateMakespans; else ReferenceMakespans).
+void LaunchMakespans(GridSimulation sim, absl::Span<const double> works, const KernelGrid& grid,
+                     absl::Span<const std::array<double, 2>> params, unsigned mask,
+                     double exit_cost, double* out, int starts_of = -1,
+                     std::vector<double>* starts = nullptr) {
+  if (sim == GridSimulation::kFast) {
+    SimulateMakespans(works, grid.num_sms, grid.ctas_per_sm, params, mask, exit_cost, out,
+                      starts_of, starts);
+  } else {
+    ReferenceMakespans(works, grid.num_sms, grid.ctas_per_sm, params, mask, exit_cost, out,
+                       starts_of, starts);
+  }
+}
+
 uint64_t SplitMix64(uint64_t& state) {
   uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
@@ -894,22 +909,17 @@ void AverageFirstWavePlacements(const KernelGrid& grid, const std::vector<double
   const size_t first = std::min(works.size(), static_cast<size_t>(std::max(grid.num_sms, 1)));
   if (works.size() <= first || makespans == 0) return;
   thread_local std::vector<double> placed;
+  placed.assign(works.begin(), works.end());  // only the first round is permuted, and restored
   std::array<double, kNumGridMakespans> sum{};
   for (int j = 0; j < kNumGridMakespans; ++j) sum[j] = (*out)[kGridMakespan0 + j];
   for (int p = 1; p < kFirstWavePlacements; ++p) {
-    placed.assign(works.begin(), works.end());
+    std::copy_n(works.begin(), first, placed.begin());
     uint64_t state = static_cast<uint64_t>(p);
     for (size_t i = first - 1; i > 0; --i) {  // Fisher-Yates over the first round
       std::swap(placed[i], placed[SplitMix64(state) % (i + 1)]);
     }
     std::array<double, kNumGridMakespans> m{};
-    if (sim == GridSimulation::kFast) {
-      SimulateMakespans(placed, grid.num_sms, grid.ctas_per_sm, kGridMakespanParams, makespans,
-                        exit_cost, m.data());
-    } else {
-      ReferenceMakespans(placed, grid.num_sms, grid.ctas_per_sm, kGridMakespanParams, makespans,
-                         exit_cost, m.data());
-    }
+    LaunchMakespans(sim, placed, grid, kGridMakespanParams, makespans, exit_cost, m.data());
     for (int j = 0; j < kNumGridMakespans; ++j) sum[j] += m[j];
   }
   for (int j = 0; j < kNumGridMakespans; ++j) {
@@ -954,20 +964,16 @@ GridTerms SimulateGrid(const KernelGrid& grid, absl::Span<const RequestLoad> bat
   // A sampled launch runs one list phase, at the cold reads' overhead; each makespan is its drain
   // under that makespan's alone rate, moved below by the makespan's own per-CTA overhead.
   const double sampled_overhead = kGridMakespanParams[kColdReadsMakespan][1];
-  if (sim == GridSimulation::kFast) {
-    SimulateMakespans(works, grid.num_sms, grid.ctas_per_sm, kGridMakespanParams, makespans,
-                      kExitCost, &out[kGridMakespan0], cold_reads ? kColdReadsMakespan : -1,
-                      cold_reads ? &starts : nullptr);
-  } else if (heads_left_out > 0) {
+  if (sim != GridSimulation::kFast && heads_left_out > 0) {
     std::array<std::array<double, 2>, kNumGridMakespans> one_overhead = kGridMakespanParams;
     for (std::array<double, 2>& p : one_overhead) p[1] = sampled_overhead;
     ReferenceMakespans(works, grid.num_sms, grid.ctas_per_sm, one_overhead, makespans,
                        kExitCost, &out[kGridMakespan0], cold_reads ? kColdReadsMakespan : -1,
                        cold_reads ? &starts : nullptr);
   } else {
-    ReferenceMakespans(works, grid.num_sms, grid.ctas_per_sm, kGridMakespanParams, makespans,
-                       kExitCost, &out[kGridMakespan0], cold_reads ? kColdReadsMakespan : -1,
-                       cold_reads ? &starts : nullptr);
+    LaunchMakespans(sim, works, grid, kGridMakespanParams, makespans, kExitCost,
+                    &out[kGridMakespan0], cold_reads ? kColdReadsMakespan : -1,
+                    cold_reads ? &starts : nullptr);
   }
   if (single_query_launch && grid.layout == KernelGrid::Layout::kHeadMajor) {
     AverageFirstWavePlacements(grid, works, makespans, sim, kExitCost, &out);

@@ -5,6 +5,8 @@ steady-state window. The live run itself is tests/integration/live_vllm_test.sh 
 
   python3 tests/integration/live_bench_test.py
 """
+import contextlib
+import io
 import json
 import math
 import os
@@ -127,7 +129,6 @@ with tempfile.TemporaryDirectory() as d:
 
 # best-static: the static arm of the best mean goodput, or the length --k names (the harness's
 # --anchor-k); a length with no static arm is an error naming it.
-import contextlib, io  # noqa: E402
 arms = {"d1": {"goodput_tok_per_s": 700.0, "tpot_p99_ms": 40.0},
         "d3": {"goodput_tok_per_s": 800.0, "tpot_p99_ms": 50.0}}
 found = {("mixed", 2): [("d1", {"mode": "static", "k_spec": 1}),
