@@ -16,8 +16,8 @@
 #
 #   scripts/live_vllm.sh [--json FILE] [--workload mixed,greedy] [--replicates N] [--requests N]
 #                        [--seed S] [--dp N] [--ks "1 3 5 7"] [--slo p99|off] [--no-ab]
-#                        [--min-plan-gain F] [--value-deferral] [--anchor-k K] [--keep-logs DIR]
-#                        [--quick]
+#                        [--min-plan-gain F] [--value-deferral] [--anchor-k K] [--nospec-each]
+#                        [--keep-logs DIR] [--quick]
 #   scripts/live_vllm.sh --install-only   (the venv and the plugin package, nothing run;
 #                                          scripts/serve_vllm.sh and the README's quickstart)
 #
@@ -31,7 +31,9 @@
 # arms are anchored at static k = K (DPB_DEFAULT_K, and the SLO from k = K's TPOT p99 in the
 # first replicate) instead of the first replicate's best static arm, for a static_best a user
 # found by an earlier sweep (one replicate's pick is noisy: docs/live_vllm.md); the summary's
-# static_best is still the best static arm over all replicates of this run. LIVE_VLLM_ARGS adds
+# static_best is still the best static arm over all replicates of this run. --nospec-each: the
+# no-speculation arm runs in every replicate (with the static arms), not only before replicate
+# 1's, and the summary pairs dpbalance with it (goodput_ratio_vs_nospec). LIVE_VLLM_ARGS adds
 # live_bench.py run-arm flags to every arm.
 #
 # The virtual environment lives outside the work tree, in $DPBALANCE_VLLM_VENV (default
@@ -54,6 +56,7 @@ KS="1 3 5 7"
 SLO=p99
 AB=1
 NOSPEC=1
+NOSPEC_EACH=0                  # 1: the no-speculation arm in every replicate (--nospec-each)
 MIN_GAIN=                      # the plugin arms' DPB_MIN_PLAN_GAIN (empty: the plugin's default)
 DEFER=0                        # the plugin arms' DPB_VALUE_DEFERRAL (its default: off)
 ANCHOR_K=                      # the plugin arms' anchor (empty: replicate 1's best static arm)
@@ -76,12 +79,13 @@ while [ $# -gt 0 ]; do
     --min-plan-gain) MIN_GAIN="${2:?--min-plan-gain needs a fraction}"; shift 2 ;;
     --value-deferral) DEFER=1; shift ;;
     --anchor-k) ANCHOR_K="${2:?--anchor-k needs a static length}"; shift 2 ;;
+    --nospec-each) NOSPEC_EACH=1; shift ;;
     -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) echo "live_vllm.sh: unknown flag '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
 if [ "$QUICK" = 1 ]; then
-  WORKLOADS=mixed; REPLICATES=1; REQS=${REQS:-48}; AB=0; NOSPEC=0
+  WORKLOADS=mixed; REPLICATES=1; REQS=${REQS:-48}; AB=0; NOSPEC=0; NOSPEC_EACH=0
 fi
 REQS=${REQS:-${LIVE_VLLM_REQUESTS:-120}}
 for v in "$REPLICATES:--replicates" "$REQS:--requests" "$SEED:--seed" "$DP:--dp"; do
@@ -227,6 +231,11 @@ static_arms() {  # WORKLOAD REPLICATE K...
   for k in "$@"; do run_arm "$w" "$rep" "static_k$k" static "$k" DPB_PLUGIN=none; done
 }
 
+nospec_arm() {  # WORKLOAD REPLICATE: in replicates after the first only with --nospec-each
+  [ "$NOSPEC" = 1 ] && { [ "$2" = 1 ] || [ "$NOSPEC_EACH" = 1 ]; } || return 0
+  run_arm "$1" "$2" nospec nospec 0 DPB_PLUGIN=none
+}
+
 plugin_arms() {  # WORKLOAD REPLICATE ORDER(fwd|rev)
   local w=$1 rep=$2 order=$3 arm
   local arms=(dspark dpbalance)
@@ -248,7 +257,7 @@ for W in ${WORKLOADS//,/ }; do
   # static arms always verify some drafts, so only it measures attention at q = 1 (the step
   # of a rank whose requests all verify nothing, which the plan can choose). --quick leaves it
   # out: there the static arms' requests that got no drafts give the q = 1 rows.
-  [ "$NOSPEC" = 1 ] && run_arm "$W" 1 nospec nospec 0 DPB_PLUGIN=none
+  nospec_arm "$W" 1
   static_arms "$W" 1 $KS
   # The plugin's cost model for this CPU and model: attention fitted by dpbalance-calibrate (the
   # project's tool: README "Calibrating the cost model") to the static arms' decode steps (their
@@ -291,7 +300,9 @@ for W in ${WORKLOADS//,/ }; do
     if [ $((rep % 2)) = 0 ]; then
       plugin_arms "$W" "$rep" rev
       static_arms "$W" "$rep" $(printf '%s\n' $KS | sort -rn)
+      nospec_arm "$W" "$rep"
     else
+      nospec_arm "$W" "$rep"
       static_arms "$W" "$rep" $KS
       plugin_arms "$W" "$rep" fwd
     fi

@@ -901,6 +901,16 @@ def workload_summary(runs, ab, predicted):
     if ds:
         v = paired(ds, sb, "goodput_tok_per_s")
         out.update(dspark_goodput_ratio=v["mean"], dspark_goodput_ratio_ci95=v["ci95"])
+    if dpb and nospec:
+        # No speculation is a static setting too (num_speculative_tokens unset); the issue's
+        # static_best is over k >= 1, so this ratio stands beside it, paired per replicate
+        # that ran both (scripts/live_vllm.sh --nospec-each runs it in every replicate).
+        v = paired(dpb, nospec, "goodput_tok_per_s")
+        out.update(goodput_ratio_vs_nospec=v["mean"], goodput_ratio_vs_nospec_ci95_low=v["low"],
+                   goodput_ratio_vs_nospec_ci95_high=v["high"],
+                   goodput_ratio_vs_nospec_per_replicate=v["per_replicate"])
+        v = paired(nospec, sb, "goodput_tok_per_s")
+        out.update(nospec_goodput_ratio=v["mean"], nospec_goodput_ratio_ci95=v["ci95"])
     if ab:
         gp = pooled([(x["paired"].get("goodput_ratio"), x["paired"].get("goodput_ratio_ci95"))
                      for x in ab])

@@ -105,6 +105,28 @@ check("paired ratio: replicates in both arms only, t interval with 2 degrees of 
       and abs(p["ci95"] - half) < 1e-9 and abs(p["low"] - (1.1 - half)) < 1e-9, p)
 check("one replicate: no interval", lb.paired(num[:1], den, "g")["low"] is None)
 
+# The summary's ratio against no speculation: paired per replicate that ran both arms, beside
+# static_best (over k >= 1 only: a nospec arm never becomes static_best).
+def arm_run(mode, k, rep, g):
+    return {"mode": mode, "k": k, "replicate": rep, "workload": "mixed", "dp": 2,
+            "goodput_tok_per_s": g, "wall_goodput_tok_per_s": g, "decode_goodput_tok_per_s": g,
+            "bubble_fraction": 0.1, "tpot_p50_ms": 30.0, "tpot_p99_ms": 50.0, "hangs": 0}
+
+
+runs = ([arm_run("nospec", 0, r, 900.0) for r in (1, 2, 3)]
+        + [arm_run("static", 1, r, 800.0) for r in (1, 2, 3)]
+        + [arm_run("dpbalance", 7, r, g) for r, g in ((1, 990.0), (2, 900.0), (3, 810.0))])
+s = lb.workload_summary(runs, [], {})
+check("summary: static_best over k >= 1 even when no speculation serves more",
+      s["static_best_k"] == 1 and abs(s["goodput_ratio"] - 1.125) < 1e-12, s)
+check("summary: dpbalance against no speculation, paired per replicate",
+      [round(x, 12) for x in s["goodput_ratio_vs_nospec_per_replicate"]] == [1.1, 1.0, 0.9]
+      and abs(s["goodput_ratio_vs_nospec"] - 1.0) < 1e-12
+      and abs(s["goodput_ratio_vs_nospec_ci95_low"] - (1.0 - 4.303 * 0.1 / math.sqrt(3))) < 1e-9
+      and abs(s["nospec_goodput_ratio"] - 1.125) < 1e-12, s)
+check("summary: no nospec arm, no such ratio",
+      "goodput_ratio_vs_nospec" not in lb.workload_summary(runs[3:], [], {}))
+
 # The steady window: from the first token of the last of the first batch's requests to the
 # first rank's last admission.
 client = {"t_begin": 100.0, "concurrency": 2, "dp": 2, "placement": "rr", "requests": [
