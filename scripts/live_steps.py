@@ -67,16 +67,20 @@ def main():
             if not os.path.exists(p):
                 break
             steps = decode_steps(load(p))
-            ends = [s["t"] for s in steps]
-            for s, prev in zip(steps[1:], ends):
-                s["wall_us"] = (s["t"] - prev) * 1e6
+            for s, prev in zip(steps[1:], steps):
+                s["wall_us"] = (s["t"] - prev["t"]) * 1e6
+                # right after the previous decode step (no prefill step between them)
+                s["next_to_prev"] = "i" in s and s["i"] == prev.get("i", -2) + 1
             a = arms.setdefault(arm, {}).setdefault(rank, {"steps": [], "plans": []})
             a["steps"] += steps[1:]
             e = os.path.join(root, name, f"engine_dp{rank}.jsonl")
             if os.path.exists(e):
-                plans = {r["x"]: r for r in load(e) if "x" in r and r.get("extra", 0) == 0
+                rows = load(e)
+                plans = {r["x"]: r for r in rows if "x" in r and r.get("extra", 0) == 0
                          and r.get("n") and r.get("pred_us")}
                 a["plans"].append(plans)
+                a.setdefault("exchange_us", []).extend(
+                    r["xchg_us"] for r in rows if "x" in r and r.get("xchg_us"))
     report = {"arms": {}}
     print(f"{'arm':10s} rank steps wall_ms fwd_ms att_ms q/step drafts/req spread tokens/step")
     for arm, ranks in arms.items():
@@ -101,6 +105,30 @@ def main():
                   f"{row['forward_ms']:6.1f} {row['attention_ms']:6.1f} "
                   f"{row['query_tokens_per_step']:6.1f} {row['drafts_per_request']:10.2f} "
                   f"{row['length_spread']:6.2f} {row['tokens_per_step']:11.1f}")
+    # Where a step's wall time goes outside the forward (the engine core's scheduling, the
+    # sampler, drafting, and for plugin arms the plan's exchange): mean wall minus forward over
+    # decode steps that directly follow another, and the plugin's collective (engine_dp*.jsonl
+    # xchg_us, every exchange of the arm: the engine core's all-reduce, waits for the peer
+    # included).
+    print("outside the forward (ms per decode step; wall - forward), per rank; plugin arms: "
+          "the exchange")
+    for arm, ranks in arms.items():
+        outs, xchg = [], []
+        for rank, a in sorted(ranks.items()):
+            pairs = [x for x in a["steps"] if x.get("next_to_prev")]
+            if not pairs:
+                continue
+            out = st.mean(x["wall_us"] - x["fwd_us"] for x in pairs) / 1e3
+            outs.append(out)
+            row = report["arms"][arm][rank]
+            row["outside_forward_ms"] = out
+            row["wall_ms_mean"] = st.mean(x["wall_us"] for x in pairs) / 1e3
+            if a.get("exchange_us"):
+                row["exchange_ms"] = st.mean(a["exchange_us"]) / 1e3
+                xchg.append(row["exchange_ms"])
+        if outs:
+            print(f"  {arm:10s} outside {', '.join(f'{v:.2f}' for v in outs)}"
+                  + (f"; exchange {', '.join(f'{v:.2f}' for v in xchg)}" if xchg else ""))
     # The plan's view: predicted against measured attention, per rank and at the barrier.
     for arm, ranks in arms.items():
         if not all(a["plans"] for a in ranks.values()):

@@ -45,12 +45,14 @@ def write_arm(root, name, drafts, accepted, rank_ctx, plugin):
                 ctx = [c + 10 * step for c in ctx0]
                 q = [1 + k for k in drafts]
                 att = attention(q, ctx)
+                # Step indices: a step of another kind (not logged here) ran before step 5.
                 w.write(json.dumps({"kind": "model", "q": q, "ctx": ctx, "d": drafts,
                                     "a": accepted, "att_us": att, "fwd_us": 2 * att,
-                                    "t": 1.0 + 0.05 * step}) + "\n")
+                                    "t": 1.0 + 0.05 * step, "i": step + 1 + (step >= 5)}) + "\n")
                 if plugin:
                     e.write(json.dumps({"x": step, "n": len(q), "extra": 0, "lens": drafts,
-                                        "att_us": att, "pred_us": 0.9 * att}) + "\n")
+                                        "att_us": att, "pred_us": 0.9 * att,
+                                        "xchg_us": 1000.0 + 100 * step}) + "\n")
         if not plugin:
             os.remove(os.path.join(d, f"engine_dp{rank}.jsonl"))
 
@@ -85,6 +87,15 @@ def main():
         check("dpbalance rank 1 forward ms", d1["forward_ms"], 2 * want_att)
         check("dpbalance spread", d1["length_spread"], 4.0)
         check("dpbalance drafts per request", d1["drafts_per_request"], 2.0)
+        # Outside the forward: wall minus forward over the 8 steps right after another decode
+        # step (steps 2-4 and 6-9: step 1 follows the prefill, step 5 a step not logged).
+        pairs = [s for s in range(1, 10) if s != 5]
+        want_out = sum(50.0 - 2 * attention([1, 3, 5], [c + 10 * s for c in ctxs[1]]) / 1e3
+                       for s in pairs) / len(pairs)
+        check("dpbalance rank 1 outside the forward, consecutive steps only",
+              d1["outside_forward_ms"], want_out)
+        check("dpbalance rank 1 exchange ms (every exchange)", d1["exchange_ms"], 1.45)
+        check("no exchange for a static arm", float("exchange_ms" in s0), 0.0)
         plan = rep["plans"]["dpbalance"]
         check("plan steps (both ranks, all 10)", plan["steps"], 10)
         check("plan predicted = 0.9 x measured, rank 0",
