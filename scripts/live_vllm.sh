@@ -17,7 +17,7 @@
 #   scripts/live_vllm.sh [--json FILE] [--workload mixed,greedy] [--replicates N] [--requests N]
 #                        [--seed S] [--dp N] [--ks "1 3 5 7"] [--slo p99|off] [--no-ab]
 #                        [--min-plan-gain F] [--value-deferral] [--anchor-k K] [--nospec-each]
-#                        [--keep-logs DIR] [--quick]
+#                        [--guard-overhead-us US] [--keep-logs DIR] [--quick]
 #   scripts/live_vllm.sh --install-only   (the venv and the plugin package, nothing run;
 #                                          scripts/serve_vllm.sh and the README's quickstart)
 #
@@ -33,7 +33,10 @@
 # found by an earlier sweep (one replicate's pick is noisy: docs/live_vllm.md); the summary's
 # static_best is still the best static arm over all replicates of this run. --nospec-each: the
 # no-speculation arm runs in every replicate (with the static arms), not only before replicate
-# 1's, and the summary pairs dpbalance with it (goodput_ratio_vs_nospec). LIVE_VLLM_ARGS adds
+# 1's, and the summary pairs dpbalance with it (goodput_ratio_vs_nospec). --guard-overhead-us US:
+# the plugin arms count US microseconds of their own per step (the exchange and its adapter,
+# which scripts/live_steps.py measures on a kept run) against the TPOT guard
+# (DPB_GUARD_OVERHEAD_US; the prediction the same). LIVE_VLLM_ARGS adds
 # live_bench.py run-arm flags to every arm.
 #
 # The virtual environment lives outside the work tree, in $DPBALANCE_VLLM_VENV (default
@@ -60,6 +63,7 @@ NOSPEC_EACH=0                  # 1: the no-speculation arm in every replicate (-
 MIN_GAIN=                      # the plugin arms' DPB_MIN_PLAN_GAIN (empty: the plugin's default)
 DEFER=0                        # the plugin arms' DPB_VALUE_DEFERRAL (its default: off)
 ANCHOR_K=                      # the plugin arms' anchor (empty: replicate 1's best static arm)
+GUARD_OVERHEAD=                # the plugin arms' DPB_GUARD_OVERHEAD_US (empty: the plugin's default, 0)
 ARGS=("$@")
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -80,6 +84,7 @@ while [ $# -gt 0 ]; do
     --value-deferral) DEFER=1; shift ;;
     --anchor-k) ANCHOR_K="${2:?--anchor-k needs a static length}"; shift 2 ;;
     --nospec-each) NOSPEC_EACH=1; shift ;;
+    --guard-overhead-us) GUARD_OVERHEAD="${2:?--guard-overhead-us needs microseconds}"; shift 2 ;;
     -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) echo "live_vllm.sh: unknown flag '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -93,6 +98,9 @@ for v in "$REPLICATES:--replicates" "$REQS:--requests" "$SEED:--seed" "$DP:--dp"
 done
 [ "$REPLICATES" -ge 1 ] && [ "$DP" -ge 2 ] && [ "$REQS" -ge 8 ] \
   || { echo "live_vllm.sh: need --replicates >= 1, --dp >= 2, --requests >= 8" >&2; exit 2; }
+case "$GUARD_OVERHEAD" in
+  *[!0-9.]*|*.*.*) echo "live_vllm.sh: --guard-overhead-us '$GUARD_OVERHEAD' is not a number of microseconds" >&2; exit 2 ;;
+esac
 case "$MIN_GAIN" in
   *[!0-9.]*|*.*.*) echo "live_vllm.sh: --min-plan-gain '$MIN_GAIN' is not a fraction (0..10)" >&2; exit 2 ;;
 esac
@@ -288,6 +296,10 @@ for W in ${WORKLOADS//,/ }; do
   fi
   PRED_EXTRA=()
   [ "$DEFER" = 1 ] && PRED_EXTRA=(--value-deferral)
+  if [ -n "$GUARD_OVERHEAD" ]; then
+    PLUGIN_ENV+=(DPB_GUARD_OVERHEAD_US="$GUARD_OVERHEAD")
+    PRED_EXTRA+=(--guard-overhead-us "$GUARD_OVERHEAD")
+  fi
   # The H200 rows plan with the plugin's margin for the H200 model unless one was given.
   [ -n "$MIN_GAIN" ] && PRED_EXTRA+=(--h200-min-plan-gain "$MIN_GAIN")
   SLO_ENV=()

@@ -89,6 +89,9 @@ ABSL_FLAG(std::string, tpot_slo_ms, "auto",
           "the comparison; the same routing at the default k in a single run); 'off' or 0: none");
 ABSL_FLAG(double, step_slack, 0.03,
           "planner TPOT guard: step time <= (1 + this) x the default-k step; < 0 disables");
+ABSL_FLAG(double, guard_overhead_us, 0,
+          "planner TPOT guard: the plugin's own time per step outside the forward, counted "
+          "against the guard (DPB_GUARD_OVERHEAD_US); the replay's steps do not include it");
 ABSL_FLAG(double, min_plan_gain, 0,
           "planner default guard: a plan replaces the default-k plan only when its predicted "
           "goodput is more than (1 + this) x the default plan's; 0 disables");
@@ -330,6 +333,7 @@ absl::Status CheckFlags() {
            in_range("split_window", absl::GetFlag(FLAGS_split_window), 1, 1e8),
            in_range("step_slack", absl::GetFlag(FLAGS_step_slack), -1e9, 100),  // < 0: no guard
            in_range("min_plan_gain", absl::GetFlag(FLAGS_min_plan_gain), 0, 10),
+           in_range("guard_overhead_us", absl::GetFlag(FLAGS_guard_overhead_us), 0, 1e7),
            in_range("truth_layers", absl::GetFlag(FLAGS_truth_layers), 1, 1000),
            in_range("ffn_fixed_ms", absl::GetFlag(FLAGS_ffn_fixed_ms), 0, 1e6),  // a step over 1000 s is a typo
            in_range("ffn_per_token_ms", absl::GetFlag(FLAGS_ffn_per_token_ms), 0, 1e6),
@@ -455,6 +459,7 @@ absl::StatusOr<SimConfig> BaseConfigFromFlags(const TruthModel& truth) {
     base.acceptance_model = *m;
   }
   base.max_step_slack = absl::GetFlag(FLAGS_step_slack);
+  base.guard_overhead_us = absl::GetFlag(FLAGS_guard_overhead_us);
   base.min_plan_gain = absl::GetFlag(FLAGS_min_plan_gain);
   base.value_deferral = absl::GetFlag(FLAGS_value_deferral);
   base.floor_at_default = absl::GetFlag(FLAGS_floor_at_default);

@@ -215,6 +215,7 @@ absl::StatusOr<Simulation> Simulation::Create(const SimConfig& cfg, const TruthM
   pc.default_k = cfg.static_k;
   pc.global = truth.global;  // the global terms are instance facts every rank knows
   pc.max_step_slack = cfg.max_step_slack;
+  pc.guard_overhead_us = cfg.guard_overhead_us;
   pc.min_plan_gain = cfg.min_plan_gain;
   pc.value_deferral = cfg.value_deferral;
   pc.agreed_draft_depth = !truth.per_rank_draft;

@@ -82,6 +82,7 @@ struct SimConfig {
   int static_k = 3;                       // kStatic: verify length; planner modes: default_k
   int k_max = 7;                          // planner modes: draft depth limit
   double max_step_slack = 0.05;           // planner modes: TPOT guard (PlannerConfig), < 0 off
+  double guard_overhead_us = 0;           // planner modes: PlannerConfig::guard_overhead_us
   double min_plan_gain = 0;               // planner modes: default guard (PlannerConfig), 0 off
   bool value_deferral = false;            // planner modes: PlannerConfig::value_deferral
   bool floor_at_default = false;          // planner modes: k_min = min(static_k, cap) (TPOT floor)

@@ -1064,12 +1064,12 @@ def plugin_default_margin(model_path):
 
 
 def predict_rows(binary, trace, base, ks, default_k, slo_ms, seeds, tmp, min_plan_gain=0.0,
-                 value_deferral=False):
+                 value_deferral=False, guard_overhead_us=0.0):
     """Static k rows, goodput and dspark_fill at default_k; per row the seeds' mean goodput,
     bubble and TPOT p99. default_k None: the best static row's k (as the live run anchors the
     plugin at its own static_best), for truths the live run did not measure. min_plan_gain and
     value_deferral: the plugin arm's DPB_MIN_PLAN_GAIN and DPB_VALUE_DEFERRAL, on the goodput
-    row."""
+    row; guard_overhead_us: its DPB_GUARD_OVERHEAD_US (the replay's --guard_overhead_us)."""
     rows = {}
     specs = [(f"static k={k}", ["--verify", "off", "--k", str(k)]) for k in ks]
     for name, extra in specs:
@@ -1079,7 +1079,9 @@ def predict_rows(binary, trace, base, ks, default_k, slo_ms, seeds, tmp, min_pla
     specs = [("dpbalance", ["--verify", "goodput", "--k", str(default_k),
                             "--tpot_slo_ms", str(slo_ms) if slo_ms else "off",
                             "--min_plan_gain", str(min_plan_gain)]
-                            + (["--value_deferral=true"] if value_deferral else [])),
+                            + (["--value_deferral=true"] if value_deferral else [])
+                            + (["--guard_overhead_us", str(guard_overhead_us)]
+                               if guard_overhead_us else [])),
              ("dspark", ["--verify", "dspark_fill", "--k", str(default_k)])]
     for name, extra in specs:
         rows[name] = _replay_mean(binary, trace, base + extra, seeds, tmp)
@@ -1140,7 +1142,8 @@ def cmd_predict(a):
     terms = json.load(open(a.terms))
     out = {"workload": a.workload, "dp": a.dp, "model": a.model, "terms": terms,
            "seeds": a.seeds, "noise": a.noise, "slo_ms": a.tpot_slo_ms,
-           "min_plan_gain": a.min_plan_gain, "value_deferral": a.value_deferral}
+           "min_plan_gain": a.min_plan_gain, "value_deferral": a.value_deferral,
+           "guard_overhead_us": a.guard_overhead_us}
     reqs = sorted(client["requests"], key=lambda r: int(r["id"].split("-")[1]))
     per_rank = max(1, client["concurrency"] // a.dp)
     with tempfile.TemporaryDirectory(prefix="dpb-predict-") as tmp:
@@ -1163,7 +1166,8 @@ def _predict(a, out, counts, reqs, per_rank, terms, tmp):
         out[f"cpu_{variant}"] = predict_rows(a.replay, trace, base, (1, 3, 5, 7),
                                              a.static_best_k, a.tpot_slo_ms, a.seeds, tmp,
                                              min_plan_gain=a.min_plan_gain,
-                                             value_deferral=a.value_deferral)
+                                             value_deferral=a.value_deferral,
+                                             guard_overhead_us=a.guard_overhead_us)
         if variant == "slots" and a.keep_trace:
             write_trace(a.keep_trace, served)
             out["trace"] = a.keep_trace
@@ -1299,6 +1303,8 @@ def main(argv=None):
     pr.add_argument("--tpot-slo-ms", type=float, default=0.0)
     pr.add_argument("--min-plan-gain", type=float, default=0.02,
                     help="the plugin arm's default guard (DPB_MIN_PLAN_GAIN; the plugin's default)")
+    pr.add_argument("--guard-overhead-us", type=float, default=0.0,
+                    help="the plugin arm's DPB_GUARD_OVERHEAD_US (the replay's --guard_overhead_us)")
     pr.add_argument("--value-deferral", action="store_true",
                     help="the plugin arm ran with DPB_VALUE_DEFERRAL=1 (the replay's --value_deferral)")
     pr.add_argument("--seeds", type=int, default=3)

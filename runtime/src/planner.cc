@@ -134,7 +134,8 @@ class BestPlan {
   void SetDefaultStep(double default_step_us) {
     best_.default_step_us = default_step_us;
     max_step_us_ = config_->max_step_slack < 0 ? std::numeric_limits<double>::infinity()
-                                              : default_step_us * (1 + config_->max_step_slack);
+                                              : default_step_us * (1 + config_->max_step_slack) -
+                                                    config_->guard_overhead_us;
   }
 
   // A plan at `barrier_us` with `depth` draft steps (paid globally only when the depth is
@@ -717,6 +718,10 @@ absl::Status PlannerConfig::Validate() const {
   if (std::isnan(max_step_slack)) {
     return absl::InvalidArgumentError("planner: max_step_slack is NaN");
   }
+  if (!(guard_overhead_us >= 0 && guard_overhead_us <= 1e7)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "planner: guard_overhead_us = %g must be in 0..1e7 (microseconds)", guard_overhead_us));
+  }
   if (!(min_plan_gain >= 0 && min_plan_gain <= 10)) {
     return absl::InvalidArgumentError(
         absl::StrFormat("planner: min_plan_gain = %g must be in 0..10", min_plan_gain));
@@ -755,6 +760,7 @@ uint64_t PlannerConfig::Hash() const {
   h.Value(global.Hash());
   for (int32_t t : token_tiers) h.Value(t);
   h.Value(max_step_slack);
+  h.Value(guard_overhead_us);
   h.Value(agreed_draft_depth);
   h.Value(uniform_per_rank);
   h.Value(exact_rank_tokens);

@@ -688,14 +688,18 @@ TEST(PlannerTpotGuard, StepWithinSlackOfDefaultAndNearBestGuardedPlan) {
       for (size_t r = 0; r < b.size(); ++r)
         for (const PlanRequest& q : b[r]) kdef[r].push_back(std::min(c.default_k, q.k_cap));
       const double default_step = StepTimeUs(b, kdef, c.default_k, model, c.global);
-      const double max_step = default_step * (1 + c.max_step_slack);
+      // Every fourth trial counts the plugin's own overhead per step (guard_overhead_us, 1% of
+      // the default step here) against the guard: the planned step must leave room for it.
+      c.guard_overhead_us = trial % 4 == 3 ? 0.01 * default_step : 0;
+      const double max_step = default_step * (1 + c.max_step_slack) - c.guard_overhead_us;
 
       Planner p = *Planner::Create(c, model);
       std::vector<std::vector<int32_t>> k;
       absl::StatusOr<GlobalDecision> d = p.PlanAll(b, std::vector<int64_t>(c.num_ranks, -1), &k);
       ASSERT_TRUE(d.ok()) << d.status();
       SCOPED_TRACE(::testing::Message() << "model " << model_idx << " trial " << trial << " slack "
-                                        << c.max_step_slack);
+                                        << c.max_step_slack << " overhead "
+                                        << c.guard_overhead_us);
       EXPECT_NEAR(d->default_step_us, default_step, 1e-5 * default_step);
       const double step = StepTimeUs(b, k, d->draft_depth, model, c.global);
       EXPECT_LE(step, max_step * (1 + 1e-6));
@@ -712,6 +716,24 @@ TEST(PlannerTpotGuard, StepWithinSlackOfDefaultAndNearBestGuardedPlan) {
     }
     EXPECT_GT(guard_binds, 10) << "the guard rarely mattered: the test shows little";
     std::printf("TPOT guard: the unguarded plan broke it in %d of 60 instances\n", guard_binds);
+  }
+}
+
+// guard_overhead_us is part of what ranks must agree on, and a value out of 0..1e7 (or NaN) is
+// refused naming it.
+TEST(PlannerTpotGuard, OverheadIsHashedAndChecked) {
+  PlannerConfig c;
+  c.num_ranks = 2;
+  c.max_step_slack = 0.03;
+  PlannerConfig o = c;
+  o.guard_overhead_us = 1700;
+  EXPECT_TRUE(o.Validate().ok()) << o.Validate();
+  EXPECT_NE(c.Hash(), o.Hash()) << "ranks that count different overheads must not agree";
+  for (double bad : {-1.0, 2e7, std::nan("")}) {
+    o.guard_overhead_us = bad;
+    const absl::Status st = o.Validate();
+    EXPECT_FALSE(st.ok()) << bad;
+    EXPECT_NE(std::string(st.message()).find("guard_overhead_us"), std::string::npos) << st;
   }
 }
 

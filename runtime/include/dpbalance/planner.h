@@ -67,6 +67,13 @@ struct PlannerConfig {
   // engine's default plan (every request at default_k) for the same batches. < 0: no guard.
   // Requests that accept little get ~1 token a step, so their TPOT follows the step time.
   double max_step_slack = -1;
+  // The plugin's own time per step outside the planned forward (its exchange and the engine
+  // adapter around it, which the engine without dpbalance does not pay), in microseconds,
+  // counted against the TPOT guard: a plan's step + guard_overhead_us may not exceed (1 +
+  // max_step_slack) x the default plan's step. Set by the user from a measurement (the live
+  // bench's scripts/live_steps.py reports it per arm); the same on every rank (hashed). 0: the
+  // guard bounds the planned step alone. Ignored when the guard is off.
+  double guard_overhead_us = 0;
   // Default guard: the plan replaces the engine's default plan (every request at default_k) only
   // when its predicted goodput beats the default plan's by more than this fraction; otherwise
   // every rank keeps its default lengths (GlobalDecision::kept_default). A plan is a bet on the
