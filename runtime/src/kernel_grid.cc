@@ -871,15 +871,6 @@ unsigned SimulatedMakespans(unsigned terms) {
          (WantsColdReads(terms) ? 1u << kColdReadsMakespan : 0u);
 }
 
-// Which slot each CTA of a launch's first wave gets is the hardware's choice, and it changes
-// from launch to launch of one configuration: one decode launch of the H200 rows timed 4.9-5.2
-// ms in three passes and 6.9-7.4 ms in three others (the median of each pass's seven calls;
-// docs/cost-model.md, "The decode launch's placement"). The first wave
-// still goes breadth-first (one CTA on every SM before any SM gets a second), so what changes is
-// which first-round CTA each later CTA shares its SM with. A decode launch's makespans are
-// therefore the mean over kFirstWavePlacements placements: the launch order, and fixed
-// pseudo-random permutations of its first num_sms CTAs (the same on every machine and build:
-// splitmix64 from the placement's index). Cold reads keep the launch order's start times.
 // The makespans of `works` under `params` (mask: which), by the rule SimulateGrid's `sim` names
 // for a launch listed whole (kFast: SimulateMakespans; else ReferenceMakespans).
 void LaunchMakespans(GridSimulation sim, absl::Span<const double> works, const KernelGrid& grid,
@@ -902,6 +893,17 @@ uint64_t SplitMix64(uint64_t& state) {
   return z ^ (z >> 31);
 }
 
+// Which slot each CTA of a launch's first wave gets is the hardware's choice, and it changes
+// from launch to launch of one configuration: one decode launch of the H200 rows timed 4.9-5.2
+// ms in three passes and 6.9-7.4 ms in three others (the median of each pass's seven calls;
+// docs/cost-model.md, "The decode launch's placement"). The first wave still goes
+// breadth-first (one CTA on every SM before any SM gets a second), so what changes is which
+// first-round CTA each later CTA shares its SM with. A decode launch's makespans are therefore
+// the mean over kFirstWavePlacements placements: the launch order, and fixed pseudo-random
+// permutations of its first num_sms CTAs (the same on every machine and build: splitmix64 from
+// the placement's index). Cold reads keep the launch order's start times. A single-query launch
+// is always listed whole (BuildCtaList samples heads of verify launches only), so every
+// placement runs under kGridMakespanParams, as SimulateGrid ran the launch order.
 void AverageFirstWavePlacements(const KernelGrid& grid, const std::vector<double>& works,
                                 unsigned makespans, GridSimulation sim, double exit_cost,
                                 GridTerms* out) {
