@@ -84,6 +84,7 @@ void AddPlannerFlags(FlagTable& t) {
       {"draft_us", Double(0, 1e9, [](PluginFlags& f, double x) { f.balancer.planner.global.draft_per_step_us = x; })},
       {"step_slack", Double(-1, 100, [](PluginFlags& f, double x) { f.balancer.planner.max_step_slack = x; })},
       {"guard_overhead_us", Double(0, 1e7, [](PluginFlags& f, double x) { f.balancer.planner.guard_overhead_us = x; })},
+      {"guard_measured", Int(0, 1, [](PluginFlags& f, int x) { f.balancer.planner.guard_measured_overhead = x; })},
       {"min_plan_gain", Double(0, 10, [](PluginFlags& f, double x) {
          f.balancer.planner.min_plan_gain = x;
          f.min_plan_gain_set = true;

@@ -240,7 +240,7 @@ void Balancer::ReadIdleRows() {
     if (std::memcmp(&gathered_[p], &idle, sizeof(idle)) != 0) continue;
     RankSummary& r = gathered_[p];
     r.config_hash = planner_.config_hash();
-    r.rank_idx = static_cast<uint32_t>(p / tp);
+    r.rank_idx = static_cast<uint16_t>(p / tp);
     r.step_idx = UINT32_MAX;
     r.prev_attention_us = r.prev_step_us = r.prev_accepted_tokens = -1.f;
     if (p % tp == 0) idle_rows_[p / tp] = true;  // the DP rank's record is its member 0's
@@ -419,6 +419,16 @@ PlanOutcome Balancer::Abstain(const absl::Status& why) {
 
 PlanOutcome Balancer::PlanStep(const StepInput& in, absl::Span<int32_t> verify_len,
                                absl::Status local, StepTotals* totals) {
+  const absl::Time start = absl::Now();
+  PlanOutcome out = PlanStepUntimed(in, verify_len, std::move(local), totals);
+  const double us = absl::ToDoubleMicroseconds(absl::Now() - start);
+  own_calls_ = std::min<int64_t>(own_calls_ + 1, kOwnWindow);
+  own_us_ += (us - own_us_) / static_cast<double>(own_calls_);
+  return out;
+}
+
+PlanOutcome Balancer::PlanStepUntimed(const StepInput& in, absl::Span<int32_t> verify_len,
+                                      absl::Status local, StepTotals* totals) {
   PlanOutcome out;
   out.draft_depth = config_.planner.default_k;
   const absl::Span<const BalancerRequest> batch = in.batch;
@@ -592,7 +602,7 @@ void Balancer::StampOwnSummary(const absl::Status& local, uint64_t step, const S
     own_summary_.magic = kSummaryMagic;
     own_summary_.version = kSummaryVersion;
     own_summary_.config_hash = planner_.config_hash();
-    own_summary_.rank_idx = static_cast<uint32_t>(rank_);
+    own_summary_.rank_idx = static_cast<uint16_t>(rank_);
     // What its default lengths run, so every rank knows its total.
     own_summary_.default_tokens = static_cast<uint32_t>(std::min<int64_t>(QueryTokens(fallback_len), UINT32_MAX));
   }
@@ -600,6 +610,7 @@ void Balancer::StampOwnSummary(const absl::Status& local, uint64_t step, const S
   own_summary_.extra_tokens = static_cast<uint32_t>(std::clamp<int64_t>(in.extra_tokens, 0, kMaxExtraTokens));
   own_summary_.input_digest = config_.attn_tp_size > 1 && local.ok() ? InputDigest(in) : 0;
   own_summary_.step_idx = static_cast<uint32_t>(step);
+  own_summary_.own_us = static_cast<uint16_t>(std::clamp(std::lround(own_us_), 0L, 65535L));
   own_summary_.prev_attention_us = static_cast<float>(measured.fresh ? measured.attention_us : -1);
   own_summary_.prev_step_us = static_cast<float>(measured.fresh ? measured.step_us : -1);
   own_summary_.prev_accepted_tokens = static_cast<float>(measured.fresh ? measured.tokens : -1);
@@ -810,6 +821,7 @@ BalancerStats Balancer::Stats() const {
   s.tp_mismatches = tp_mismatches_;
   s.exchange_failures = exchange_failures_;
   s.max_exchange_ms = max_exchange_ms_;
+  s.own_us = own_us_;
   return s;
 }
 

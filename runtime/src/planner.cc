@@ -131,11 +131,12 @@ class BestPlan {
     return global_.StepUs(FfnTokens(sum_tokens, max_tokens), depth);
   }
   // The step time of the engine's default plan: the TPOT guard's reference.
-  void SetDefaultStep(double default_step_us) {
+  // `overhead_us`: the plugin's own time per step, which the default plan does not pay.
+  void SetDefaultStep(double default_step_us, double overhead_us) {
     best_.default_step_us = default_step_us;
-    max_step_us_ = config_->max_step_slack < 0 ? std::numeric_limits<double>::infinity()
-                                              : default_step_us * (1 + config_->max_step_slack) -
-                                                    config_->guard_overhead_us;
+    max_step_us_ = config_->max_step_slack < 0
+                       ? std::numeric_limits<double>::infinity()
+                       : default_step_us * (1 + config_->max_step_slack) - overhead_us;
   }
 
   // A plan at `barrier_us` with `depth` draft steps (paid globally only when the depth is
@@ -768,6 +769,7 @@ uint64_t PlannerConfig::Hash() const {
   h.Value(dspark_context_sps);
   // Hashed only when set, so the hash of every configuration without them is unchanged.
   if (min_plan_gain != 0) h.Value(min_plan_gain);
+  if (guard_measured_overhead) h.Value(uint64_t{0x6d6561737572656f});  // a tag: "measureo"
   if (value_deferral) h.Value(value_deferral);
   h.Value(kSummaryVersion);
   return h.digest();
@@ -967,7 +969,7 @@ void Planner::StartSummary(const LocalState& st, int rank_idx, RankSummary& s) c
   s.version = kSummaryVersion;
   s.flags = kSummaryValid;
   s.config_hash = config_hash_;
-  s.rank_idx = static_cast<uint32_t>(rank_idx);
+  s.rank_idx = static_cast<uint16_t>(rank_idx);
   s.prev_attention_us = s.prev_step_us = s.prev_accepted_tokens = -1.f;
   s.base_attention_us = static_cast<float>(st.base_attention_us);
   s.base_gain = static_cast<float>(st.base_gain);
@@ -1113,6 +1115,18 @@ void Planner::WalkKnots(const LocalState& st, const std::array<int64_t, kMaxDraf
 }
 
 namespace {
+// What the TPOT guard charges a plan beyond its planned step: the configured overhead plus, when
+// measured overhead is on, the largest own time among the usable records (the same bytes on
+// every rank, so the same value).
+double GuardOverheadUs(const PlannerConfig& c, absl::Span<const RankSummary> summaries,
+                       absl::Span<const uint32_t> usable) {
+  double measured = 0;
+  if (c.guard_measured_overhead) {
+    for (uint32_t r : usable) measured = std::max<double>(measured, summaries[r].own_us);
+  }
+  return c.guard_overhead_us + measured;
+}
+
 // After Decide's sweep, the default guard (PlannerConfig::min_plan_gain): records the default
 // plan's predicted goodput in `best` and, unless `best` beats it by more than the margin,
 // replaces `best` with the default plan. The default plan must respect every floor
@@ -1167,7 +1181,7 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
   const double default_step_us =
       totals->default_barrier + plans.GlobalUs(totals->default_tokens, totals->max_default_tokens,
                                                c.agreed_draft_depth ? c.default_k : 0);
-  plans.SetDefaultStep(default_step_us);
+  plans.SetDefaultStep(default_step_us, GuardOverheadUs(c, summaries, decide_.usable_ranks));
   // Step 3: sweep the barrier over the ranks' knots, for each feasible depth.
   if (!c.agreed_draft_depth) {
     SweepPerRankDepths(c, summaries, *totals, decide_, plans);

@@ -85,11 +85,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         s.magic = kSummaryMagic;
         s.version = kSummaryVersion;
         s.config_hash = planner->config_hash();
-        s.rank_idx = static_cast<uint32_t>(r);
+        s.rank_idx = static_cast<uint16_t>(r);
       }
     } else {
       s = own;
-      s.rank_idx = static_cast<uint32_t>(r);
+      s.rank_idx = static_cast<uint16_t>(r);
       if (kind == 2) {
         auto* bytes = reinterpret_cast<uint8_t*>(&s);
         for (int edits = in.ConsumeIntegralInRange(1, 8); edits > 0; --edits) {

@@ -22,11 +22,14 @@ TEST(Flags, DefaultsEnvironmentAndConfigStringWhichWins) {
   EXPECT_FALSE(f->balancer.planner.uniform_per_rank);
   EXPECT_TRUE(f->balancer.planner.sample_heads);
   EXPECT_EQ(f->balancer.acceptance_model, AcceptanceModel::kBeta);
+  EXPECT_FALSE(f->balancer.planner.guard_measured_overhead);
 
-  f = ParseFlags({{"DPB_MODE", "fill"}, {"DPB_K_MAX", "5"}, {"DPB_TIERS", "8,16,32"}},
+  f = ParseFlags({{"DPB_MODE", "fill"}, {"DPB_K_MAX", "5"}, {"DPB_TIERS", "8,16,32"},
+                  {"DPB_GUARD_MEASURED", "1"}},
                  "k_max=6; timeout_ms=20 ;ab_epoch=100;padded=1;agreed_depth=0;tpot_slo_ms=52.5;"
                  "granularity=rank;grid_sim=exact;acceptance=shift");
   ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_TRUE(f->balancer.planner.guard_measured_overhead);
   EXPECT_EQ(f->balancer.acceptance_model, AcceptanceModel::kShift);
   EXPECT_FALSE(f->balancer.planner.sample_heads);
   EXPECT_EQ(f->balancer.planner.mode, PlanMode::kFill);

@@ -12,6 +12,7 @@
 #include <random>
 #include <thread>
 
+#include "absl/time/clock.h"
 #include "dpbalance/inprocess_allgather.h"
 #include "gtest/gtest.h"
 
@@ -336,6 +337,70 @@ class Hooked : public AllGather {
   After after_;
   int64_t calls_ = 0;
 };
+
+// Sleeps `delay` before each exchange on one rank and keeps every gathered record's own_us.
+class SlowAndRecording : public AllGather {
+ public:
+  SlowAndRecording(std::unique_ptr<AllGather> inner, absl::Duration delay,
+                   std::vector<std::vector<uint16_t>>* own_us)
+      : inner_(std::move(inner)), delay_(delay), own_us_(own_us) {}
+  int num_ranks() const override { return inner_->num_ranks(); }
+  int rank() const override { return inner_->rank(); }
+  size_t record_bytes() const override { return inner_->record_bytes(); }
+  bool healthy() const override { return inner_->healthy(); }
+  bool ordered() const override { return inner_->ordered(); }
+  std::string name() const override { return "slow(" + inner_->name() + ")"; }
+  absl::Status Gather(absl::Span<const uint8_t> send, absl::Span<uint8_t> recv, absl::Duration timeout) override {
+    absl::SleepFor(delay_);
+    absl::Status s = inner_->Gather(send, recv, timeout);
+    if (s.ok() && calls_++ > 0) {  // call 0 is the handshake's hello, not records
+      std::vector<uint16_t> row;
+      for (size_t r = 0; r < recv.size() / sizeof(RankSummary); ++r) {
+        RankSummary rec;
+        std::memcpy(&rec, recv.data() + r * sizeof(RankSummary), sizeof(rec));
+        row.push_back(rec.own_us);
+      }
+      own_us_->push_back(row);
+    }
+    return s;
+  }
+
+ private:
+  std::unique_ptr<AllGather> inner_;
+  absl::Duration delay_;
+  std::vector<std::vector<uint16_t>>* own_us_;
+  int64_t calls_ = 0;
+};
+
+// Every record carries its sender's own time per step (RankSummary::own_us, the running mean of
+// its plan calls, exchange included): unknown (0) on the first step, then at least the 3 ms
+// that rank 1 spends before each exchange, on both ranks (rank 0 waits for rank 1 there), and
+// every rank reads the same values. Stats report the rank's own mean.
+TEST(Balancer, RecordsCarryEachRanksOwnTimePerStep) {
+  std::vector<std::vector<std::vector<uint16_t>>> seen(2);
+  std::vector<RankLog> logs = RunRanks(
+      2, 12, nullptr, Normal, nullptr, nullptr,
+      [&](int r, std::unique_ptr<AllGather> inner) -> std::unique_ptr<AllGather> {
+        return std::make_unique<SlowAndRecording>(std::move(inner), absl::Milliseconds(r == 1 ? 3 : 0), &seen[r]);
+      });
+  ASSERT_EQ(seen[0].size(), 12u);
+  ASSERT_EQ(seen[1].size(), 12u);
+  for (int step = 0; step < 12; ++step) {
+    EXPECT_EQ(seen[0][step], seen[1][step]) << "step " << step << ": the ranks read different bytes";
+    for (int r = 0; r < 2; ++r) {
+      if (step == 0) {
+        EXPECT_EQ(seen[0][step][r], 0) << "no plan call timed yet";
+      } else {
+        EXPECT_GE(seen[0][step][r], 2900) << "step " << step << " rank " << r;
+        EXPECT_LT(seen[0][step][r], 65535) << "step " << step << " rank " << r;
+      }
+    }
+  }
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_GE(logs[r].stats.own_us, 2900) << r;
+    EXPECT_TRUE(logs[r].enabled);
+  }
+}
 
 // Counts arrivals and lets a thread wait for a number of them.
 class Latch {

@@ -737,6 +737,69 @@ TEST(PlannerTpotGuard, OverheadIsHashedAndChecked) {
   }
 }
 
+// Measured overhead (PlannerConfig::guard_measured_overhead): the guard charges the configured
+// overhead plus the largest `own_us` among the usable records, so the decision equals that of a
+// planner configured with that sum as a constant; an excluded record's own_us is not read. The
+// measured value must change the plan in some trials, or the test shows nothing.
+TEST(PlannerTpotGuard, MeasuredOverheadIsTheLargestUsableOwnTime) {
+  std::mt19937_64 rng(5100);
+  int changed = 0;
+  for (int trial = 0; trial < 80; ++trial) {
+    const int ranks = 2 + trial % 3;
+    const Batches b = RandomInstance(rng, ranks, 6, 5, false);
+    PlannerConfig measured;
+    measured.num_ranks = ranks;
+    measured.k_max = 5;
+    measured.default_k = 1 + trial % 2;
+    measured.max_step_slack = 0.05;
+    measured.guard_measured_overhead = true;
+    measured.guard_overhead_us = trial % 2 == 0 ? 0 : 150;
+    const CostModel model = CostModel::PublishedV2();
+    Planner pm = *Planner::Create(measured, model);
+    std::vector<RankSummary> recs(ranks);
+    for (int r = 0; r < ranks; ++r) ASSERT_TRUE(pm.Summarize(r, b[r], -1, &recs[r]).ok());
+    const int excluded = trial % 4 == 3 ? static_cast<int>(rng() % ranks) : -1;
+    uint16_t largest = 0;
+    for (int r = 0; r < ranks; ++r) {
+      recs[r].own_us = static_cast<uint16_t>(rng() % 4000);
+      if (r == excluded) {
+        recs[r].flags &= ~kSummaryValid;
+        recs[r].own_us = 65535;  // must not count: the record takes no part
+      } else {
+        largest = std::max(largest, recs[r].own_us);
+      }
+    }
+    absl::StatusOr<GlobalDecision> dm = pm.Decide(recs);
+    ASSERT_TRUE(dm.ok()) << dm.status();
+
+    PlannerConfig fixed = measured;
+    fixed.guard_measured_overhead = false;
+    fixed.guard_overhead_us = measured.guard_overhead_us + largest;
+    EXPECT_NE(fixed.Hash(), measured.Hash()) << "ranks must agree on whether own times count";
+    Planner pf = *Planner::Create(fixed, model);
+    std::vector<RankSummary> frecs(ranks);
+    for (int r = 0; r < ranks; ++r) {
+      ASSERT_TRUE(pf.Summarize(r, b[r], -1, &frecs[r]).ok());
+      if (r == excluded) frecs[r].flags &= ~kSummaryValid;
+    }
+    absl::StatusOr<GlobalDecision> df = pf.Decide(frecs);
+    ASSERT_TRUE(df.ok()) << df.status();
+    SCOPED_TRACE(::testing::Message() << "trial " << trial << " largest own_us " << largest);
+    EXPECT_EQ(*dm, *df);
+
+    fixed.guard_overhead_us = measured.guard_overhead_us;  // own times not counted
+    Planner p0 = *Planner::Create(fixed, model);
+    for (int r = 0; r < ranks; ++r) {
+      ASSERT_TRUE(p0.Summarize(r, b[r], -1, &frecs[r]).ok());
+      if (r == excluded) frecs[r].flags &= ~kSummaryValid;
+    }
+    absl::StatusOr<GlobalDecision> d0 = p0.Decide(frecs);
+    ASSERT_TRUE(d0.ok());
+    changed += !(*d0 == *dm);
+  }
+  EXPECT_GT(changed, 8) << "the measured overhead rarely changed a plan: the test shows little";
+}
+
 // The default guard (PlannerConfig::min_plan_gain): the guarded planner keeps every rank at
 // min(default_k, k_cap) exactly when the unguarded plan's predicted goodput is at most (1 + margin)
 // x the default plan's (priced here independently) and no floor is above default_k; otherwise

@@ -167,6 +167,7 @@ struct BalancerStats {
   int64_t tp_mismatches = 0;          // steps this DP rank's attention-TP members disagreed
   int64_t exchange_failures = 0;      // exchanges (handshake included) that failed
   double max_exchange_ms = 0;         // longest exchange, handshake included
+  double own_us = 0;                  // running mean of this rank's plan calls (RankSummary::own_us)
 };
 
 class Balancer {
@@ -220,8 +221,11 @@ class Balancer {
   absl::Status Handshake();
   // The one all-gather: `send` out, every rank's record into gathered_.
   absl::Status Exchange(const RankSummary& send, absl::Duration timeout);
+  // PlanStepUntimed, timed into own_us_.
   PlanOutcome PlanStep(const StepInput& step, absl::Span<int32_t> verify_len, absl::Status local,
                        StepTotals* totals);
+  PlanOutcome PlanStepUntimed(const StepInput& step, absl::Span<int32_t> verify_len,
+                              absl::Status local, StepTotals* totals);
   // Idle rows (IdleRowRecord) in gathered_ into records of this config that plan nothing, and
   // which DP ranks sent one (idle_rows_).
   void ReadIdleRows();
@@ -339,6 +343,12 @@ class Balancer {
   int64_t last_warn_step_ = -1000000;
   int64_t tp_mismatches_ = 0, exchange_failures_ = 0;
   double max_exchange_ms_ = 0;
+  // This rank's own time per step: a running mean of its plan calls (exchange included; the
+  // mean of the first kOwnWindow calls, then an exponential mean over about that many), sent as
+  // RankSummary::own_us for the TPOT guard's measured overhead.
+  static constexpr int kOwnWindow = 32;
+  double own_us_ = 0;
+  int64_t own_calls_ = 0;
   // Attention TP: the last report's observations, applied with member 0's times.
   struct Pending {
     int64_t request_id;

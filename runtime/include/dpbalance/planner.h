@@ -74,6 +74,12 @@ struct PlannerConfig {
   // bench's scripts/live_steps.py reports it per arm); the same on every rank (hashed). 0: the
   // guard bounds the planned step alone. Ignored when the guard is off.
   double guard_overhead_us = 0;
+  // Measured overhead: the guard also counts the largest `RankSummary::own_us` among the usable
+  // records (each rank's running mean of its own plan calls, exchange included), on top of
+  // guard_overhead_us, which then covers only what the plugin cannot see (the engine adapter
+  // around the call). Every rank reads the same records, so every rank prices the same overhead.
+  // false: guard_overhead_us alone (a replay has no plan calls to time: it stays false there).
+  bool guard_measured_overhead = false;
   // Default guard: the plan replaces the engine's default plan (every request at default_k) only
   // when its predicted goodput beats the default plan's by more than this fraction; otherwise
   // every rank keeps its default lengths (GlobalDecision::kept_default). A plan is a bet on the

@@ -10,7 +10,8 @@
 //   rank's knot budget (the whole pool up to DP36, 1024/DP but at least 16 beyond: planner.cc).
 // - `flags & kSummaryValid` is clear when the rank is in fallback this step; the other ranks
 //   then plan without it (its cost is unknown, so it cannot be the barrier they plan against).
-// - The previous step's measured times ride along, so every rank sees every rank's real bubble.
+// - The previous step's measured times ride along, so every rank sees every rank's real bubble,
+//   and so does the sender's own per-step time (own_us), so every rank prices it alike.
 // - Every record, valid or not, lets every rank derive the sender's token total for the step
 //   (Planner::RankTokens): the planned knot's tokens, or `default_tokens`, plus `extra_tokens`.
 #pragma once
@@ -23,7 +24,7 @@
 namespace dpbalance {
 
 inline constexpr uint32_t kSummaryMagic = 0x31425044;  // "DPB1" read little-endian
-inline constexpr uint16_t kSummaryVersion = 3;
+inline constexpr uint16_t kSummaryVersion = 4;
 inline constexpr int kKnotPool = 28;  // most knots a rank sends, shared by all depths
 inline constexpr uint16_t kSummaryValid = 1u << 0;     // planned with: its frontier is usable
 inline constexpr uint16_t kSummaryExtend = 1u << 1;    // the rank runs prefill tokens this step
@@ -37,7 +38,11 @@ struct RankSummary {
   uint16_t version;            // kSummaryVersion
   uint16_t flags;              // kSummaryValid | ...
   uint64_t config_hash;        // PlannerConfig::Hash(): all ranks must agree
-  uint32_t rank_idx;           // sender's rank
+  uint16_t rank_idx;           // sender's rank (a group has at most 65536 members)
+  // The sender's own time per step: the running mean of its plan calls (its exchange included),
+  // in microseconds, saturated at 65535; 0 unknown. PlannerConfig::guard_measured_overhead
+  // counts the largest across ranks against the TPOT guard.
+  uint16_t own_us;
   uint32_t step_idx;           // sender's step counter (low 32 bits)
   float prev_attention_us;     // measured attention time of the previous step, < 0 if unknown
   float prev_step_us;          // measured step time of the previous step, < 0 if unknown
