@@ -17,7 +17,7 @@
 #   scripts/live_vllm.sh [--json FILE] [--workload mixed,greedy] [--replicates N] [--requests N]
 #                        [--seed S] [--dp N] [--ks "1 3 5 7"] [--slo p99|off] [--no-ab]
 #                        [--min-plan-gain F] [--value-deferral] [--anchor-k K] [--nospec-each]
-#                        [--guard-overhead-us US] [--keep-logs DIR] [--quick]
+#                        [--guard-overhead-us US] [--guard-measured] [--keep-logs DIR] [--quick]
 #   scripts/live_vllm.sh --install-only   (the venv and the plugin package, nothing run;
 #                                          scripts/serve_vllm.sh and the README's quickstart)
 #
@@ -36,7 +36,10 @@
 # 1's, and the summary pairs dpbalance with it (goodput_ratio_vs_nospec). --guard-overhead-us US:
 # the plugin arms count US microseconds of their own per step (the exchange and its adapter,
 # which scripts/live_steps.py measures on a kept run) against the TPOT guard
-# (DPB_GUARD_OVERHEAD_US; the prediction the same). LIVE_VLLM_ARGS adds
+# (DPB_GUARD_OVERHEAD_US; the prediction the same). --guard-measured: the plugin arms measure
+# that themselves (DPB_GUARD_MEASURED=1: each rank's mean plan call, exchange included, rides its
+# record and the guard charges the largest; US then adds to it); the prediction charges the
+# arms' logged plan calls (live_bench.py predict --guard-measured). LIVE_VLLM_ARGS adds
 # live_bench.py run-arm flags to every arm.
 #
 # The virtual environment lives outside the work tree, in $DPBALANCE_VLLM_VENV (default
@@ -64,6 +67,7 @@ MIN_GAIN=                      # the plugin arms' DPB_MIN_PLAN_GAIN (empty: the 
 DEFER=0                        # the plugin arms' DPB_VALUE_DEFERRAL (its default: off)
 ANCHOR_K=                      # the plugin arms' anchor (empty: replicate 1's best static arm)
 GUARD_OVERHEAD=                # the plugin arms' DPB_GUARD_OVERHEAD_US (empty: the plugin's default, 0)
+GUARD_MEASURED=0               # 1: the plugin arms' DPB_GUARD_MEASURED=1 (--guard-measured)
 ARGS=("$@")
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -85,6 +89,7 @@ while [ $# -gt 0 ]; do
     --anchor-k) ANCHOR_K="${2:?--anchor-k needs a static length}"; shift 2 ;;
     --nospec-each) NOSPEC_EACH=1; shift ;;
     --guard-overhead-us) GUARD_OVERHEAD="${2:?--guard-overhead-us needs microseconds}"; shift 2 ;;
+    --guard-measured) GUARD_MEASURED=1; shift ;;
     -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) echo "live_vllm.sh: unknown flag '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -299,6 +304,10 @@ for W in ${WORKLOADS//,/ }; do
   if [ -n "$GUARD_OVERHEAD" ]; then
     PLUGIN_ENV+=(DPB_GUARD_OVERHEAD_US="$GUARD_OVERHEAD")
     PRED_EXTRA+=(--guard-overhead-us "$GUARD_OVERHEAD")
+  fi
+  if [ "$GUARD_MEASURED" = 1 ]; then
+    PLUGIN_ENV+=(DPB_GUARD_MEASURED=1)
+    PRED_EXTRA+=(--guard-measured)
   fi
   # The H200 rows plan with the plugin's margin for the H200 model unless one was given.
   [ -n "$MIN_GAIN" ] && PRED_EXTRA+=(--h200-min-plan-gain "$MIN_GAIN")

@@ -983,6 +983,28 @@ def collect(root):
     return out
 
 
+def measured_own_us(found, dp):
+    """What DPB_GUARD_MEASURED charged the dpbalance arms' TPOT guard, as near as their logs
+    say: per replicate, the largest over ranks of the rank's mean plan call (`plan_us`, the
+    adapter's wall time around the plugin's plan call, exchange included: the plugin's own
+    running mean plus the adapter's marshalling); the mean over replicates. None when no
+    dpbalance arm logged one."""
+    per_rep = []
+    for log_dir, c in found:
+        if c.get("mode") != "dpbalance":
+            continue
+        means = []
+        for k in range(dp):
+            path = os.path.join(log_dir, f"engine_dp{k}.jsonl")
+            xs = [r["plan_us"] for r in read_jsonl(path) if r.get("plan_us")] \
+                if os.path.exists(path) else []
+            if xs:
+                means.append(statistics.mean(xs))
+        if means:
+            per_rep.append(max(means))
+    return statistics.mean(per_rep) if per_rep else None
+
+
 def cmd_summarize(a):
     import importlib.metadata as md
     res = {"vllm_version": md.version(a.vllm_dist) if a.vllm_dist else None,
@@ -1144,6 +1166,15 @@ def cmd_predict(a):
            "seeds": a.seeds, "noise": a.noise, "slo_ms": a.tpot_slo_ms,
            "min_plan_gain": a.min_plan_gain, "value_deferral": a.value_deferral,
            "guard_overhead_us": a.guard_overhead_us}
+    if a.guard_measured:
+        # The plugin arms charged their own measured time (DPB_GUARD_MEASURED=1); the replay
+        # has no plan calls to time, so it charges what the arms' logs measured, as a constant.
+        own = measured_own_us(found, a.dp)
+        if own is None:
+            raise SystemExit(f"live_bench: --guard-measured, but no dpbalance arm of workload "
+                             f"{a.workload} under {a.runs_root} logged plan_us")
+        out["guard_measured_us"] = round(own, 1)
+        a.guard_overhead_us += own
     reqs = sorted(client["requests"], key=lambda r: int(r["id"].split("-")[1]))
     per_rank = max(1, client["concurrency"] // a.dp)
     with tempfile.TemporaryDirectory(prefix="dpb-predict-") as tmp:
@@ -1305,6 +1336,9 @@ def main(argv=None):
                     help="the plugin arm's default guard (DPB_MIN_PLAN_GAIN; the plugin's default)")
     pr.add_argument("--guard-overhead-us", type=float, default=0.0,
                     help="the plugin arm's DPB_GUARD_OVERHEAD_US (the replay's --guard_overhead_us)")
+    pr.add_argument("--guard-measured", action="store_true",
+                    help="the plugin arm ran with DPB_GUARD_MEASURED=1: the replay's guard also "
+                         "charges the arms' measured plan call (engine logs' plan_us)")
     pr.add_argument("--value-deferral", action="store_true",
                     help="the plugin arm ran with DPB_VALUE_DEFERRAL=1 (the replay's --value_deferral)")
     pr.add_argument("--seeds", type=int, default=3)

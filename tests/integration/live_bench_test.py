@@ -172,4 +172,23 @@ try:
 finally:
     lb.collect, lb.summarize_arm = saved
 
+# --guard-measured: the overhead the predicted dpbalance row charges is, per dpbalance replicate,
+# the largest over ranks of the rank's mean plan_us, averaged over replicates; static arms and
+# steps without plan_us do not count; no dpbalance log with plan_us gives None.
+with tempfile.TemporaryDirectory() as tmp:
+    def arm(name, mode, per_rank):
+        d = os.path.join(tmp, name)
+        os.makedirs(d)
+        for r, xs in enumerate(per_rank):
+            with open(os.path.join(d, f"engine_dp{r}.jsonl"), "w") as f:
+                for x in xs:
+                    f.write(json.dumps({"x": 0, "plan_us": x}) + "\n")
+        return (d, {"mode": mode})
+    found = [arm("s1", "static", [[9000.0], [9000.0]]),
+             arm("p1", "dpbalance", [[1000.0, 2000.0, None], [1200.0, 1400.0]]),  # 1500 vs 1300
+             arm("p2", "dpbalance", [[500.0], [900.0]])]                          # 900
+    got = lb.measured_own_us(found, 2)
+    check("measured own time: mean over replicates of the largest rank mean", got == 1200.0, got)
+    check("measured own time: none logged", lb.measured_own_us(found[:1], 2) is None)
+
 checks.finish()

@@ -128,6 +128,7 @@ class EnginePlan:
         self._t_step = None
         self._exchange_s = None            # this step's time in the collective
         self._prev = (-1.0, 0)             # this rank's previous step: (attention us, prefill)
+        self._plan_s = None                # the latest plan call (Piggyback.step), seconds
         self._window = _metrics.BubbleWindow(self.cfg.bubble_window)
         self._closed = False
         self._balancing = self.cfg.usable  # what dpbalance_enabled says
@@ -238,7 +239,9 @@ class EnginePlan:
                                 self._prev[0], self._prev[1])
         kind = "extend" if extra > 0 else ("decode" if reqs else "idle")
         self._exchange_s = None
+        t_plan = time.perf_counter()
         res = self.pb.step(self.dpb, reqs, payload, kind=kind, extra_tokens=extra)
+        self._plan_s = time.perf_counter() - t_plan  # the plugin's plan call, exchange included
         self.last_plan = res.plan  # the ABI v2 PlanResult (every rank's tokens and flags), or None
         self.exchanged_this_step = True
         rows = [_PAYLOAD.unpack(p) for p in res.payloads]
@@ -348,6 +351,7 @@ class EnginePlan:
                 "tokens": scheduled_tokens, "att_us": att,
                 "pred_us": round(pred, 1) if pred > 0 else None,
                 "xchg_us": round(self._exchange_s * 1e6, 1) if self._exchange_s else None,
+                "plan_us": round(self._plan_s * 1e6, 1) if self._plan_s else None,
                 "t": round(time.time(), 4), "desyncs": self.desyncs}) + "\n")
             self._writing = False
         now = time.monotonic()
