@@ -78,7 +78,8 @@ class EnginePlanTest(unittest.TestCase):
         os.environ["DPB_PLUGIN"] = LIB
         os.environ["DPB_LOG_LEVEL"] = "warn"
         for name in ("DPBALANCE_VLLM_STEP_LOG", "DPB_DEFAULT_K", "DPB_STRICT", "DPB_DRAFT_US",
-                     "PROMETHEUS_MULTIPROC_DIR", "DPBALANCE_VLLM_METRICS_PORT"):
+                     "DPB_GUARD_MEASURED", "PROMETHEUS_MULTIPROC_DIR",
+                     "DPBALANCE_VLLM_METRICS_PORT"):
             os.environ.pop(name, None)
 
     def tearDown(self):
@@ -436,15 +437,18 @@ class EnginePlanTest(unittest.TestCase):
 
     def test_engine_defaults_for_the_plugin(self):
         plan = make_plan(0, 1, ThreadGroup(1), k_spec=5, method="ngram")
-        self.assertEqual(plan.cfg.plugin_config, "k_max=5;default_k=5;draft_us=0")
+        self.assertEqual(plan.cfg.plugin_config, "k_max=5;default_k=5;draft_us=0;guard_measured=1")
         self.assertEqual(plan.cfg.settings["draft_us"], "0")
+        self.assertEqual(plan.cfg.settings["guard_measured"], "1")
+        self.assertIn("counting 0 us + its measured own time", plan.cfg.startup_line())
         self.assertEqual(plan.default_k, 5)
         plan = make_plan(0, 1, ThreadGroup(1), k_spec=3, method="eagle")  # a model drafts
-        self.assertEqual(plan.cfg.plugin_config, "k_max=3;default_k=3")
+        self.assertEqual(plan.cfg.plugin_config, "k_max=3;default_k=3;guard_measured=1")
         self.assertEqual(plan.cfg.settings["draft_us"], "1500")
-        os.environ.update(DPB_DEFAULT_K="2", DPB_DRAFT_US="40")
+        os.environ.update(DPB_DEFAULT_K="2", DPB_DRAFT_US="40", DPB_GUARD_MEASURED="0")
         plan = make_plan(0, 1, ThreadGroup(1), k_spec=7, method="ngram")
         self.assertEqual(plan.cfg.plugin_config, "k_max=7")
+        self.assertEqual(plan.cfg.settings["guard_measured"], "0")
         self.assertEqual((plan.default_k, plan.cfg.settings["draft_us"]), (2, "40"))
         self.assertIn("fallback verify length 2 (DPB_DEFAULT_K=2)", plan.cfg.startup_line())
 

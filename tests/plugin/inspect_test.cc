@@ -61,6 +61,8 @@ TEST_F(Inspect, GoodFlagsGiveTheSettingsInEffect) {
   EXPECT_NE(settings.find("cost_model=published-v2"), std::string::npos) << settings;
   EXPECT_NE(settings.find("draft_us=0 "), std::string::npos) << settings;
   EXPECT_NE(settings.find("metrics_file=-"), std::string::npos) << settings;
+  EXPECT_NE(settings.find("step_slack=0.03 guard_overhead_us=0 guard_measured=0 "), std::string::npos)
+      << settings;
   EXPECT_NE(settings.find("acceptance=beta "), std::string::npos) << settings;
   const auto [r2, error2, settings2] = Check("acceptance=shift");
   EXPECT_EQ(r2, dpbSuccess) << error2;

@@ -22,7 +22,11 @@ What the package sets for the plugin (the `config` string, which wins over the e
     DPB_DEFAULT_K says;
   - draft_us=0 for drafters that run no model (ngram, ngram_gpu, suffix), unless DPB_DRAFT_US is
     set: the plugin's default (1500 us, an MTP draft step on an H200) would price drafts that
-    cost nothing.
+    cost nothing;
+  - guard_measured=1, unless DPB_GUARD_MEASURED is set: the TPOT guard counts the plugin's own
+    measured time per step (its plan call, the exchange over the engine core's gloo DP group
+    included: 1-1.7 ms a step on the live CPU runs, which vLLM without the plugin does not pay),
+    so a plan's longer steps plus that time stay within the guard (docs/live_vllm.md).
 The start-up line says which of these are in effect, with the cost model.
 """
 from __future__ import annotations
@@ -160,6 +164,8 @@ class EngineConfig:
                 parts.append(f"default_k={min(c.k_spec, PLUGIN_K_LIMIT)}")
             if "DPB_DRAFT_US" not in os.environ and c.method in MODEL_FREE_DRAFTERS:
                 parts.append("draft_us=0")
+            if "DPB_GUARD_MEASURED" not in os.environ:
+                parts.append("guard_measured=1")
             c.plugin_config = ";".join(parts)
             if check is None:
                 check = _plugin_check(library)
@@ -185,7 +191,9 @@ class EngineConfig:
                 + (" (no model drafts)" if self.method in MODEL_FREE_DRAFTERS
                    and "DPB_DRAFT_US" not in os.environ else "")
                 + f", MoE {s.get('ffn_fixed_us', '?')} us + {s.get('ffn_per_token_us', '?')} "
-                f"us/token, overhead {s.get('step_overhead_us', '?')} us, online refit "
+                f"us/token, overhead {s.get('step_overhead_us', '?')} us, TPOT guard slack "
+                f"{s.get('step_slack', '?')} counting {s.get('guard_overhead_us', '?')} us"
+                f"{' + its measured own time' if s.get('guard_measured') == '1' else ''}, online refit "
                 f"{'on' if s.get('online') == '1' else 'off'})")
         return (f"dpbalance: enabled on DP rank {self.dp_rank}/{self.dp_size}: mode "
                 f"{s.get('mode', '?')}, verify lengths 0..{s.get('k_max', '?')} ({self.method or 'no'}"
