@@ -17,7 +17,7 @@
 #   scripts/live_vllm.sh [--json FILE] [--workload mixed,greedy] [--replicates N] [--requests N]
 #                        [--seed S] [--dp N] [--ks "1 3 5 7"] [--slo p99|off] [--no-ab]
 #                        [--min-plan-gain F] [--value-deferral] [--anchor-k K] [--nospec-each]
-#                        [--guard-overhead-us US] [--guard-measured] [--keep-logs DIR] [--quick]
+#                        [--guard-overhead-us US] [--no-guard-measured] [--keep-logs DIR] [--quick]
 #   scripts/live_vllm.sh --install-only   (the venv and the plugin package, nothing run;
 #                                          scripts/serve_vllm.sh and the README's quickstart)
 #
@@ -36,10 +36,12 @@
 # 1's, and the summary pairs dpbalance with it (goodput_ratio_vs_nospec). --guard-overhead-us US:
 # the plugin arms count US microseconds of their own per step (the exchange and its adapter,
 # which scripts/live_steps.py measures on a kept run) against the TPOT guard
-# (DPB_GUARD_OVERHEAD_US; the prediction the same). --guard-measured: the plugin arms measure
-# that themselves (DPB_GUARD_MEASURED=1: each rank's mean plan call, exchange included, rides its
-# record and the guard charges the largest; US then adds to it); the prediction charges the
-# arms' logged plan calls (live_bench.py predict --guard-measured). LIVE_VLLM_ARGS adds
+# (DPB_GUARD_OVERHEAD_US; the prediction the same). The plugin arms also count their own time
+# as they measure it (DPB_GUARD_MEASURED=1, the vLLM package's default: each rank's mean plan
+# call, exchange included, rides its record and the guard charges the largest; US adds to it),
+# and the prediction charges the arms' logged plan calls (live_bench.py predict
+# --guard-measured); --no-guard-measured runs them with DPB_GUARD_MEASURED=0 (--guard-measured,
+# the default, is accepted for the commands in docs/live_vllm.md). LIVE_VLLM_ARGS adds
 # live_bench.py run-arm flags to every arm.
 #
 # The virtual environment lives outside the work tree, in $DPBALANCE_VLLM_VENV (default
@@ -67,7 +69,7 @@ MIN_GAIN=                      # the plugin arms' DPB_MIN_PLAN_GAIN (empty: the 
 DEFER=0                        # the plugin arms' DPB_VALUE_DEFERRAL (its default: off)
 ANCHOR_K=                      # the plugin arms' anchor (empty: replicate 1's best static arm)
 GUARD_OVERHEAD=                # the plugin arms' DPB_GUARD_OVERHEAD_US (empty: the plugin's default, 0)
-GUARD_MEASURED=0               # 1: the plugin arms' DPB_GUARD_MEASURED=1 (--guard-measured)
+GUARD_MEASURED=1               # the plugin arms' DPB_GUARD_MEASURED (--no-guard-measured: 0)
 ARGS=("$@")
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -90,6 +92,7 @@ while [ $# -gt 0 ]; do
     --nospec-each) NOSPEC_EACH=1; shift ;;
     --guard-overhead-us) GUARD_OVERHEAD="${2:?--guard-overhead-us needs microseconds}"; shift 2 ;;
     --guard-measured) GUARD_MEASURED=1; shift ;;
+    --no-guard-measured) GUARD_MEASURED=0; shift ;;
     -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) echo "live_vllm.sh: unknown flag '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -305,10 +308,8 @@ for W in ${WORKLOADS//,/ }; do
     PLUGIN_ENV+=(DPB_GUARD_OVERHEAD_US="$GUARD_OVERHEAD")
     PRED_EXTRA+=(--guard-overhead-us "$GUARD_OVERHEAD")
   fi
-  if [ "$GUARD_MEASURED" = 1 ]; then
-    PLUGIN_ENV+=(DPB_GUARD_MEASURED=1)
-    PRED_EXTRA+=(--guard-measured)
-  fi
+  PLUGIN_ENV+=(DPB_GUARD_MEASURED="$GUARD_MEASURED")
+  [ "$GUARD_MEASURED" = 1 ] && PRED_EXTRA+=(--guard-measured)
   # The H200 rows plan with the plugin's margin for the H200 model unless one was given.
   [ -n "$MIN_GAIN" ] && PRED_EXTRA+=(--h200-min-plan-gain "$MIN_GAIN")
   SLO_ENV=()
