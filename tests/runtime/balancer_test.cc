@@ -312,18 +312,27 @@ TEST(Balancer, ARankWhoseAssignFailsStillDraftsTheAgreedDepth) {
 // until the test releases it: `before(rank, call, timeout)` runs first and returns the timeout
 // the inner backend gets (call 0 is the handshake, call s + 1 step s); `after(rank, call)` runs
 // when the inner call returned. Timeouts that matter are then forced, not raced against sleeps.
-class Hooked : public AllGather {
+// A backend that passes everything to `inner_`; subclasses wrap Gather.
+class Forwarding : public AllGather {
  public:
-  using Before = std::function<absl::Duration(int, int64_t, absl::Duration)>;
-  using After = std::function<void(int, int64_t)>;
-  Hooked(std::unique_ptr<AllGather> inner, Before before, After after = nullptr)
-      : inner_(std::move(inner)), before_(std::move(before)), after_(std::move(after)) {}
+  explicit Forwarding(std::unique_ptr<AllGather> inner) : inner_(std::move(inner)) {}
   int num_ranks() const override { return inner_->num_ranks(); }
   int rank() const override { return inner_->rank(); }
   size_t record_bytes() const override { return inner_->record_bytes(); }
   bool healthy() const override { return inner_->healthy(); }
   bool ordered() const override { return inner_->ordered(); }
-  std::string name() const override { return "hooked(" + inner_->name() + ")"; }
+  std::string name() const override { return "wrapped(" + inner_->name() + ")"; }
+
+ protected:
+  std::unique_ptr<AllGather> inner_;
+};
+
+class Hooked : public Forwarding {
+ public:
+  using Before = std::function<absl::Duration(int, int64_t, absl::Duration)>;
+  using After = std::function<void(int, int64_t)>;
+  Hooked(std::unique_ptr<AllGather> inner, Before before, After after = nullptr)
+      : Forwarding(std::move(inner)), before_(std::move(before)), after_(std::move(after)) {}
   absl::Status Gather(absl::Span<const uint8_t> send, absl::Span<uint8_t> recv, absl::Duration timeout) override {
     const int64_t call = calls_++;
     absl::Status s = inner_->Gather(send, recv, before_(rank(), call, timeout));
@@ -332,24 +341,17 @@ class Hooked : public AllGather {
   }
 
  private:
-  std::unique_ptr<AllGather> inner_;
   Before before_;
   After after_;
   int64_t calls_ = 0;
 };
 
 // Sleeps `delay` before each exchange on one rank and keeps every gathered record's own_us.
-class SlowAndRecording : public AllGather {
+class SlowAndRecording : public Forwarding {
  public:
   SlowAndRecording(std::unique_ptr<AllGather> inner, absl::Duration delay,
                    std::vector<std::vector<uint16_t>>* own_us)
-      : inner_(std::move(inner)), delay_(delay), own_us_(own_us) {}
-  int num_ranks() const override { return inner_->num_ranks(); }
-  int rank() const override { return inner_->rank(); }
-  size_t record_bytes() const override { return inner_->record_bytes(); }
-  bool healthy() const override { return inner_->healthy(); }
-  bool ordered() const override { return inner_->ordered(); }
-  std::string name() const override { return "slow(" + inner_->name() + ")"; }
+      : Forwarding(std::move(inner)), delay_(delay), own_us_(own_us) {}
   absl::Status Gather(absl::Span<const uint8_t> send, absl::Span<uint8_t> recv, absl::Duration timeout) override {
     absl::SleepFor(delay_);
     absl::Status s = inner_->Gather(send, recv, timeout);
@@ -366,7 +368,6 @@ class SlowAndRecording : public AllGather {
   }
 
  private:
-  std::unique_ptr<AllGather> inner_;
   absl::Duration delay_;
   std::vector<std::vector<uint16_t>>* own_us_;
   int64_t calls_ = 0;
