@@ -17,7 +17,8 @@
 #   scripts/live_vllm.sh [--json FILE] [--workload mixed,greedy] [--replicates N] [--requests N]
 #                        [--seed S] [--dp N] [--ks "1 3 5 7"] [--slo p99|off] [--no-ab]
 #                        [--min-plan-gain F] [--value-deferral] [--anchor-k K] [--nospec-each]
-#                        [--guard-overhead-us US] [--no-guard-measured] [--keep-logs DIR] [--quick]
+#                        [--guard-overhead-us US] [--no-guard-measured] [--quiet-after N]
+#                        [--keep-logs DIR] [--quick]
 #   scripts/live_vllm.sh --install-only   (the venv and the plugin package, nothing run;
 #                                          scripts/serve_vllm.sh and the README's quickstart)
 #
@@ -41,7 +42,9 @@
 # call, exchange included, rides its record and the guard charges the largest; US adds to it),
 # and the prediction charges the arms' logged plan calls (live_bench.py predict
 # --guard-measured); --no-guard-measured runs them with DPB_GUARD_MEASURED=0 (--guard-measured,
-# the default, is accepted for the commands in docs/live_vllm.md). LIVE_VLLM_ARGS adds
+# the default, is accepted for the commands in docs/live_vllm.md). --quiet-after N: the plugin
+# arms' DPB_QUIET_AFTER (default 8, the vLLM package's; 0: every step exchanges), and the
+# prediction's --quiet-after the same. LIVE_VLLM_ARGS adds
 # live_bench.py run-arm flags to every arm.
 #
 # The virtual environment lives outside the work tree, in $DPBALANCE_VLLM_VENV (default
@@ -70,6 +73,7 @@ DEFER=0                        # the plugin arms' DPB_VALUE_DEFERRAL (its defaul
 ANCHOR_K=                      # the plugin arms' anchor (empty: replicate 1's best static arm)
 GUARD_OVERHEAD=                # the plugin arms' DPB_GUARD_OVERHEAD_US (empty: the plugin's default, 0)
 GUARD_MEASURED=1               # the plugin arms' DPB_GUARD_MEASURED (--no-guard-measured: 0)
+QUIET_AFTER=8                  # the plugin arms' DPB_QUIET_AFTER (the package's default)
 ARGS=("$@")
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -93,6 +97,7 @@ while [ $# -gt 0 ]; do
     --guard-overhead-us) GUARD_OVERHEAD="${2:?--guard-overhead-us needs microseconds}"; shift 2 ;;
     --guard-measured) GUARD_MEASURED=1; shift ;;
     --no-guard-measured) GUARD_MEASURED=0; shift ;;
+    --quiet-after) QUIET_AFTER="${2:?--quiet-after needs a step count}"; shift 2 ;;
     -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) echo "live_vllm.sh: unknown flag '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -310,6 +315,8 @@ for W in ${WORKLOADS//,/ }; do
   fi
   PLUGIN_ENV+=(DPB_GUARD_MEASURED="$GUARD_MEASURED")
   [ "$GUARD_MEASURED" = 1 ] && PRED_EXTRA+=(--guard-measured)
+  PLUGIN_ENV+=(DPB_QUIET_AFTER="$QUIET_AFTER")
+  PRED_EXTRA+=(--quiet-after "$QUIET_AFTER")
   # The H200 rows plan with the plugin's margin for the H200 model unless one was given.
   [ -n "$MIN_GAIN" ] && PRED_EXTRA+=(--h200-min-plan-gain "$MIN_GAIN")
   SLO_ENV=()

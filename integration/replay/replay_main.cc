@@ -92,6 +92,10 @@ ABSL_FLAG(double, step_slack, 0.03,
 ABSL_FLAG(double, guard_overhead_us, 0,
           "planner TPOT guard: the plugin's own time per step outside the forward, counted "
           "against the guard (DPB_GUARD_OVERHEAD_US); the replay's steps do not include it");
+ABSL_FLAG(int32_t, quiet_after, 0,
+          "planner rows: the balancer's quiet mode (DPB_QUIET_AFTER): after this many plans in a "
+          "row that kept the default lengths, spans of steps run them without a plan; 0: off");
+ABSL_FLAG(int32_t, quiet_max, 32, "planner rows, quiet mode: the longest span (DPB_QUIET_MAX)");
 ABSL_FLAG(double, min_plan_gain, 0,
           "planner default guard: a plan replaces the default-k plan only when its predicted "
           "goodput is more than (1 + this) x the default plan's; 0 disables");
@@ -334,6 +338,8 @@ absl::Status CheckFlags() {
            in_range("step_slack", absl::GetFlag(FLAGS_step_slack), -1e9, 100),  // < 0: no guard
            in_range("min_plan_gain", absl::GetFlag(FLAGS_min_plan_gain), 0, 10),
            in_range("guard_overhead_us", absl::GetFlag(FLAGS_guard_overhead_us), 0, 1e7),
+           in_range("quiet_after", absl::GetFlag(FLAGS_quiet_after), 0, 1000),
+           in_range("quiet_max", absl::GetFlag(FLAGS_quiet_max), 1, 4096),
            in_range("truth_layers", absl::GetFlag(FLAGS_truth_layers), 1, 1000),
            in_range("ffn_fixed_ms", absl::GetFlag(FLAGS_ffn_fixed_ms), 0, 1e6),  // a step over 1000 s is a typo
            in_range("ffn_per_token_ms", absl::GetFlag(FLAGS_ffn_per_token_ms), 0, 1e6),
@@ -461,6 +467,7 @@ absl::StatusOr<SimConfig> BaseConfigFromFlags(const TruthModel& truth) {
   base.max_step_slack = absl::GetFlag(FLAGS_step_slack);
   base.guard_overhead_us = absl::GetFlag(FLAGS_guard_overhead_us);
   base.min_plan_gain = absl::GetFlag(FLAGS_min_plan_gain);
+  base.quiet = {.after = absl::GetFlag(FLAGS_quiet_after), .max_steps = absl::GetFlag(FLAGS_quiet_max)};
   base.value_deferral = absl::GetFlag(FLAGS_value_deferral);
   base.floor_at_default = absl::GetFlag(FLAGS_floor_at_default);
   base.seed = absl::GetFlag(FLAGS_seed);
@@ -848,6 +855,7 @@ nlohmann::json RowJson(const Row& row, const std::string& eval_cost, const SimCo
   j["mean_draft_depth"] = r.mean_draft_depth;
   j["requests_finished"] = r.requests_finished;
   j["blocked_step_fraction"] = r.blocked_step_fraction;
+  if (base.quiet.after > 0) j["quiet_step_fraction"] = r.quiet_step_fraction;  // only when on
   j["planner_model_error"] = r.planner_model_error;
   j["step_over_plan"] = r.step_over_plan;
   j["tokens_over_plan"] = r.tokens_over_plan;

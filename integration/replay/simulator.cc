@@ -60,6 +60,7 @@ struct RunTotals {
   double v1_act = 0, v1_ideal = 0, v2_act = 0, v2_ideal = 0;
   double ideal_time_us = 0, token_balance_sum = 0, k_sum = 0, k_count = 0, depth_sum = 0;
   int64_t blocked_steps = 0;
+  int64_t quiet_steps = 0;  // planner rows in quiet mode: steps without a plan
   double model_error_sum = 0, model_error_n = 0;
   double pad_tokens = 0, run_tokens = 0;  // padded runs: spare tier tokens, all tokens run
   double planned_tokens_sum = 0, planned_steps_tokens = 0;  // planner rows: expected vs emitted
@@ -81,6 +82,7 @@ struct RunTotals {
     res.mean_verify_len = k_count > 0 ? k_sum / k_count : 0;
     res.mean_draft_depth = depth_sum / res.steps;
     res.blocked_step_fraction = static_cast<double>(blocked_steps) / res.steps;
+    res.quiet_step_fraction = static_cast<double>(quiet_steps) / res.steps;
     res.step_over_plan = planned_step_sum > 0 ? actual_step_sum / planned_step_sum - 1 : 0;
     res.planner_model_error = model_error_n > 0 ? model_error_sum / model_error_n : 0;
     res.padding_fraction = run_tokens > 0 ? pad_tokens / run_tokens : 0;
@@ -166,6 +168,11 @@ class Simulation {
   const bool padded_;                    // token tiers: every rank runs the agreed tier
   int64_t planned_tier_ = 0;             // the tier the step's plan agreed (0: the largest rank's)
   double planned_tokens_ = 0;            // the step's plan: expected tokens (planner rows)
+  // The balancer's quiet mode (SimConfig::quiet): every rank shares the one schedule, so the
+  // instance's agreed level is its own. planned_now_: this step runs a plan (planned_ and not
+  // quiet).
+  QuietSchedule quiet_;
+  bool planned_now_ = false;
   struct Observation {
     int rank;
     int64_t id;
@@ -279,7 +286,8 @@ Simulation::Simulation(const SimConfig& cfg, const TruthModel& truth,
       aggs_(num_ranks_),
       // A dense draft cannot run DSpark's compact verify in CUDA graphs under DP attention
       // (SGLang refuses at start), so its DSpark row runs unpadded.
-      padded_(cfg.padded || (dspark_ && !truth.per_rank_draft)) {
+      padded_(cfg.padded || (dspark_ && !truth.per_rank_draft)),
+      quiet_(planned_ ? cfg.quiet : QuietConfig{}) {
   // Not the oracle: its planner holds planner_model, priced as planner_grid_simulation says.
   if (cfg.planner_online && cfg.verify != VerifyMode::kOracle) online_.emplace(planner_.model());
 }
@@ -370,6 +378,8 @@ const InflightRequest::Seen& Simulation::Observe(InflightRequest& a, std::vector
 // simulator.h): the default length, the planner's, or DSpark's.
 absl::StatusOr<int> Simulation::Plan() {
   planned_tier_ = 0;
+  planned_now_ = planned_ && !quiet_.SkipStep();
+  if (planned_ && !planned_now_) ++totals_.quiet_steps;
   for (int r = 0; r < num_ranks_; ++r) {
     batches_[r].resize(ranks_[r].size());
     verify_[r].resize(ranks_[r].size());
@@ -379,7 +389,7 @@ absl::StatusOr<int> Simulation::Plan() {
       // Sure of: one token a pending step at least, while it runs.
       const int64_t pending_steps = static_cast<int64_t>(pending_scratch_.size());
       const int32_t sure_cap = static_cast<int32_t>(std::clamp<int64_t>(seen.remaining - pending_steps - 1, 0, cfg_.k_max));
-      if (!planned_) {
+      if (!planned_now_) {
         verify_[r][i] = DefaultVerifyLen(cfg_.static_k, sure_cap);
         continue;
       }
@@ -393,9 +403,10 @@ absl::StatusOr<int> Simulation::Plan() {
     }
   }
   int depth = cfg_.static_k;
-  if (planned_) {
+  if (planned_now_) {
     absl::StatusOr<GlobalDecision> d = planner_.PlanAll(batches_, kv_free_, &verify_);
     if (!d.ok()) return d.status();
+    quiet_.AfterAgreement(quiet_.ProposedLevel(), d->kept_default);
     totals_.planned_step_sum += d->step_us;
     planned_tokens_ = d->expected_tokens;
     planned_tier_ = d->padded_rank_tokens;
@@ -519,7 +530,7 @@ double Simulation::Time(int depth) {
   const double ffn_tokens = padded_ ? static_cast<double>(num_ranks) * static_cast<double>(tier) : sum_q;
   const double global_us = truth_.global.StepUs(ffn_tokens, truth_.per_rank_draft ? 0 : depth);
   const double step_us = max_attn + global_us;
-  if (planned_ && !dspark_) totals_.actual_step_sum += step_us;
+  if (planned_now_ && !dspark_) totals_.actual_step_sum += step_us;
   totals_.bubble.AddStepMeanMax(sum_attn / num_ranks, max_attn);
   totals_.v1_act += PublishedInstanceCost(PublishedForm::kV1, aggs_);
   totals_.v2_act += PublishedInstanceCost(PublishedForm::kV2, aggs_);
@@ -632,7 +643,7 @@ absl::Status Simulation::Progress(double step_us) {
       pending_.back().push_back({r, a.id, 0, 0, 0, 0, true});
     }
   }
-  if (planned_ && planned_tokens_ > 0) {
+  if (planned_now_ && planned_tokens_ > 0) {
     totals_.planned_tokens_sum += planned_tokens_;
     totals_.planned_steps_tokens += step_tokens;
   }

@@ -50,6 +50,7 @@
 #include "dpbalance/cost_model.h"
 #include "dpbalance/lag.h"
 #include "dpbalance/planner.h"
+#include "dpbalance/quiet.h"
 #include "dpbalance/routing.h"
 #include "trace.h"
 
@@ -84,6 +85,9 @@ struct SimConfig {
   double max_step_slack = 0.05;           // planner modes: TPOT guard (PlannerConfig), < 0 off
   double guard_overhead_us = 0;           // planner modes: PlannerConfig::guard_overhead_us
   double min_plan_gain = 0;               // planner modes: default guard (PlannerConfig), 0 off
+  // Planner modes: the balancer's quiet mode (quiet.h; after = 0 off): steps of an agreed span
+  // run the default lengths without a plan, as every rank's Balancer skips them.
+  QuietConfig quiet;
   bool value_deferral = false;            // planner modes: PlannerConfig::value_deferral
   bool floor_at_default = false;          // planner modes: k_min = min(static_k, cap) (TPOT floor)
   bool uniform_per_rank = false;          // planner modes: one verify length per rank (granularity)
@@ -128,6 +132,7 @@ struct RunResult {
   double mean_verify_len = 0;          // mean k over request-steps
   double mean_draft_depth = 0;
   double blocked_step_fraction = 0;    // steps where the next request waited for KV capacity
+  double quiet_step_fraction = 0;      // planner rows in quiet mode: steps run without a plan
   double step_over_plan = 0;           // sum of true step times / sum of planned - 1 (0: no
                                        // instance plan, as in static and local runs)
   double planner_model_error = 0;      // online model: mean |predicted - truth| / truth per rank-step

@@ -987,8 +987,9 @@ def measured_own_us(found, dp):
     """What DPB_GUARD_MEASURED charged the dpbalance arms' TPOT guard, as near as their logs
     say: per replicate, the largest over ranks of the rank's mean plan call (`plan_us`, the
     adapter's wall time around the plugin's plan call, exchange included: the plugin's own
-    running mean plus the adapter's marshalling); the mean over replicates. None when no
-    dpbalance arm logged one."""
+    running mean plus the adapter's marshalling); the mean over replicates. Only steps that ran
+    the exchange count (`xchg_us` logged), as the plugin's own mean counts only those: a quiet
+    step (DPB_QUIET_AFTER) plans without one. None when no dpbalance arm logged one."""
     per_rep = []
     for log_dir, c in found:
         if c.get("mode") != "dpbalance":
@@ -996,7 +997,8 @@ def measured_own_us(found, dp):
         means = []
         for k in range(dp):
             path = os.path.join(log_dir, f"engine_dp{k}.jsonl")
-            xs = [r["plan_us"] for r in read_jsonl(path) if r.get("plan_us")] \
+            xs = [r["plan_us"] for r in read_jsonl(path) if r.get("plan_us")
+                  and r.get("xchg_us")] \
                 if os.path.exists(path) else []
             if xs:
                 means.append(statistics.mean(xs))
@@ -1086,12 +1088,13 @@ def plugin_default_margin(model_path):
 
 
 def predict_rows(binary, trace, base, ks, default_k, slo_ms, seeds, tmp, min_plan_gain=0.0,
-                 value_deferral=False, guard_overhead_us=0.0):
+                 value_deferral=False, guard_overhead_us=0.0, quiet_after=0):
     """Static k rows, goodput and dspark_fill at default_k; per row the seeds' mean goodput,
     bubble and TPOT p99. default_k None: the best static row's k (as the live run anchors the
     plugin at its own static_best), for truths the live run did not measure. min_plan_gain and
     value_deferral: the plugin arm's DPB_MIN_PLAN_GAIN and DPB_VALUE_DEFERRAL, on the goodput
-    row; guard_overhead_us: its DPB_GUARD_OVERHEAD_US (the replay's --guard_overhead_us)."""
+    row; guard_overhead_us: its DPB_GUARD_OVERHEAD_US (the replay's --guard_overhead_us);
+    quiet_after: its DPB_QUIET_AFTER (the replay's --quiet_after)."""
     rows = {}
     specs = [(f"static k={k}", ["--verify", "off", "--k", str(k)]) for k in ks]
     for name, extra in specs:
@@ -1103,7 +1106,8 @@ def predict_rows(binary, trace, base, ks, default_k, slo_ms, seeds, tmp, min_pla
                             "--min_plan_gain", str(min_plan_gain)]
                             + (["--value_deferral=true"] if value_deferral else [])
                             + (["--guard_overhead_us", str(guard_overhead_us)]
-                               if guard_overhead_us else [])),
+                               if guard_overhead_us else [])
+                            + (["--quiet_after", str(quiet_after)] if quiet_after else [])),
              ("dspark", ["--verify", "dspark_fill", "--k", str(default_k)])]
     for name, extra in specs:
         rows[name] = _replay_mean(binary, trace, base + extra, seeds, tmp)
@@ -1120,6 +1124,8 @@ def _replay_mean(binary, trace, flags, seeds, tmp):
             "tpot_p99_ms": statistics.mean(g["tpot_p99_ms"] for g in got),
             "mean_step_ms": statistics.mean(g["mean_step_ms"] for g in got),
             "mean_verify_len": statistics.mean(g["mean_verify_len"] for g in got),
+            **({"quiet_step_fraction": statistics.mean(g["quiet_step_fraction"] for g in got)}
+               if "quiet_step_fraction" in got[0] else {}),
             "flags": flags}
 
 
@@ -1165,7 +1171,7 @@ def cmd_predict(a):
     out = {"workload": a.workload, "dp": a.dp, "model": a.model, "terms": terms,
            "seeds": a.seeds, "noise": a.noise, "slo_ms": a.tpot_slo_ms,
            "min_plan_gain": a.min_plan_gain, "value_deferral": a.value_deferral,
-           "guard_overhead_us": a.guard_overhead_us}
+           "guard_overhead_us": a.guard_overhead_us, "quiet_after": a.quiet_after}
     if a.guard_measured:
         # The plugin arms charged their own measured time (DPB_GUARD_MEASURED=1); the replay
         # has no plan calls to time, so it charges what the arms' logs measured, as a constant.
@@ -1199,7 +1205,8 @@ def _predict(a, out, counts, reqs, per_rank, terms, tmp):
                                              a.static_best_k, a.tpot_slo_ms, a.seeds, tmp,
                                              min_plan_gain=a.min_plan_gain,
                                              value_deferral=a.value_deferral,
-                                             guard_overhead_us=a.guard_overhead_us)
+                                             guard_overhead_us=a.guard_overhead_us,
+                                             quiet_after=a.quiet_after)
         if variant == "slots" and a.keep_trace:
             write_trace(a.keep_trace, served)
             out["trace"] = a.keep_trace
@@ -1340,6 +1347,8 @@ def main(argv=None):
     pr.add_argument("--guard-measured", action="store_true",
                     help="the plugin arm ran with DPB_GUARD_MEASURED=1: the replay's guard also "
                          "charges the arms' measured plan call (engine logs' plan_us)")
+    pr.add_argument("--quiet-after", type=int, default=8,
+                    help="the plugin arm's DPB_QUIET_AFTER (the vLLM package's default 8; 0: off)")
     pr.add_argument("--value-deferral", action="store_true",
                     help="the plugin arm ran with DPB_VALUE_DEFERRAL=1 (the replay's --value_deferral)")
     pr.add_argument("--seeds", type=int, default=3)

@@ -535,7 +535,8 @@ dpbResult_t CheckFlags(const char* config, int32_t dp_size, char* error, size_t 
     CopyOut(absl::StrFormat("mode=%s k_max=%d default_k=%d cost_model=%s draft_us=%g ffn_fixed_us=%g "
                             "ffn_per_token_us=%g step_overhead_us=%g online=%d tpot_slo_ms=%g "
                             "min_plan_gain=%g value_deferral=%d acceptance=%s log_every=%d "
-                            "step_slack=%g guard_overhead_us=%g guard_measured=%d metrics_file=%s",
+                            "step_slack=%g guard_overhead_us=%g guard_measured=%d quiet_after=%d quiet_max=%d "
+                            "metrics_file=%s",
                             PlanModeName(pc.mode), pc.k_max, pc.default_k, f->balancer.model.name(),
                             pc.global.draft_per_step_us, pc.global.ffn_fixed_us,
                             pc.global.ffn_per_token_us, pc.global.step_overhead_us,
@@ -544,6 +545,7 @@ dpbResult_t CheckFlags(const char* config, int32_t dp_size, char* error, size_t 
                             AcceptanceModelName(f->balancer.acceptance_model),
                             f->balancer.log_every_steps, pc.max_step_slack, pc.guard_overhead_us,
                             pc.guard_measured_overhead ? 1 : 0,
+                            f->balancer.quiet.after, f->balancer.quiet.max_steps,
                             f->balancer.metrics_file.empty() ? "-" : f->balancer.metrics_file),
             settings, settings_bytes);
     return dpbSuccess;

@@ -50,6 +50,10 @@ uint64_t BalancerConfig::Hash() const {
   h.Value(ab_epoch_steps);
   h.Value(online_calibration);
   h.Value(lag_predict);
+  if (quiet.after > 0) {  // hashed only when on: configs without it keep their hashes
+    h.Value(quiet.after);
+    h.Value(quiet.max_steps);
+  }
   return h.digest();
 }
 
@@ -77,6 +81,7 @@ absl::StatusOr<std::unique_ptr<Balancer>> Balancer::Create(BalancerConfig config
         "balancer: max_consecutive_failures %d must be >= 1, ab_epoch_steps %d >= 0, timeout > 0",
         config.max_consecutive_failures, config.ab_epoch_steps));
   }
+  if (absl::Status q = config.quiet.Validate(); !q.ok()) return q;
   if (!(std::isfinite(config.tpot_slo_us) && config.tpot_slo_us >= 0)) {
     return absl::InvalidArgumentError(
         absl::StrFormat("balancer: tpot_slo_us %g must be finite and >= 0", config.tpot_slo_us));
@@ -97,7 +102,8 @@ Balancer::Balancer(BalancerConfig config, int rank, std::unique_ptr<AllGather> c
     : config_(std::move(config)), rank_(rank), comm_(std::move(comm)), planner_(std::move(planner)),
       estimator_(config_.acceptance_prior_strength, MtpK8ConditionalProfile(),
                  config_.acceptance_model),
-      slo_(config_.tpot_slo_us) {
+      slo_(config_.tpot_slo_us),
+      quiet_(config_.quiet) {
   gathered_.resize(static_cast<size_t>(config_.planner.num_ranks) * config_.attn_tp_size);
   idle_rows_.assign(config_.planner.num_ranks, false);
   if (config_.attn_tp_size > 1) leaders_.resize(config_.planner.num_ranks);
@@ -419,11 +425,29 @@ PlanOutcome Balancer::Abstain(const absl::Status& why) {
 
 PlanOutcome Balancer::PlanStep(const StepInput& in, absl::Span<int32_t> verify_len,
                                absl::Status local, StepTotals* totals) {
+  if (quiet_.SkipStep()) return QuietStep(in, verify_len, local, totals);  // untimed: no exchange
   const absl::Time start = absl::Now();
   PlanOutcome out = PlanStepUntimed(in, verify_len, std::move(local), totals);
   const double us = absl::ToDoubleMicroseconds(absl::Now() - start);
   own_calls_ = std::min<int64_t>(own_calls_ + 1, kOwnWindow);
   own_us_ += (us - own_us_) / static_cast<double>(own_calls_);
+  return out;
+}
+
+PlanOutcome Balancer::QuietStep(const StepInput& in, absl::Span<int32_t> verify_len,
+                                const absl::Status& local, StepTotals* totals) {
+  PlanOutcome out;
+  out.draft_depth = config_.planner.default_k;
+  Fallback(in.batch, verify_len);
+  StartTotals(in, verify_len, totals);
+  out.step = step_++;
+  // Reported like any step: a plan at the defaults (no barrier, no prediction). measured_ is
+  // left as it is, so the next exchange carries the latest report.
+  planned_[out.step % planned_.size()] = Planned{out.step, ArmOn(out.step), -1, -1, false, {}};
+  if (!local.ok()) {  // not Fail(): nothing here may change when this rank next exchanges
+    ++fallbacks_;
+    out.status = local;
+  }
   return out;
 }
 
@@ -450,6 +474,7 @@ PlanOutcome Balancer::PlanStepUntimed(const StepInput& in, absl::Span<int32_t> v
   StampOwnSummary(local, step, in, verify_len, measured);
   // Step 2: the exchange, and what the records say before anyone plans.
   if (absl::Status s = Exchange(own_summary_, config_.timeout); !s.ok()) {
+    quiet_.Reset();
     Fail(s);
     out.status = s;
     return out;
@@ -476,6 +501,7 @@ PlanOutcome Balancer::PlanStepUntimed(const StepInput& in, absl::Span<int32_t> v
     return out;
   }
   if (!arm_on) {
+    quiet_.AfterExchange(gathered_, false);
     consecutive_failures_ = 0;
     FillTotals(nullptr, false, in, verify_len, false, totals);
     return out;
@@ -533,6 +559,7 @@ void Balancer::FailLocally(const absl::Status& local, bool arm_on, const StepInp
   // This rank runs its defaults, but must draft as deep as every other rank agrees to.
   absl::StatusOr<GlobalDecision> d = absl::UnavailableError("off arm");
   if (arm_on) d = planner_.Decide(DpRecords());
+  quiet_.AfterExchange(gathered_, d.ok() && d->kept_default);  // this rank's record says 0: no span
   if (d.ok()) out.draft_depth = d->draft_depth;
   if (idle_rows_[rank_]) {
     ++fallbacks_;
@@ -607,6 +634,7 @@ void Balancer::StampOwnSummary(const absl::Status& local, uint64_t step, const S
     own_summary_.default_tokens = static_cast<uint32_t>(std::min<int64_t>(QueryTokens(fallback_len), UINT32_MAX));
   }
   own_summary_.flags |= in.kind;
+  if (local.ok()) own_summary_.flags |= quiet_.ProposalFlags();
   own_summary_.extra_tokens = static_cast<uint32_t>(std::clamp<int64_t>(in.extra_tokens, 0, kMaxExtraTokens));
   own_summary_.input_digest = config_.attn_tp_size > 1 && local.ok() ? InputDigest(in) : 0;
   own_summary_.step_idx = static_cast<uint32_t>(step);
@@ -637,6 +665,7 @@ bool Balancer::AgreeOnStep(uint64_t step, const Measured& measured) {
 const GlobalDecision* Balancer::DecideAndAssign(absl::Span<const BalancerRequest> batch,
                                                 absl::Span<int32_t> verify_len, PlanOutcome& out) {
   absl::StatusOr<GlobalDecision> d = planner_.Decide(DpRecords());
+  quiet_.AfterExchange(gathered_, d.ok() && d->kept_default);  // the same bytes on every rank
   if (!d.ok()) {
     if (d.status().code() == absl::StatusCode::kFailedPrecondition) {
       Disable(std::string(d.status().message()));  // version/config mismatch: all ranks see it
@@ -822,6 +851,8 @@ BalancerStats Balancer::Stats() const {
   s.exchange_failures = exchange_failures_;
   s.max_exchange_ms = max_exchange_ms_;
   s.own_us = own_us_;
+  s.quiet_steps = quiet_.quiet_steps();
+  s.quiet_spans = quiet_.spans();
   return s;
 }
 

@@ -173,19 +173,23 @@ finally:
     lb.collect, lb.summarize_arm = saved
 
 # --guard-measured: the overhead the predicted dpbalance row charges is, per dpbalance replicate,
-# the largest over ranks of the rank's mean plan_us, averaged over replicates; static arms and
-# steps without plan_us do not count; no dpbalance log with plan_us gives None.
+# the largest over ranks of the rank's mean plan_us, averaged over replicates; static arms,
+# steps without plan_us and quiet steps (no xchg_us: no exchange, as the plugin's own mean
+# leaves them out) do not count; no dpbalance log with plan_us gives None.
 with tempfile.TemporaryDirectory() as tmp:
     def arm(name, mode, per_rank):
         d = os.path.join(tmp, name)
         os.makedirs(d)
         for r, xs in enumerate(per_rank):
             with open(os.path.join(d, f"engine_dp{r}.jsonl"), "w") as f:
-                for x in xs:
-                    f.write(json.dumps({"x": 0, "plan_us": x}) + "\n")
+                for x in xs:  # a negative time: a quiet step of that plan call, no exchange
+                    f.write(json.dumps({"x": 0, "plan_us": abs(x) if x else x,
+                                        "xchg_us": None if x is not None and x < 0
+                                        else 800.0}) + "\n")
         return (d, {"mode": mode})
     found = [arm("s1", "static", [[9000.0], [9000.0]]),
-             arm("p1", "dpbalance", [[1000.0, 2000.0, None], [1200.0, 1400.0]]),  # 1500 vs 1300
+             arm("p1", "dpbalance", [[1000.0, 2000.0, None, -30.0], [1200.0, 1400.0, -20.0]]),
+             # 1500 vs 1300
              arm("p2", "dpbalance", [[500.0], [900.0]])]                          # 900
     got = lb.measured_own_us(found, 2)
     check("measured own time: mean over replicates of the largest rank mean", got == 1200.0, got)

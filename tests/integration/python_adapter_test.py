@@ -364,6 +364,34 @@ class AdapterTest(unittest.TestCase):
                 self.assertEqual(res, dpb.StepResult(None, None, [engine_payload(0, s),
                                                                   engine_payload(1, s)]))
 
+    def test_piggyback_on_quiet_steps_runs_the_engines_sync_unless_the_collective_is_ours(self):
+        # The plugin's quiet mode (quiet_after=2, spans up to 4; a default guard no plan beats):
+        # after steps 0-2 it plans without an exchange on agreed spans (exchanges at 0-2, 5,
+        # 10, 15 of 16 steps). On the engine's own sync (SGLang: the default) the collective
+        # still runs every step and every payload arrives; on a collective of the plugin's
+        # alone (own_collective=True, the vLLM package) those steps run no collective at all,
+        # on every rank alike, and return no payloads.
+        config = COMMON + ";quiet_after=2;quiet_max=4;min_plan_gain=10"
+        for own in (False, True):
+            g = ThreadGroup(2)
+            got = [None, None]
+
+            def rank_main(rank):
+                pb = dpb.Piggyback(lambda p: g.member(rank)(p, 5000), 2, own_collective=own)
+                bal = dpb.DpBalance(2, rank, config, allgather=pb, library=PLUGIN)
+                got[rank] = [pb.step(bal, [dpb.Request(1, 900 + 100 * rank)],
+                                     engine_payload(rank, s)) for s in range(16)]
+                bal.close()
+            run_threads(2, rank_main)
+            exchanged = [0, 1, 2, 5, 10, 15]
+            self.assertEqual(g.calls, [1 + (len(exchanged) if own else 16)] * 2, own)
+            for rank in range(2):
+                for s, res in enumerate(got[rank]):
+                    self.assertEqual(res.verify_len, [3], (own, rank, s))
+                    want = [engine_payload(0, s), engine_payload(1, s)]
+                    self.assertEqual(res.payloads, None if own and s not in exchanged else want,
+                                     (own, rank, s))
+
     def test_piggyback_reraises_the_engine_collectives_failure(self):
         g = ThreadGroup(1)
         g.fail_steps = {3}  # call 0 is init's handshake: this is step 2

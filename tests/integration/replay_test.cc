@@ -149,6 +149,33 @@ TEST(Simulator, PlannerBeatsWorstStaticAndOracleIsBest) {
   EXPECT_LT(1 - gp.balance_efficiency, 0.05);
 }
 
+// The balancer's quiet mode in the replay (SimConfig::quiet, quiet.h): with a default guard no
+// plan beats, every plan keeps the default lengths, so skipping the plan on quiet spans changes
+// nothing the instance runs (the same steps, tokens and time, to the bit) while most steps go
+// without a plan (after 4, spans up to 32: about 32 of every 33). With a guard plans beat,
+// the quiet steps are few and the planner still balances.
+TEST(Simulator, QuietModeSkipsOnlyPlansThatKeptTheDefault) {
+  const auto trace = Slice(600);
+  SimConfig c = Small();
+  c.verify = VerifyMode::kGoodput;
+  c.static_k = 3;
+  c.min_plan_gain = 10;
+  const RunResult kept = *Simulate(c, TruthModel{}, trace);
+  c.quiet = {.after = 4, .max_steps = 32};
+  const RunResult quiet = *Simulate(c, TruthModel{}, trace);
+  EXPECT_EQ(quiet.steps, kept.steps);
+  EXPECT_EQ(quiet.tokens, kept.tokens);
+  EXPECT_EQ(quiet.sim_time_s, kept.sim_time_s);
+  EXPECT_EQ(kept.quiet_step_fraction, 0);
+  EXPECT_GT(quiet.quiet_step_fraction, 0.85);
+  c.min_plan_gain = 0.02;
+  const RunResult planned = *Simulate(c, TruthModel{}, trace);
+  c.quiet = {};
+  const RunResult always = *Simulate(c, TruthModel{}, trace);
+  EXPECT_LT(planned.quiet_step_fraction, 0.5);
+  EXPECT_GT(planned.goodput_tok_per_s, 0.97 * always.goodput_tok_per_s);
+}
+
 TEST(Simulator, TpotSloKeepsTheStaticTailOnRealRequests) {
   // The goodput plan shortens low-acceptance requests, whose TPOT then follows the step time.
   // With the SLO set at the static run's TPOT p99 (the replay's 'auto'), the planner holds the

@@ -78,7 +78,8 @@ class EnginePlanTest(unittest.TestCase):
         os.environ["DPB_PLUGIN"] = LIB
         os.environ["DPB_LOG_LEVEL"] = "warn"
         for name in ("DPBALANCE_VLLM_STEP_LOG", "DPB_DEFAULT_K", "DPB_STRICT", "DPB_DRAFT_US",
-                     "DPB_GUARD_MEASURED", "PROMETHEUS_MULTIPROC_DIR",
+                     "DPB_GUARD_MEASURED", "DPB_QUIET_AFTER", "DPB_MIN_PLAN_GAIN",
+                     "PROMETHEUS_MULTIPROC_DIR",
                      "DPBALANCE_VLLM_METRICS_PORT"):
             os.environ.pop(name, None)
 
@@ -122,6 +123,8 @@ class EnginePlanTest(unittest.TestCase):
         # vLLM's AsyncScheduler plans step t+1 (schedule) before it processes step t's output
         # (update_from_output). Each report must reach the plugin as the plan it was made for
         # (its plan id), not as the latest plan, and the step log must name that step.
+        # Quiet mode off: every step exchanges (quiet steps: the test below).
+        os.environ["DPB_QUIET_AFTER"] = "0"
         group = ThreadGroup(2)
         plans = [make_plan(r, 2, group) for r in range(2)]
         reqs = [("a", 4000, 7), ("b", 300, 7), ("c", 900, 2)]
@@ -287,6 +290,7 @@ class EnginePlanTest(unittest.TestCase):
             self.assertGreaterEqual(res.rank_tokens[0], 512 + 2)
 
     def test_active_and_idle_rank_join_one_exchange_per_step(self):
+        os.environ["DPB_QUIET_AFTER"] = "0"  # every step exchanges (quiet steps: below)
         group = ThreadGroup(2)
         plans = [make_plan(r, 2, group) for r in range(2)]
         reqs = [("req-a", 3000, 7), ("req-b", 200, 7), ("req-c", 100, 2)]
@@ -435,20 +439,75 @@ class EnginePlanTest(unittest.TestCase):
         self.assertNotIn("dpbSuccess", plans[1].fallbacks)
         self.assertEqual(sum(plans[1].fallbacks.values()), 5)
 
+    def test_quiet_steps_skip_the_collective_on_every_rank_alike(self):
+        # The package's default quiet mode (quiet_after=8, spans up to 32): with a default
+        # guard no plan beats, every decision keeps vLLM's lengths, so after steps 0-8 the
+        # ranks skip the all-reduce on the same steps (spans 8, 16, 32: exchanges at 0-8, 17,
+        # 34, 67 of 80 steps), the step log's index still counts every step, the exchange
+        # indices agree at every exchange, and each plan still reaches its report. With
+        # DPB_QUIET_AFTER=0 every step runs the collective.
+        reqs = [("a", 3000, 7), ("b", 200, 7)]
+
+        def run(quiet_after):  # rank 1 is idle: it joins from the dummy batch
+            os.environ["DPB_MIN_PLAN_GAIN"] = "10"
+            if quiet_after is not None:
+                os.environ["DPB_QUIET_AFTER"] = str(quiet_after)
+            group = ThreadGroup(2)
+            plans = [make_plan(r, 2, group) for r in range(2)]
+
+            def rank(r):
+                def go():
+                    tokens, out = [], []
+                    for _ in range(80):
+                        plans[r].begin_step()
+                        if r == 0:
+                            lens = plans[r].exchange(reqs)
+                            acc = [(q[0], n, n, False) for q, n in zip(reqs, lens)]
+                        else:
+                            plans[r].join_idle()
+                            lens, acc = [], []
+                        tokens.append(plans[r].last_token)
+                        out.append(lens)
+                        plans[r].after_step(900.0, 2000.0, acc, 4)
+                    stats = plans[r].stats()
+                    return tokens, out, stats
+                return go
+
+            res = run_ranks([rank(0), rank(1)])
+            for p in plans:
+                p.close()
+            return group, plans, res
+
+        group, plans, res = run(None)
+        self.assertEqual(group.calls, [1 + 12, 1 + 12])  # the handshake, then the exchanges
+        for r, ((tokens, lens, stats), p) in enumerate(zip(res, plans)):
+            self.assertEqual(tokens, list(range(80)))
+            self.assertEqual(lens, [[7, 7] if r == 0 else []] * 80)
+            self.assertEqual((p.steps, p.exchanges, p.pb.quiet_steps, p.desyncs), (80, 12, 68, 0))
+            self.assertEqual((stats["steps"], stats["exchanges"], stats["quiet_steps"]), (80, 12, 68))
+            self.assertFalse(p.fallbacks, p.fallbacks)
+            self.assertEqual(stats["missing_reports"], 0)
+        group, plans, res = run(0)
+        self.assertEqual(group.calls, [81, 81])
+        self.assertEqual([p.pb.quiet_steps for p in plans], [0, 0])
+
     def test_engine_defaults_for_the_plugin(self):
         plan = make_plan(0, 1, ThreadGroup(1), k_spec=5, method="ngram")
-        self.assertEqual(plan.cfg.plugin_config, "k_max=5;default_k=5;draft_us=0;guard_measured=1")
+        self.assertEqual(plan.cfg.plugin_config, "k_max=5;default_k=5;draft_us=0;guard_measured=1;quiet_after=8")
         self.assertEqual(plan.cfg.settings["draft_us"], "0")
         self.assertEqual(plan.cfg.settings["guard_measured"], "1")
         self.assertIn("counting 0 us + its measured own time", plan.cfg.startup_line())
         self.assertEqual(plan.default_k, 5)
         plan = make_plan(0, 1, ThreadGroup(1), k_spec=3, method="eagle")  # a model drafts
-        self.assertEqual(plan.cfg.plugin_config, "k_max=3;default_k=3;guard_measured=1")
+        self.assertEqual(plan.cfg.plugin_config, "k_max=3;default_k=3;guard_measured=1;quiet_after=8")
         self.assertEqual(plan.cfg.settings["draft_us"], "1500")
-        os.environ.update(DPB_DEFAULT_K="2", DPB_DRAFT_US="40", DPB_GUARD_MEASURED="0")
+        self.assertIn("quiet after 8 kept-default steps, spans up to 32", plan.cfg.startup_line())
+        os.environ.update(DPB_DEFAULT_K="2", DPB_DRAFT_US="40", DPB_GUARD_MEASURED="0",
+                          DPB_QUIET_AFTER="0")
         plan = make_plan(0, 1, ThreadGroup(1), k_spec=7, method="ngram")
         self.assertEqual(plan.cfg.plugin_config, "k_max=7")
         self.assertEqual(plan.cfg.settings["guard_measured"], "0")
+        self.assertEqual(plan.cfg.settings["quiet_after"], "0")
         self.assertEqual((plan.default_k, plan.cfg.settings["draft_us"]), (2, "40"))
         self.assertIn("fallback verify length 2 (DPB_DEFAULT_K=2)", plan.cfg.startup_line())
 

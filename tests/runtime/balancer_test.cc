@@ -613,6 +613,78 @@ TEST(Balancer, OnAnOrderedBackendADisabledRankStillJoinsEveryStep) {
   }
 }
 
+// Quiet mode (quiet.h) on an ordered backend, 4 ranks, after 3, spans up to 8: DefaultGuard
+// with a margin no plan beats keeps every decision at the defaults, so the ranks exchange at
+// steps 0-3, 7, 14, 23, 32, 41, 50, 59 and skip the other 49 steps, every rank the same ones: no
+// collective is left unmatched and every rank made the same calls. Every step runs the defaults.
+TEST(Balancer, QuietModeSkipsTheSameStepsOnEveryRankWhileTheDefaultIsKept) {
+  constexpr int kRanks = 4, kSteps = 60;
+  OrderedGroup group(kRanks);
+  std::vector<std::atomic<int>> calls(kRanks);
+  auto pass = [](int, int64_t, absl::Duration t) { return t; };
+  auto count = [&calls](int r, int64_t) { ++calls[r]; };
+  const auto logs = RunRanks(
+      kRanks, kSteps,
+      [](int, BalancerConfig& c) {
+        c.planner.min_plan_gain = 10;
+        c.quiet = {.after = 3, .max_steps = 8};
+      },
+      Normal, nullptr, nullptr,
+      [&](int r, std::unique_ptr<AllGather>) -> std::unique_ptr<AllGather> {
+        return std::make_unique<Hooked>(group.Join(r), pass, count);
+      });
+  EXPECT_EQ(group.Unmatched(), 0);
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_EQ(calls[r], 1 + 11) << "rank " << r << ": the handshake and 11 exchanges";
+    EXPECT_EQ(logs[r].stats.quiet_steps, 49) << r;
+    EXPECT_EQ(logs[r].stats.quiet_spans, 8) << r;
+    EXPECT_EQ(logs[r].stats.fallbacks, 0) << r;
+    EXPECT_TRUE(logs[r].enabled);
+    for (int s = 0; s < kSteps; ++s) EXPECT_EQ(logs[r].depth[s], 1) << "rank " << r << " step " << s;
+  }
+}
+
+// Quiet mode starts only from what the exchange says. Plans that beat the default: no span at
+// all. A rank whose input fails at a probe (step 14; rank 2, a negative context) sends a record
+// without its proposal: nobody goes quiet after it, every rank exchanges at step 15 too and the
+// spans start again from the first length (exchanges 0-3, 7, 14, 15, 19, 26, 35, 44, 53). The
+// failing rank counts one fallback; the ranks still skip the same steps.
+TEST(Balancer, QuietModeStopsForAChangedPlanOrARankThatFailsItsInput) {
+  constexpr int kRanks = 4, kSteps = 60;
+  const auto changed = RunRanks(kRanks, kSteps, [](int, BalancerConfig& c) { c.quiet = {.after = 3}; }, Normal);
+  for (const RankLog& l : changed) {
+    EXPECT_EQ(l.stats.quiet_steps, 0);
+    EXPECT_EQ(l.stats.balanced_steps, kSteps);
+  }
+  OrderedGroup group(kRanks);
+  std::vector<std::atomic<int>> calls(kRanks);
+  auto pass = [](int, int64_t, absl::Duration t) { return t; };
+  auto count = [&calls](int r, int64_t) { ++calls[r]; };
+  auto fails_at_14 = [](int r, int s, std::mt19937_64& rng) {
+    auto b = Batch(rng, 8 + r % 5, 1000 * r + s % 3);
+    if (r == 2 && (s == 14 || s == 5)) b[0].ctx_tokens = -5;  // step 5 is quiet: nothing reads it
+    return b;
+  };
+  const auto logs = RunRanks(
+      kRanks, kSteps,
+      [](int, BalancerConfig& c) {
+        c.planner.min_plan_gain = 10;
+        c.quiet = {.after = 3, .max_steps = 8};
+      },
+      fails_at_14, nullptr, nullptr,
+      [&](int r, std::unique_ptr<AllGather>) -> std::unique_ptr<AllGather> {
+        return std::make_unique<Hooked>(group.Join(r), pass, count);
+      });
+  EXPECT_EQ(group.Unmatched(), 0);
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_EQ(calls[r], 1 + 12) << "rank " << r;
+    EXPECT_EQ(logs[r].stats.quiet_steps, 48) << r;
+    EXPECT_EQ(logs[r].stats.fallbacks, r == 2 ? 1 : 0) << r;
+    EXPECT_EQ(logs[r].failed[14], r == 2) << r;
+    EXPECT_TRUE(logs[r].enabled);
+  }
+}
+
 // A rank whose init failed (Balancer::Refuse) still joins the handshake: its peers disable at
 // once, naming it and why, instead of waiting out their 20 s timeout.
 TEST(Balancer, ARefusingRankDisablesItsPeersAtOnceNamingWhy) {
@@ -661,6 +733,7 @@ TEST(Balancer, HandshakeCatchesConfigsThatDifferOnlyWhereBatchesStayValid) {
       [](BalancerConfig& c) { c.planner.default_k = 2; },
       [](BalancerConfig& c) { c.ab_epoch_steps = 4; },
       [](BalancerConfig& c) { c.online_calibration = !c.online_calibration; },
+      [](BalancerConfig& c) { c.quiet.after = 4; },
   };
   for (size_t t = 0; t < std::size(tweaks); ++t) {
     const auto logs = RunRanks(4, 3, [&](int r, BalancerConfig& c) { if (r == 2) tweaks[t](c); }, Normal);

@@ -959,16 +959,23 @@ class Piggyback:
 
     Every process must pass payloads of one size and call `step` every step (also with no
     plugin, or a disabled one: the record slot then goes out as zeros, which every plugin that
-    reads it rejects, so all ranks fall back together). The record's size is the one the
+    reads it rejects, so all ranks fall back together). On a step the plugin plans without an
+    exchange (its quiet mode, DPB_QUIET_AFTER: every rank skips the same steps) the engine's
+    collective still runs, with a zero record the plugin never reads, unless `own_collective`
+    says the collective exists only for the plugin (the vLLM package's gloo all-reduce): then it
+    is skipped too, and `step` returns `payloads` None. The record's size is the one the
     plugin's handshake at `init` sent (RECORD_BYTES before any). An exception from `collective`
     is the engine's own failure: `step` re-raises it (the plugin has then fallen back). A request
     that cannot be marshalled raises too, after the engine's sync has run with a zero record,
     so the other ranks never wait for this one. One per process, like DpBalance."""
 
-    def __init__(self, collective: Callable[[bytes], bytes], num_ranks: int):
+    def __init__(self, collective: Callable[[bytes], bytes], num_ranks: int,
+                 own_collective: bool = False):
         _int_field(num_ranks, "num_ranks", 1, 1 << 20)
         self._collective = collective
         self.num_ranks = num_ranks
+        self.own_collective = bool(own_collective)
+        self.quiet_steps = 0  # steps whose plan ran without an exchange (own_collective)
         self.record_bytes = RECORD_BYTES
         self._payload: Optional[bytes] = None
         self._payloads: Optional[list] = None
@@ -1027,8 +1034,11 @@ class Piggyback:
                     raise
             if self._error is not None:
                 raise self._error
-            if self._payloads is None:  # the plugin did not exchange: the engine's sync still runs
-                self._gather(self._payload, bytes(self.record_bytes))
+            if self._payloads is None:  # the plugin did not exchange (quiet mode, or no plugin)
+                if self.own_collective and dpb is not None and lens is not None:
+                    self.quiet_steps += 1  # every rank's plugin skipped this step's exchange
+                else:
+                    self._gather(self._payload, bytes(self.record_bytes))  # the engine's sync
             return StepResult(lens, depth, self._payloads, plan)
         finally:
             self._payload = None

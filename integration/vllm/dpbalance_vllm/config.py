@@ -26,7 +26,11 @@ What the package sets for the plugin (the `config` string, which wins over the e
   - guard_measured=1, unless DPB_GUARD_MEASURED is set: the TPOT guard counts the plugin's own
     measured time per step (its plan call, the exchange over the engine core's gloo DP group
     included: 1-1.7 ms a step on the live CPU runs, which vLLM without the plugin does not pay),
-    so a plan's longer steps plus that time stay within the guard (docs/live_vllm.md).
+    so a plan's longer steps plus that time stay within the guard (docs/live_vllm.md);
+  - quiet_after=8, unless DPB_QUIET_AFTER is set: the exchange is a collective of the plugin's
+    alone, so while every decision keeps vLLM's draft lengths (8 in a row) the ranks skip it on
+    agreed spans of steps (up to DPB_QUIET_MAX, 32), paying it about once every 33 steps
+    instead of every step (runtime/include/dpbalance/quiet.h, docs/live_vllm.md).
 The start-up line says which of these are in effect, with the cost model.
 """
 from __future__ import annotations
@@ -43,6 +47,7 @@ MODEL_FREE_DRAFTERS = ("ngram", "ngram_gpu", "suffix")
 # The plugin's limit on any verify length (kMaxDraftLen, dpbalance_plugin_v2.h k_cap).
 PLUGIN_K_LIMIT = 8
 STATS_EVERY_S_DEFAULT = 30.0
+QUIET_AFTER_DEFAULT = 8        # kept-default exchanges before the first quiet span
 BUBBLE_WINDOW_DEFAULT = 200
 
 
@@ -166,6 +171,8 @@ class EngineConfig:
                 parts.append("draft_us=0")
             if "DPB_GUARD_MEASURED" not in os.environ:
                 parts.append("guard_measured=1")
+            if "DPB_QUIET_AFTER" not in os.environ:
+                parts.append(f"quiet_after={QUIET_AFTER_DEFAULT}")
             c.plugin_config = ";".join(parts)
             if check is None:
                 check = _plugin_check(library)
@@ -194,7 +201,10 @@ class EngineConfig:
                 f"us/token, overhead {s.get('step_overhead_us', '?')} us, TPOT guard slack "
                 f"{s.get('step_slack', '?')} counting {s.get('guard_overhead_us', '?')} us"
                 f"{' + its measured own time' if s.get('guard_measured') == '1' else ''}, online refit "
-                f"{'on' if s.get('online') == '1' else 'off'})")
+                f"{'on' if s.get('online') == '1' else 'off'}, "
+                + ("quiet mode off" if s.get('quiet_after') == '0' else
+                   f"quiet after {s.get('quiet_after', '?')} kept-default steps, spans up to "
+                   f"{s.get('quiet_max', '?')}") + ")")
         return (f"dpbalance: enabled on DP rank {self.dp_rank}/{self.dp_size}: mode "
                 f"{s.get('mode', '?')}, verify lengths 0..{s.get('k_max', '?')} ({self.method or 'no'}"
                 f" drafts, num_speculative_tokens={self.k_spec}), {cost}; fallback {self.fallback_text()}; "

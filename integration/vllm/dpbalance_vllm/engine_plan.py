@@ -14,7 +14,11 @@ requests, from the executor's dummy batch on an idle rank (vLLM's `EngineCore.st
 before the scheduler there). The exchange is an all-reduce over the engine core's own DP group
 (`DPEngineCoreProc.dp_group`, gloo, the group `_has_global_unfinished_reqs` syncs on), each rank
 filling its row, carried through the adapter's `Piggyback` so that it runs every step even when
-the plugin has disabled itself on some rank (a zero record: every rank then falls back).
+the plugin has disabled itself on some rank (a zero record: every rank then falls back). The
+one exception is the plugin's quiet mode (DPB_QUIET_AFTER, which config.py sets to 8): while
+every decision keeps vLLM's own draft lengths the plugin agrees, in the exchange, on spans of
+steps that skip it, and since the collective is the plugin's alone the all-reduce is skipped on
+those steps too, on every rank (`exchanges` counts the steps that ran it, `steps` all of them).
 
 Start-up (config.py): the scheduler creates the EnginePlan while vLLM builds the engine core,
 before the engine reports ready, and every setting is checked there. A refused setting is one
@@ -111,7 +115,8 @@ class EnginePlan:
         self.dpb = None
         self.pb = None
         self._group = None
-        self.exchanges = 0                 # exchanges joined (= engine steps while running)
+        self.steps = 0                     # plans made (= engine steps while running)
+        self.exchanges = 0                 # of them, steps that ran the exchange (not quiet)
         self.exchanged_this_step = False
         self.fallbacks = {}                # plugin result name -> steps
         self.desyncs = 0                   # steps whose exchange indices differed across ranks
@@ -195,7 +200,9 @@ class EnginePlan:
                                       accepted=0, output_tokens=0, attention_s=None,
                                       exchange_s=None, error_ratio=None)
                 return False
-        self.pb = adapter.Piggyback(self._timed_collective, self.dp_size)
+        # The collective is the plugin's alone (vLLM runs its own DP syncs elsewhere): on the
+        # plugin's quiet steps (DPB_QUIET_AFTER) it is skipped on every rank.
+        self.pb = adapter.Piggyback(self._timed_collective, self.dp_size, own_collective=True)
         if self.cfg.error:
             # Refused at start-up: no plugin here, but the peers' init runs a handshake through
             # this collective on their first step; join it with a zero record (which their
@@ -244,15 +251,19 @@ class EnginePlan:
         self._plan_s = time.perf_counter() - t_plan  # the plugin's plan call, exchange included
         self.last_plan = res.plan  # the ABI v2 PlanResult (every rank's tokens and flags), or None
         self.exchanged_this_step = True
-        rows = [_PAYLOAD.unpack(p) for p in res.payloads]
-        idx = {row[0] for row in rows}
-        if len(idx) != 1:
-            self.desyncs += 1
-            log.error("dpbalance: DP rank %d exchange %d met indices %s", self.dp_rank,
-                      self.exchanges, sorted(idx))
+        if res.payloads is not None:  # None: a quiet step, no exchange on any rank
+            rows = [_PAYLOAD.unpack(p) for p in res.payloads]
+            idx = {row[0] for row in rows}
+            if len(idx) != 1:
+                self.desyncs += 1
+                log.error("dpbalance: DP rank %d exchange %d met indices %s", self.dp_rank,
+                          self.exchanges, sorted(idx))
+            else:
+                self._previous_barrier(rows)
+            self.exchanges += 1
         else:
-            self._previous_barrier(rows)
-        self.exchanges += 1
+            self._exchange_s = None
+        self.steps += 1
         if self.dpb is not None:
             result = adapter.RESULT_NAMES.get(self.dpb.last_result, str(self.dpb.last_result))
         else:
@@ -262,7 +273,7 @@ class EnginePlan:
         else:
             self.fallbacks[result] = self.fallbacks.get(result, 0) + 1
             lens = [min(self.default_k, int(r[2])) for r in requests]  # the engine's default
-        self.last_token = self.exchanges - 1
+        self.last_token = self.steps - 1
         plan_id = getattr(res.plan, "plan_id", None) if res.plan is not None else None
         self._outstanding[self.last_token] = (requests, lens, result, extra, plan_id, self._t_step)
         while len(self._outstanding) > 2:  # a plan never reported (a step the engine dropped)
@@ -361,7 +372,8 @@ class EnginePlan:
 
     def stats(self) -> dict:
         s = self.dpb.stats() if self.dpb is not None else {}
-        s.update({"dp_rank": self.dp_rank, "exchanges": self.exchanges,
+        s.update({"dp_rank": self.dp_rank, "steps": self.steps, "exchanges": self.exchanges,
+                  "quiet_steps": self.pb.quiet_steps if self.pb is not None else 0,
                   "fallback_results": dict(self.fallbacks), "desyncs": self.desyncs,
                   "stale_steps": self.stale_steps, "disabled_reason": self.disabled_reason,
                   "default_k": self.default_k,
@@ -410,7 +422,8 @@ class EnginePlan:
         fb = sum(self.fallbacks.values())
         why = " (" + ", ".join(f"{k} {v}" for k, v in sorted(self.fallbacks.items())) + ")" \
             if fb else ""
-        line = (f"dpbalance: DP rank {self.dp_rank} {kind}: {self.exchanges} steps, "
+        line = (f"dpbalance: DP rank {self.dp_rank} {kind}: {self.steps} steps "
+                f"({self.exchanges} exchanged), "
                 f"{s.get('balanced_steps', 0)} balanced, {fb} at the fallback length{why}; "
                 f"instance bubble {s.get('bubble_fraction', 0):.3f}, this rank's wait share "
                 f"{self._window.ratio():.3f} (last {self._window.steps} steps); model error "

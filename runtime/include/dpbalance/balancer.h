@@ -39,6 +39,7 @@
 #include "dpbalance/lag.h"
 #include "dpbalance/metrics.h"
 #include "dpbalance/planner.h"
+#include "dpbalance/quiet.h"
 #include "dpbalance/tpot_slo.h"
 
 namespace dpbalance {
@@ -77,6 +78,9 @@ struct BalancerConfig {
   // were current). An engine that reports every step before planning the next has nothing
   // pending, and the plan is the same either way.
   uint32_t lag_predict = kPredictAll;
+  // Quiet mode (quiet.h): skip the exchange on spans of steps while every decision keeps the
+  // default plan. Only where the exchange is the plugin's alone. Hashed only when on.
+  QuietConfig quiet;
   uint64_t Hash() const;                   // what the handshake compares
 };
 
@@ -168,6 +172,8 @@ struct BalancerStats {
   int64_t exchange_failures = 0;      // exchanges (handshake included) that failed
   double max_exchange_ms = 0;         // longest exchange, handshake included
   double own_us = 0;                  // running mean of this rank's plan calls (RankSummary::own_us)
+  int64_t quiet_steps = 0;            // steps that skipped the exchange (quiet.h)
+  int64_t quiet_spans = 0;            // quiet spans started
 };
 
 class Balancer {
@@ -221,11 +227,15 @@ class Balancer {
   absl::Status Handshake();
   // The one all-gather: `send` out, every rank's record into gathered_.
   absl::Status Exchange(const RankSummary& send, absl::Duration timeout);
-  // PlanStepUntimed, timed into own_us_.
+  // PlanStepUntimed, timed into own_us_; or on a quiet step QuietStep.
   PlanOutcome PlanStep(const StepInput& step, absl::Span<int32_t> verify_len, absl::Status local,
                        StepTotals* totals);
   PlanOutcome PlanStepUntimed(const StepInput& step, absl::Span<int32_t> verify_len,
                               absl::Status local, StepTotals* totals);
+  // A step of a quiet span: the defaults, no exchange (quiet.h). The latest report waits for the
+  // next exchange; a bad local input is a fallback here and is said in that exchange.
+  PlanOutcome QuietStep(const StepInput& step, absl::Span<int32_t> verify_len,
+                        const absl::Status& local, StepTotals* totals);
   // Idle rows (IdleRowRecord) in gathered_ into records of this config that plan nothing, and
   // which DP ranks sent one (idle_rows_).
   void ReadIdleRows();
@@ -314,6 +324,7 @@ class Balancer {
   std::vector<RankSummary> leaders_;   // attention TP: member 0 of each DP rank
   std::vector<bool> idle_rows_;        // per DP rank: the engine sent its idle row this step
   GlobalDecision decision_;            // the last decision applied
+  QuietSchedule quiet_;
   RankSummary own_summary_{};  // this rank's record of the step
   // The last two plans, by step index (an engine may report step t after planning t+1).
   struct Planned {
