@@ -985,11 +985,13 @@ def collect(root):
 
 def measured_own_us(found, dp):
     """What DPB_GUARD_MEASURED charged the dpbalance arms' TPOT guard, as near as their logs
-    say: per replicate, the largest over ranks of the rank's mean plan call (`plan_us`, the
+    say: per replicate, the largest over ranks of the rank's median plan call (`plan_us`, the
     adapter's wall time around the plugin's plan call, exchange included: the plugin's own
-    running mean plus the adapter's marshalling); the mean over replicates. Only steps that ran
-    the exchange count (`xchg_us` logged), as the plugin's own mean counts only those: a quiet
-    step (DPB_QUIET_AFTER) plans without one. None when no dpbalance arm logged one."""
+    own median plus the adapter's marshalling); the mean over replicates. Only steps that ran
+    the exchange count (`xchg_us` logged), as the plugin's own median counts only those: a quiet
+    step (DPB_QUIET_AFTER) plans without one. A median over the whole run, as the plugin's is
+    over its last 32 calls, so the first exchange (which waits for the other rank's start-up)
+    does not count. None when no dpbalance arm logged one."""
     per_rep = []
     for log_dir, c in found:
         if c.get("mode") != "dpbalance":
@@ -1001,7 +1003,7 @@ def measured_own_us(found, dp):
                   and r.get("xchg_us")] \
                 if os.path.exists(path) else []
             if xs:
-                means.append(statistics.mean(xs))
+                means.append(statistics.median(xs))
         if means:
             per_rep.append(max(means))
     return statistics.mean(per_rep) if per_rep else None

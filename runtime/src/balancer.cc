@@ -429,8 +429,11 @@ PlanOutcome Balancer::PlanStep(const StepInput& in, absl::Span<int32_t> verify_l
   const absl::Time start = absl::Now();
   PlanOutcome out = PlanStepUntimed(in, verify_len, std::move(local), totals);
   const double us = absl::ToDoubleMicroseconds(absl::Now() - start);
-  own_calls_ = std::min<int64_t>(own_calls_ + 1, kOwnWindow);
-  own_us_ += (us - own_us_) / static_cast<double>(own_calls_);
+  own_samples_[own_calls_++ % kOwnWindow] = us;
+  std::array<double, kOwnWindow> window = own_samples_;
+  const auto n = static_cast<size_t>(std::min<int64_t>(own_calls_, kOwnWindow));
+  std::nth_element(window.begin(), window.begin() + n / 2, window.begin() + n);
+  own_us_ = window[n / 2];  // the upper median of an even count
   return out;
 }
 

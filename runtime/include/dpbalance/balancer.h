@@ -171,7 +171,7 @@ struct BalancerStats {
   int64_t tp_mismatches = 0;          // steps this DP rank's attention-TP members disagreed
   int64_t exchange_failures = 0;      // exchanges (handshake included) that failed
   double max_exchange_ms = 0;         // longest exchange, handshake included
-  double own_us = 0;                  // running mean of this rank's plan calls (RankSummary::own_us)
+  double own_us = 0;                  // median of this rank's recent plan calls (RankSummary::own_us)
   int64_t quiet_steps = 0;            // steps that skipped the exchange (quiet.h)
   int64_t quiet_spans = 0;            // quiet spans started
 };
@@ -354,12 +354,15 @@ class Balancer {
   int64_t last_warn_step_ = -1000000;
   int64_t tp_mismatches_ = 0, exchange_failures_ = 0;
   double max_exchange_ms_ = 0;
-  // This rank's own time per step: a running mean of its plan calls (exchange included; the
-  // mean of the first kOwnWindow calls, then an exponential mean over about that many), sent as
-  // RankSummary::own_us for the TPOT guard's measured overhead.
+  // This rank's own time per step: the median of its last kOwnWindow exchanged plan calls
+  // (exchange included), sent as RankSummary::own_us for the TPOT guard's measured overhead. A
+  // median, because one call can wait out a peer's start-up or a stall (the first exchange of a
+  // live vLLM run waits ~0.85 s for the other rank), and a mean would charge that to every plan
+  // for as long as it stays in the window; with quiet mode, that is many steps.
   static constexpr int kOwnWindow = 32;
-  double own_us_ = 0;
+  std::array<double, kOwnWindow> own_samples_{};
   int64_t own_calls_ = 0;
+  double own_us_ = 0;
   // Attention TP: the last report's observations, applied with member 0's times.
   struct Pending {
     int64_t request_id;

@@ -39,9 +39,9 @@ struct RankSummary {
   uint16_t flags;              // kSummaryValid | ...
   uint64_t config_hash;        // PlannerConfig::Hash(): all ranks must agree
   uint16_t rank_idx;           // sender's rank (a group has at most 65536 members)
-  // The sender's own time per step: the running mean of its plan calls (its exchange included),
-  // in microseconds, saturated at 65535; 0 unknown. PlannerConfig::guard_measured_overhead
-  // counts the largest across ranks against the TPOT guard.
+  // The sender's own time per step: the median of its last 32 plan calls that exchanged (the
+  // exchange included), in microseconds, saturated at 65535; 0 unknown.
+  // PlannerConfig::guard_measured_overhead counts the largest across ranks against the TPOT guard.
   uint16_t own_us;
   uint32_t step_idx;           // sender's step counter (low 32 bits)
   float prev_attention_us;     // measured attention time of the previous step, < 0 if unknown
