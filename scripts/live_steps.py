@@ -81,6 +81,8 @@ def main():
                 a["plans"].append(plans)
                 a.setdefault("exchange_us", []).extend(
                     r["xchg_us"] for r in rows if "x" in r and r.get("xchg_us"))
+                # Plans made, exchanged or not (a quiet step, DPB_QUIET_AFTER, has no xchg_us).
+                a["plan_steps"] = a.get("plan_steps", 0) + sum(1 for r in rows if "x" in r)
     report = {"arms": {}}
     print(f"{'arm':10s} rank steps wall_ms fwd_ms att_ms q/step drafts/req spread tokens/step")
     for arm, ranks in arms.items():
@@ -111,9 +113,9 @@ def main():
     # xchg_us, every exchange of the arm: the engine core's all-reduce, waits for the peer
     # included).
     print("outside the forward (ms per decode step; wall - forward), per rank; plugin arms: "
-          "the exchange")
+          "the exchange (ms per exchange) and the share of steps that ran one")
     for arm, ranks in arms.items():
-        outs, xchg = [], []
+        outs, xchg, share = [], [], []
         for rank, a in sorted(ranks.items()):
             pairs = [x for x in a["steps"] if x.get("next_to_prev")]
             if not pairs:
@@ -125,10 +127,13 @@ def main():
             row["wall_ms_mean"] = st.mean(x["wall_us"] for x in pairs) / 1e3
             if a.get("exchange_us"):
                 row["exchange_ms"] = st.mean(a["exchange_us"]) / 1e3
+                row["exchanged_share"] = len(a["exchange_us"]) / max(1, a["plan_steps"])
                 xchg.append(row["exchange_ms"])
+                share.append(row["exchanged_share"])
         if outs:
             print(f"  {arm:10s} outside {', '.join(f'{v:.2f}' for v in outs)}"
-                  + (f"; exchange {', '.join(f'{v:.2f}' for v in xchg)}" if xchg else ""))
+                  + (f"; exchange {', '.join(f'{v:.2f}' for v in xchg)} on "
+                     f"{', '.join(f'{100 * v:.1f}%' for v in share)} of steps" if xchg else ""))
     # The plan's view: predicted against measured attention, per rank and at the barrier.
     for arm, ranks in arms.items():
         if not all(a["plans"] for a in ranks.values()):
