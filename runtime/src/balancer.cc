@@ -491,7 +491,10 @@ PlanOutcome Balancer::PlanStepUntimed(const StepInput& in, absl::Span<int32_t> v
     }
     ApplyLeaderMeasurements();
   }
-  if (PeersStopStep(in, verify_len, out, totals)) return out;
+  if (PeersStopStep(in, verify_len, out, totals)) {
+    quiet_.AfterExchange(gathered_, false);  // a paused step ends a streak, on every rank alike
+    return out;
+  }
   // Step 3: everyone agrees on the step and so on the A/B arm.
   const bool arm_on = AgreeOnStep(step, measured);
   planned_[step % planned_.size()] = Planned{step, arm_on, -1, -1, false, {}};

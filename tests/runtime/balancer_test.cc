@@ -618,28 +618,43 @@ TEST(Balancer, OnAnOrderedBackendADisabledRankStillJoinsEveryStep) {
   }
 }
 
-// Quiet mode (quiet.h) on an ordered backend, 4 ranks, after 3, spans up to 8: DefaultGuard
-// with a margin no plan beats keeps every decision at the defaults, so the ranks exchange at
-// steps 0-3, 7, 14, 23, 32, 41, 50, 59 and skip the other 49 steps, every rank the same ones: no
-// collective is left unmatched and every rank made the same calls. Every step runs the defaults.
-TEST(Balancer, QuietModeSkipsTheSameStepsOnEveryRankWhileTheDefaultIsKept) {
-  constexpr int kRanks = 4, kSteps = 60;
+using BatchOf = std::function<std::vector<BalancerRequest>(int, int, std::mt19937_64&)>;
+
+// Quiet mode's runs: 4 ranks on the ordered backend model, quiet mode after 3 with spans up to 8,
+// DefaultGuard with a margin no plan beats (every decision keeps the defaults). `calls` gets
+// each rank's collective calls (the handshake's included), `unmatched` the collectives some
+// rank never joined.
+std::vector<RankLog> RunQuietRanks(int steps, BatchOf batch_of, std::vector<int>* calls, int* unmatched) {
+  constexpr int kRanks = 4;
   OrderedGroup group(kRanks);
-  std::vector<std::atomic<int>> calls(kRanks);
+  std::vector<std::atomic<int>> n(kRanks);
   auto pass = [](int, int64_t, absl::Duration t) { return t; };
-  auto count = [&calls](int r, int64_t) { ++calls[r]; };
-  const auto logs = RunRanks(
-      kRanks, kSteps,
+  auto count = [&n](int r, int64_t) { ++n[r]; };
+  auto logs = RunRanks(
+      kRanks, steps,
       [](int, BalancerConfig& c) {
         c.planner.min_plan_gain = 10;
         c.quiet = {.after = 3, .max_steps = 8};
       },
-      Normal, nullptr, nullptr,
+      std::move(batch_of), nullptr, nullptr,
       [&](int r, std::unique_ptr<AllGather>) -> std::unique_ptr<AllGather> {
         return std::make_unique<Hooked>(group.Join(r), pass, count);
       });
-  EXPECT_EQ(group.Unmatched(), 0);
-  for (int r = 0; r < kRanks; ++r) {
+  *unmatched = group.Unmatched();
+  calls->assign(n.begin(), n.end());
+  return logs;
+}
+
+// Quiet mode (quiet.h) with every decision at the defaults: the ranks exchange at steps 0-3, 7,
+// 14, 23, 32, 41, 50, 59 and skip the other 49 steps, every rank the same ones: no collective is
+// left unmatched and every rank made the same calls. Every step runs the defaults.
+TEST(Balancer, QuietModeSkipsTheSameStepsOnEveryRankWhileTheDefaultIsKept) {
+  constexpr int kSteps = 60;
+  std::vector<int> calls;
+  int unmatched = -1;
+  const auto logs = RunQuietRanks(kSteps, Normal, &calls, &unmatched);
+  EXPECT_EQ(unmatched, 0);
+  for (size_t r = 0; r < logs.size(); ++r) {
     EXPECT_EQ(calls[r], 1 + 11) << "rank " << r << ": the handshake and 11 exchanges";
     EXPECT_EQ(logs[r].stats.quiet_steps, 49) << r;
     EXPECT_EQ(logs[r].stats.quiet_spans, 8) << r;
@@ -661,26 +676,15 @@ TEST(Balancer, QuietModeStopsForAChangedPlanOrARankThatFailsItsInput) {
     EXPECT_EQ(l.stats.quiet_steps, 0);
     EXPECT_EQ(l.stats.balanced_steps, kSteps);
   }
-  OrderedGroup group(kRanks);
-  std::vector<std::atomic<int>> calls(kRanks);
-  auto pass = [](int, int64_t, absl::Duration t) { return t; };
-  auto count = [&calls](int r, int64_t) { ++calls[r]; };
   auto fails_at_14 = [](int r, int s, std::mt19937_64& rng) {
     auto b = Batch(rng, 8 + r % 5, 1000 * r + s % 3);
     if (r == 2 && (s == 14 || s == 5)) b[0].ctx_tokens = -5;  // step 5 is quiet: nothing reads it
     return b;
   };
-  const auto logs = RunRanks(
-      kRanks, kSteps,
-      [](int, BalancerConfig& c) {
-        c.planner.min_plan_gain = 10;
-        c.quiet = {.after = 3, .max_steps = 8};
-      },
-      fails_at_14, nullptr, nullptr,
-      [&](int r, std::unique_ptr<AllGather>) -> std::unique_ptr<AllGather> {
-        return std::make_unique<Hooked>(group.Join(r), pass, count);
-      });
-  EXPECT_EQ(group.Unmatched(), 0);
+  std::vector<int> calls;
+  int unmatched = -1;
+  const auto logs = RunQuietRanks(kSteps, fails_at_14, &calls, &unmatched);
+  EXPECT_EQ(unmatched, 0);
   for (int r = 0; r < kRanks; ++r) {
     EXPECT_EQ(calls[r], 1 + 12) << "rank " << r;
     EXPECT_EQ(logs[r].stats.quiet_steps, 48) << r;
