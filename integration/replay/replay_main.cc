@@ -338,8 +338,8 @@ absl::Status CheckFlags() {
            in_range("step_slack", absl::GetFlag(FLAGS_step_slack), -1e9, 100),  // < 0: no guard
            in_range("min_plan_gain", absl::GetFlag(FLAGS_min_plan_gain), 0, 10),
            in_range("guard_overhead_us", absl::GetFlag(FLAGS_guard_overhead_us), 0, 1e7),
-           in_range("quiet_after", absl::GetFlag(FLAGS_quiet_after), 0, 1000),
-           in_range("quiet_max", absl::GetFlag(FLAGS_quiet_max), 1, 4096),
+           in_range("quiet_after", absl::GetFlag(FLAGS_quiet_after), 0, QuietConfig::kMaxAfter),
+           in_range("quiet_max", absl::GetFlag(FLAGS_quiet_max), 1, QuietConfig::kMaxSpan),
            in_range("truth_layers", absl::GetFlag(FLAGS_truth_layers), 1, 1000),
            in_range("ffn_fixed_ms", absl::GetFlag(FLAGS_ffn_fixed_ms), 0, 1e6),  // a step over 1000 s is a typo
            in_range("ffn_per_token_ms", absl::GetFlag(FLAGS_ffn_per_token_ms), 0, 1e6),

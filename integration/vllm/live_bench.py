@@ -996,16 +996,16 @@ def measured_own_us(found, dp):
     for log_dir, c in found:
         if c.get("mode") != "dpbalance":
             continue
-        means = []
+        medians = []
         for k in range(dp):
             path = os.path.join(log_dir, f"engine_dp{k}.jsonl")
             xs = [r["plan_us"] for r in read_jsonl(path) if r.get("plan_us")
                   and r.get("xchg_us")] \
                 if os.path.exists(path) else []
             if xs:
-                means.append(statistics.median(xs))
-        if means:
-            per_rep.append(max(means))
+                medians.append(statistics.median(xs))
+        if medians:
+            per_rep.append(max(medians))
     return statistics.mean(per_rep) if per_rep else None
 
 

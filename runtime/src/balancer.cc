@@ -437,13 +437,19 @@ PlanOutcome Balancer::PlanStep(const StepInput& in, absl::Span<int32_t> verify_l
   return out;
 }
 
-PlanOutcome Balancer::QuietStep(const StepInput& in, absl::Span<int32_t> verify_len,
-                                const absl::Status& local, StepTotals* totals) {
+PlanOutcome Balancer::BeginStep(const StepInput& in, absl::Span<int32_t> verify_len,
+                                StepTotals* totals) {
   PlanOutcome out;
   out.draft_depth = config_.planner.default_k;
   Fallback(in.batch, verify_len);
   StartTotals(in, verify_len, totals);
   out.step = step_++;
+  return out;
+}
+
+PlanOutcome Balancer::QuietStep(const StepInput& in, absl::Span<int32_t> verify_len,
+                                const absl::Status& local, StepTotals* totals) {
+  PlanOutcome out = BeginStep(in, verify_len, totals);
   // Reported like any step: a plan at the defaults (no barrier, no prediction). measured_ is
   // left as it is, so the next exchange carries the latest report.
   planned_[out.step % planned_.size()] = Planned{out.step, ArmOn(out.step), -1, -1, false, {}};
@@ -456,13 +462,9 @@ PlanOutcome Balancer::QuietStep(const StepInput& in, absl::Span<int32_t> verify_
 
 PlanOutcome Balancer::PlanStepUntimed(const StepInput& in, absl::Span<int32_t> verify_len,
                                       absl::Status local, StepTotals* totals) {
-  PlanOutcome out;
-  out.draft_depth = config_.planner.default_k;
+  PlanOutcome out = BeginStep(in, verify_len, totals);
   const absl::Span<const BalancerRequest> batch = in.batch;
-  Fallback(batch, verify_len);
-  StartTotals(in, verify_len, totals);
-  const uint64_t step = step_++;
-  out.step = step;
+  const uint64_t step = out.step;
   // The latest reported step goes out with this record, once; its accounting follows the
   // exchange.
   const Measured measured = measured_;

@@ -6,8 +6,8 @@
 
 namespace dpbalance {
 namespace {
-constexpr int kMaxAfter = 1000;
-constexpr int kMaxSpan = 4096;
+constexpr int kMaxAfter = QuietConfig::kMaxAfter;
+constexpr int kMaxSpan = QuietConfig::kMaxSpan;
 constexpr int kMaxLevel = kSummaryQuietMask >> kSummaryQuietShift;  // 15
 }  // namespace
 

@@ -261,8 +261,6 @@ class EnginePlan:
             else:
                 self._previous_barrier(rows)
             self.exchanges += 1
-        else:
-            self._exchange_s = None
         self.steps += 1
         if self.dpb is not None:
             result = adapter.RESULT_NAMES.get(self.dpb.last_result, str(self.dpb.last_result))

@@ -232,6 +232,9 @@ class Balancer {
                        StepTotals* totals);
   PlanOutcome PlanStepUntimed(const StepInput& step, absl::Span<int32_t> verify_len,
                               absl::Status local, StepTotals* totals);
+  // What every step starts with: the engine's default lengths in `verify_len`, this rank's own
+  // total in `totals`, the default depth, and the step's index (step_ advanced).
+  PlanOutcome BeginStep(const StepInput& step, absl::Span<int32_t> verify_len, StepTotals* totals);
   // A step of a quiet span: the defaults, no exchange (quiet.h). The latest report waits for the
   // next exchange; a bad local input is a fallback here and is said in that exchange.
   PlanOutcome QuietStep(const StepInput& step, absl::Span<int32_t> verify_len,

@@ -37,8 +37,10 @@ inline constexpr int kSummaryQuietShift = 8;
 inline constexpr uint16_t kSummaryQuietMask = 0x0f00;
 
 struct QuietConfig {
-  int after = 0;       // kept-default exchanges in a row before the first span (0: off), <= 1000
-  int max_steps = 32;  // the longest span, 1..4096
+  static constexpr int kMaxAfter = 1000;  // the bounds Validate checks (and the flags say)
+  static constexpr int kMaxSpan = 4096;
+  int after = 0;       // kept-default exchanges in a row before the first span (0: off), <= kMaxAfter
+  int max_steps = 32;  // the longest span, 1..kMaxSpan
   absl::Status Validate() const;
 };
 
