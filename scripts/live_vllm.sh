@@ -38,7 +38,7 @@
 # the plugin arms count US microseconds of their own per step (the exchange and its adapter,
 # which scripts/live_steps.py measures on a kept run) against the TPOT guard
 # (DPB_GUARD_OVERHEAD_US; the prediction the same). The plugin arms also count their own time
-# as they measure it (DPB_GUARD_MEASURED=1, the vLLM package's default: each rank's mean plan
+# as they measure it (DPB_GUARD_MEASURED=1, the vLLM package's default: each rank's median plan
 # call, exchange included, rides its record and the guard charges the largest; US adds to it),
 # and the prediction charges the arms' logged plan calls (live_bench.py predict
 # --guard-measured); --no-guard-measured runs them with DPB_GUARD_MEASURED=0 (--guard-measured,
