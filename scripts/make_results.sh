@@ -45,6 +45,18 @@ for c in "mooncake" "azure --trace integration/replay/data/azure_conv_2023.csv" 
   python3 scripts/replay_seeds.py $B/integration/dpbalance-replay 3 /tmp/dpb-seeds-$n-shift \
     --stale_steps 1 --acceptance shift "$@" | tee docs/generated/seeds_${n}_lag1_shift.txt
 done
+# Every row with the oracle's knowledge of acceptance (--acceptance truth: ours and DSpark's rows
+# read each request's true curve): the lead the planners make on equal knowledge (results.md 8,
+# the ceiling). Mooncake over seeds 1-10 as above, the other truths over seeds 1-3.
+for c in "mooncake_lag1_truthacc_s10 10" \
+         "azure_lag1_truthacc 3 --trace integration/replay/data/azure_conv_2023.csv" \
+         "h200truth_lag1_truthacc 3 ${H200[*]}"; do
+  set -- $c
+  n=$1 seeds=$2
+  shift 2
+  python3 scripts/replay_seeds.py $B/integration/dpbalance-replay $seeds /tmp/dpb-seeds-$n \
+    --stale_steps 1 --acceptance truth "$@" | tee docs/generated/seeds_$n.txt
+done
 # What one step of lag costs the planner rows, split by what they predict (lag.h).
 python3 scripts/lag_study.py $B/integration/dpbalance-replay 3 | tee docs/generated/lag_study.txt
 # The step bound on the V2 truth (Mooncake and Azure, DSpark's engine: tiers, block draft): each

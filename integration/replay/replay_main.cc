@@ -139,7 +139,8 @@ ABSL_FLAG(double, prior_strength, 4.0,
 ABSL_FLAG(std::string, acceptance, "beta",
           "planner rows' and DSpark's acceptance estimator: 'beta' (per position) or 'shift' "
           "(one logit shift per request, its prior width learnt online; the plugin's "
-          "DPB_ACCEPTANCE)");
+          "DPB_ACCEPTANCE); or 'truth': every row that plans, ours and DSpark's alike, reads "
+          "each request's true acceptance (the oracle's knowledge for every row)");
 ABSL_FLAG(uint64_t, seed, 1, "random seed");
 ABSL_FLAG(int, max_requests, 0, "use only the first N trace requests (0: all)");
 ABSL_FLAG(int, threads, 0, "worker threads for the comparison (0: all cores)");
@@ -459,9 +460,14 @@ absl::StatusOr<SimConfig> BaseConfigFromFlags(const TruthModel& truth) {
   base.k_max = absl::GetFlag(FLAGS_k_max);
   base.acceptance_sigma = absl::GetFlag(FLAGS_acceptance_sigma);
   base.acceptance_prior_strength = absl::GetFlag(FLAGS_prior_strength);
-  {
+  if (absl::GetFlag(FLAGS_acceptance) == "truth") {
+    base.plan_on_true_acceptance = true;
+  } else {
     absl::StatusOr<AcceptanceModel> m = ParseAcceptanceModel(absl::GetFlag(FLAGS_acceptance));
-    if (!m.ok()) return absl::InvalidArgumentError(absl::StrCat("--acceptance: ", m.status().message()));
+    if (!m.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--acceptance: ", m.status().message(), " (the replay also takes truth)"));
+    }
     base.acceptance_model = *m;
   }
   base.max_step_slack = absl::GetFlag(FLAGS_step_slack);
@@ -835,7 +841,9 @@ nlohmann::json RowJson(const Row& row, const std::string& eval_cost, const SimCo
   // Written only when set, so every output without the default guard is unchanged.
   if (row.min_plan_gain > 0) j["min_plan_gain"] = row.min_plan_gain;
   if (row.value_deferral) j["value_deferral"] = true;
-  if (base.acceptance_model != AcceptanceModel::kBeta) {
+  if (base.plan_on_true_acceptance) {
+    j["acceptance"] = "truth";
+  } else if (base.acceptance_model != AcceptanceModel::kBeta) {
     j["acceptance"] = std::string(AcceptanceModelName(base.acceptance_model));
   }
   j["tpot_slo_ms"] = row.tpot_slo_ms;

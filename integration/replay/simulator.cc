@@ -20,7 +20,7 @@ namespace dpbalance::replay {
 namespace {
 
 // A request in flight on a rank: its KV context, what it still has to emit, and its true
-// acceptance (which the planner never sees, except in kOracle).
+// acceptance (which the planner never sees, except in kOracle or with plan_on_true_acceptance).
 struct InflightRequest {
   int64_t id;
   int64_t ctx;        // tokens in KV (input + emitted)
@@ -431,7 +431,9 @@ PlanRequest Simulation::PlanRequestFor(int rank, const InflightRequest& a,
                                        const InflightRequest::Seen& seen,
                                        absl::Span<const int32_t> pending) const {
   const AcceptanceCurve curve =
-      cfg_.verify == VerifyMode::kOracle ? a.truth_curve : estimators_[rank].Curve(a.id);
+      cfg_.verify == VerifyMode::kOracle || cfg_.plan_on_true_acceptance
+          ? a.truth_curve
+          : estimators_[rank].Curve(a.id);
   PredictedRequest pr;
   PlanRequest p = LaggedPlanRequest(seen.ctx, seen.remaining, pending, curve, cfg_.k_max, cfg_.lag_predict, &pr);
   const int32_t default_len = DefaultVerifyLen(cfg_.static_k, p.k_cap);

@@ -112,6 +112,11 @@ struct SimConfig {
   double acceptance_sigma = 1.0;          // per-request logit shift, standard deviation
   double acceptance_prior_strength = 4.0;
   AcceptanceModel acceptance_model = AcceptanceModel::kBeta;  // the estimators' (acceptance.h)
+  // Every row that plans (ours and DSpark's alike) reads each request's true acceptance curve
+  // instead of the estimators': the oracle's knowledge of acceptance given to every row, so a
+  // comparison between rows measures the planners alone (`--acceptance truth`). The oracle row
+  // differs from a goodput row only by this.
+  bool plan_on_true_acceptance = false;
   uint64_t seed = 1;
 };
 

@@ -413,6 +413,36 @@ TEST(Tiers, PaddedPlannerFillsTheTierAndBeatsDspark) {
   EXPECT_EQ(Simulate(c, TruthModel{}, trace)->padding_fraction, 0);
 }
 
+// --acceptance truth (SimConfig::plan_on_true_acceptance): every row that plans reads each
+// request's true curve. Our planner then is the oracle, to the bit (the oracle differs from it by
+// nothing else on a V2 truth), and DSpark's row plans on the same knowledge: its verify lengths
+// change, its tier and the truth that prices it do not.
+TEST(Tiers, TrueAcceptanceGivesEveryRowTheOraclesKnowledge) {
+  const auto trace = Slice(1500);
+  SimConfig c = Small();
+  c.static_k = 1;
+  c.stale_steps = 1;
+  c.token_tiers = SglangDefaultTiers(c.max_batch_per_rank, c.k_max);
+  c.padded = true;
+  c.verify = VerifyMode::kOracle;
+  const RunResult oracle = *Simulate(c, TruthModel{}, trace);
+  c.verify = VerifyMode::kGoodput;
+  const RunResult estimated = *Simulate(c, TruthModel{}, trace);
+  c.plan_on_true_acceptance = true;
+  const RunResult knowing = *Simulate(c, TruthModel{}, trace);
+  EXPECT_EQ(knowing.steps, oracle.steps);
+  EXPECT_EQ(knowing.tokens, oracle.tokens);
+  EXPECT_EQ(knowing.goodput_tok_per_s, oracle.goodput_tok_per_s);
+  EXPECT_NE(knowing.tokens, estimated.tokens);
+  c.padded = false;
+  c.verify = VerifyMode::kDsparkFill;
+  const RunResult dspark_knowing = *Simulate(c, TruthModel{}, trace);
+  c.plan_on_true_acceptance = false;
+  const RunResult dspark_estimated = *Simulate(c, TruthModel{}, trace);
+  EXPECT_NE(dspark_knowing.tokens, dspark_estimated.tokens);
+  EXPECT_GT(dspark_knowing.goodput_tok_per_s, dspark_estimated.goodput_tok_per_s);
+}
+
 // --stale_steps: 0 is today's replay; a planner N steps behind still plans every step (requests
 // it has not seen run the default length) and the run differs.
 TEST(Stale, ZeroIsTodayAndStalePlansStillRun) {
