@@ -165,6 +165,8 @@ $PY scripts/guard_frontier.py $B/integration/dpbalance-replay 5 --stale_steps 0 
   --trace integration/replay/data/azure_conv_2023.csv | tee docs/generated/guard_frontier_azure.txt
 # What the Python adapter adds to a step (docs/results.md section 5).
 [ "$PART" = all ] && $PY bench/python_adapter_bench.py $B/plugin/libdpbalance.so | tee docs/generated/python_adapter_bench.txt
+[ "$PART" = all ] && $PY bench/engine_plan_bench.py $B/plugin/libdpbalance.so 2>/dev/null \
+  | grep -v '^dpbalance' | tee docs/generated/engine_plan_bench.txt
 # A dense draft that each rank runs to its own depth (docs/results.md section 1).
 $B/integration/dpbalance-replay --draft per_rank --json docs/generated/replay_mooncake_per_rank_draft.json \
   | tee docs/generated/replay_mooncake_per_rank_draft.txt

@@ -452,6 +452,37 @@ class AdapterTest(unittest.TestCase):
         bal.close()
         self.assertIsNone(bal.last_step())
 
+    def test_v2_ids_are_packed_once_while_they_stay_the_same(self):
+        # ABI v2 sends each id as (address, length) into one bytes object. An engine passes the
+        # same ids every step (and report() the plan's), so the packing is reused then; a changed
+        # list, or a mutable id, is packed again.
+        bal = dpb.DpBalanceV2(1, 0, COMMON, allgather=lambda s, t: s, library=PLUGIN)
+
+        def sent(items, what="requests"):
+            ids, keep = bal._ids(items, what)
+            return ids, [ctypes.string_at(a, n) for a, n in ids], keep
+
+        first, got, keep = sent([dpb.Request("a", 10), dpb.Request("bb", 10)])
+        self.assertEqual(got, [b"a", b"bb"])
+        again, got, _ = sent([dpb.Accepted("a", 1, 1), dpb.Accepted("bb", 1, 0)], "accepted")
+        self.assertIs(again, first)
+        self.assertEqual(got, [b"a", b"bb"])
+        self.assertEqual(sent([dpb.Request("a", 10), dpb.Request("cc", 10)])[1], [b"a", b"cc"])
+        self.assertEqual(sent([dpb.Request("a", 10)])[1], [b"a"])
+        self.assertEqual(sent([dpb.Request(b"a", 10)])[1], [b"a"])
+        mutable = bytearray(b"x1")
+        self.assertEqual(sent([dpb.Request(mutable, 10)])[1], [b"x1"])
+        mutable[0] = ord("y")
+        self.assertEqual(sent([dpb.Request(mutable, 10)])[1], [b"y1"])
+        # Plans and reports through the reused packing still reach the plugin whole.
+        reqs = [dpb.Request(f"r{i}", 4000 + 100 * i, k_cap=7) for i in range(4)]
+        for step in range(6):
+            res = bal.plan(reqs)
+            self.assertEqual(bal.report(900.0, 5000.0, [dpb.Accepted(q.request_id, n, n) for q, n
+                                                        in zip(reqs, res.verify_len)]), dpb.SUCCESS)
+        self.assertEqual(bal.stats()["missing_reports"], 0)
+        bal.close()
+
     def test_bad_arguments_name_the_field(self):
         with self.assertRaises(ValueError) as e:
             dpb.DpBalance(2, 2, "", allgather=lambda s, t: s, library=PLUGIN)

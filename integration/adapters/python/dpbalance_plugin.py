@@ -769,23 +769,33 @@ class DpBalanceV2(_Balancer):
         self._result = _PlanResultV2()
         self._report = _ReportV2()
         self._last_plan_id = -1
+        # _ids' last packing: the ids (str), each one's (address, length), the bytes they point
+        # into (kept alive here while the packing may be reused).
+        self._ids_key, self._ids_packed, self._ids_blob = None, None, b""
 
     def _who(self) -> str:
         return f"DP rank {self.dp_rank} (attn-TP rank {self.attn_tp_rank})"
 
     def _ids(self, items, what):
-        """All ids in one bytes object; each record points into it (no copy per id)."""
+        """All ids in one bytes object; each record points into it (no copy per id).
+
+        An engine passes the same ids step after step (and report() the ids plan() had), so
+        the last list's packing is kept and reused when the ids are equal, in order (immutable
+        ids only: a bytearray may have changed since)."""
         try:
-            raw = [_id_bytes(x.request_id, f"{what}[{i}].request_id")
-                   for i, x in enumerate(items)]
+            key = [x.request_id for x in items]
         except AttributeError:
             raise TypeError(f"dpbalance: {what} holds an item without request_id") from None
+        if key == self._ids_key and all(type(k) in (str, bytes) for k in key):
+            return self._ids_packed, [self._ids_blob]
+        raw = [_id_bytes(x, f"{what}[{i}].request_id") for i, x in enumerate(key)]
         blob = b"".join(raw)
         base = ctypes.cast(ctypes.c_char_p(blob), ctypes.c_void_p).value or 0
         ids, off = [], 0
         for r in raw:
             ids.append((base + off, len(r)))
             off += len(r)
+        self._ids_key, self._ids_packed, self._ids_blob = key, ids, blob
         return ids, [blob]
 
     def _allgather_trampoline(self, _user, send, send_bytes, recv, recv_bytes, timeout_ms):
