@@ -423,22 +423,21 @@ TEST(Tiers, TrueAcceptanceGivesEveryRowTheOraclesKnowledge) {
   c.static_k = 1;
   c.stale_steps = 1;
   c.token_tiers = SglangDefaultTiers(c.max_batch_per_rank, c.k_max);
-  c.padded = true;
-  c.verify = VerifyMode::kOracle;
-  const RunResult oracle = *Simulate(c, TruthModel{}, trace);
-  c.verify = VerifyMode::kGoodput;
-  const RunResult estimated = *Simulate(c, TruthModel{}, trace);
-  c.plan_on_true_acceptance = true;
-  const RunResult knowing = *Simulate(c, TruthModel{}, trace);
+  auto run = [&](VerifyMode verify, bool knows) {
+    c.verify = verify;
+    c.padded = verify != VerifyMode::kDsparkFill;  // a DSpark row pads to its own tier
+    c.plan_on_true_acceptance = knows;
+    return *Simulate(c, TruthModel{}, trace);
+  };
+  const RunResult oracle = run(VerifyMode::kOracle, false);
+  const RunResult estimated = run(VerifyMode::kGoodput, false);
+  const RunResult knowing = run(VerifyMode::kGoodput, true);
   EXPECT_EQ(knowing.steps, oracle.steps);
   EXPECT_EQ(knowing.tokens, oracle.tokens);
   EXPECT_EQ(knowing.goodput_tok_per_s, oracle.goodput_tok_per_s);
   EXPECT_NE(knowing.tokens, estimated.tokens);
-  c.padded = false;
-  c.verify = VerifyMode::kDsparkFill;
-  const RunResult dspark_knowing = *Simulate(c, TruthModel{}, trace);
-  c.plan_on_true_acceptance = false;
-  const RunResult dspark_estimated = *Simulate(c, TruthModel{}, trace);
+  const RunResult dspark_knowing = run(VerifyMode::kDsparkFill, true);
+  const RunResult dspark_estimated = run(VerifyMode::kDsparkFill, false);
   EXPECT_NE(dspark_knowing.tokens, dspark_estimated.tokens);
   EXPECT_GT(dspark_knowing.goodput_tok_per_s, dspark_estimated.goodput_tok_per_s);
 }
