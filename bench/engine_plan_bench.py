@@ -15,6 +15,7 @@ Prints the median over REPETITIONS (default 5) of the mean time per step over ST
 (default 2,000) after 40 warm-up steps, and the share of steps that were quiet.
 """
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -36,6 +37,7 @@ def run(lib, n, steps, quiet, step_log):
         os.environ["DPBALANCE_VLLM_STEP_LOG"] = logdir
     else:
         os.environ.pop("DPBALANCE_VLLM_STEP_LOG", None)
+    plan = None
     try:
         cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(
             data_parallel_size=1, data_parallel_rank=0))
@@ -54,10 +56,12 @@ def run(lib, n, steps, quiet, step_log):
         for s in range(40, 40 + steps):
             step(s)
         per_step = (time.perf_counter() - t0) / steps * 1e6
-        quiet_share = 1 - plan.exchanges / plan.steps
-        plan.close()
-        return per_step, quiet_share
+        return per_step, 1 - plan.exchanges / plan.steps
     finally:
+        if plan is not None:
+            plan.close()
+        if logdir:
+            shutil.rmtree(logdir, ignore_errors=True)
         os.environ.clear()
         os.environ.update(saved)
 

@@ -114,8 +114,10 @@ struct SimConfig {
   AcceptanceModel acceptance_model = AcceptanceModel::kBeta;  // the estimators' (acceptance.h)
   // Every row that plans (ours and DSpark's alike) reads each request's true acceptance curve
   // instead of the estimators': the oracle's knowledge of acceptance given to every row, so a
-  // comparison between rows measures the planners alone (`--acceptance truth`). The oracle row
-  // differs from a goodput row only by this.
+  // comparison between rows measures the planners alone (`--acceptance truth`). With it a goodput
+  // row is the oracle row where the planner's model is the truth's and not refitted online
+  // (`--planner_model truth`, the default) and the truth has no kernel grid (the oracle also
+  // prices a grid's every head).
   bool plan_on_true_acceptance = false;
   uint64_t seed = 1;
 };

@@ -474,6 +474,12 @@ class AdapterTest(unittest.TestCase):
         self.assertEqual(sent([dpb.Request(mutable, 10)])[1], [b"x1"])
         mutable[0] = ord("y")
         self.assertEqual(sent([dpb.Request(mutable, 10)])[1], [b"y1"])
+        # A bytearray packed as b"x1" and changed to b"z1" since compares equal to b"z1": a list
+        # with a mutable id is never kept, so b"z1" is packed as itself.
+        mutable[0] = ord("x")
+        self.assertEqual(sent([dpb.Request(mutable, 10)])[1], [b"x1"])
+        mutable[0] = ord("z")
+        self.assertEqual(sent([dpb.Request(b"z1", 10)])[1], [b"z1"])
         # Plans and reports through the reused packing still reach the plugin whole.
         reqs = [dpb.Request(f"r{i}", 4000 + 100 * i, k_cap=7) for i in range(4)]
         for step in range(6):

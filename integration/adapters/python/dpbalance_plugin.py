@@ -769,9 +769,10 @@ class DpBalanceV2(_Balancer):
         self._result = _PlanResultV2()
         self._report = _ReportV2()
         self._last_plan_id = -1
-        # _ids' last packing: the ids (str), each one's (address, length), the bytes they point
-        # into (kept alive here while the packing may be reused).
-        self._ids_key, self._ids_packed, self._ids_blob = None, None, b""
+        # _ids' last packing, one tuple so it is replaced whole: the ids (str or bytes), each
+        # one's (address, length), the bytes they point into (kept alive here while the packing
+        # may be reused). None: nothing to reuse.
+        self._ids_cache = None
 
     def _who(self) -> str:
         return f"DP rank {self.dp_rank} (attn-TP rank {self.attn_tp_rank})"
@@ -786,8 +787,12 @@ class DpBalanceV2(_Balancer):
             key = [x.request_id for x in items]
         except AttributeError:
             raise TypeError(f"dpbalance: {what} holds an item without request_id") from None
-        if key == self._ids_key and all(type(k) in (str, bytes) for k in key):
-            return self._ids_packed, [self._ids_blob]
+        # Only a list of str or bytes ids is kept: a bytearray may change after the call (and
+        # compares equal to the bytes it held), so a list with one is packed every time.
+        immutable = all(type(k) in (str, bytes) for k in key)
+        cached = self._ids_cache
+        if immutable and cached is not None and key == cached[0]:
+            return cached[1], [cached[2]]
         raw = [_id_bytes(x, f"{what}[{i}].request_id") for i, x in enumerate(key)]
         blob = b"".join(raw)
         base = ctypes.cast(ctypes.c_char_p(blob), ctypes.c_void_p).value or 0
@@ -795,7 +800,7 @@ class DpBalanceV2(_Balancer):
         for r in raw:
             ids.append((base + off, len(r)))
             off += len(r)
-        self._ids_key, self._ids_packed, self._ids_blob = key, ids, blob
+        self._ids_cache = (key, ids, blob) if immutable else None
         return ids, [blob]
 
     def _allgather_trampoline(self, _user, send, send_bytes, recv, recv_bytes, timeout_ms):
