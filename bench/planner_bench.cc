@@ -36,8 +36,9 @@ struct Instance {
   std::vector<RankSummary> summaries;
 
   explicit Instance(benchmark::State& state, const CostModel& model = CostModel::PublishedV2(),
-                    bool uniform_per_rank = false)
-      : planner(*Planner::Create(Config(static_cast<int>(state.range(0)), uniform_per_rank), model)) {
+                    bool uniform_per_rank = false, bool tiers = false)
+      : planner(*Planner::Create(Config(static_cast<int>(state.range(0)), uniform_per_rank, tiers),
+                                 model)) {
     const int dp = static_cast<int>(state.range(0));
     std::mt19937_64 rng(1);
     summaries.resize(dp);
@@ -48,11 +49,17 @@ struct Instance {
     // Rank 0 is the one measured: its planner keeps its own batch's state.
     if (!planner.Summarize(0, batches[0], -1, &summaries[0]).ok()) state.SkipWithError("sum");
   }
-  static PlannerConfig Config(int dp, bool uniform_per_rank) {
+  static PlannerConfig Config(int dp, bool uniform_per_rank, bool tiers) {
     PlannerConfig c;
     c.num_ranks = dp;
     c.k_max = 7;
     c.uniform_per_rank = uniform_per_rank;
+    if (tiers) {  // SGLang's CUDA-graph batch sizes up to 64 (the replay's), 8 tokens each
+      c.global.padded_tokens = true;
+      for (int b = 1; b <= 8; ++b) c.token_tiers.push_back(8 * b);
+      for (int b = 10; b <= 32; b += 2) c.token_tiers.push_back(8 * b);
+      for (int b = 40; b <= 64; b += 4) c.token_tiers.push_back(8 * b);
+    }
     return c;
   }
 };
@@ -96,6 +103,15 @@ BENCHMARK_CAPTURE(BM_PlanOneRankGridModel, gqa, "model_gqa.json", false)
 // One verify length per rank (granularity=rank): each level a rank may take is simulated.
 BENCHMARK_CAPTURE(BM_PlanOneRankGridModel, packed_per_rank, "model_packed.json", true)
     ->ArgNames({"dp", "reqs"})->Args({64, 32})->Unit(benchmark::kMicrosecond);
+
+// Token tiers (padded mode, SGLang's tiers): each tier's barrier swept over every rank's
+// fill-or-pad points (SweepTiers).
+void BM_PlanOneRankTiers(benchmark::State& state) {
+  Instance in(state, CostModel::PublishedV2(), /*uniform_per_rank=*/false, /*tiers=*/true);
+  PlanRankZero(state, in);
+}
+BENCHMARK(BM_PlanOneRankTiers)
+    ->ArgNames({"dp", "reqs"})->Args({64, 32})->Args({64, 64})->Unit(benchmark::kMicrosecond);
 
 void BM_PlanOneRankPerRankGranularity(benchmark::State& state) {
   Instance in(state, CostModel::PublishedV2(), /*uniform_per_rank=*/true);

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <numeric>
 
 #include "absl/base/attributes.h"
 #include "absl/strings/str_cat.h"
@@ -18,6 +19,7 @@ namespace {
 
 using internal::DecideScratch;
 using internal::FrontierSegment;
+using internal::TierPoint;
 
 constexpr double kTinyUs = 1e-3;  // floor on a marginal cost, so ratios stay finite
 
@@ -74,11 +76,19 @@ absl::Status CheckSummary(const RankSummary& s, size_t idx, uint64_t want_hash) 
 }
 
 // Garbage in a valid-looking record is excluded (consistently on every rank) rather than fatal.
+// Token tiers priced by the planner (SweepTiers: one agreed draft depth), each rank filling the
+// agreed tier (the Filler) with its padding priced at its `pad_us`.
+bool PricesTiers(const PlannerConfig& c) {
+  return c.global.padded_tokens && !c.token_tiers.empty() && !c.uniform_per_rank &&
+         c.agreed_draft_depth && c.mode == PlanMode::kGoodput;
+}
+
 bool SummaryUsable(const RankSummary& s, size_t idx) {
   if (!(s.flags & kSummaryValid) || s.rank_idx != idx) return false;
   if (!(std::isfinite(s.base_attention_us) && s.base_attention_us >= 0)) return false;
   if (!(std::isfinite(s.base_gain) && s.base_gain >= 0)) return false;
   if (!(std::isfinite(s.default_attention_us) && s.default_attention_us >= 0)) return false;
+  if (!(std::isfinite(s.pad_us) && s.pad_us >= 0)) return false;
   if (s.min_depth > kMaxDraftLen || s.max_depth > kMaxDraftLen || s.min_depth > s.max_depth) {
     return false;
   }
@@ -642,52 +652,103 @@ void SweepDepth(const PlannerConfig& c, int d, absl::Span<const RankSummary> sum
              plans);
 }
 
-// Padded mode with token tiers: every rank runs the agreed tier's tokens, and its spare tokens
-// cost attention whether they are padding or verify work (Assign fills them with the best items
-// that fit under the barrier; the rest is padding). A plan is then a tier P (and a depth): each
-// rank's attention and gain are its frontier at P - base tokens (along the chord between the
-// knots around it; past its last knot the padding is priced at the rank's mean cost per token),
-// the barrier their maximum and the FFN every rank's P tokens. Tiers below the largest base are
-// infeasible; past the last tier the largest base is the count (no graph).
+// Padded mode with token tiers: every rank runs the agreed tier's P tokens. A rank fills part of
+// its spare tokens with verify work (a prefix of its frontier at depth d: up to a knot, or along
+// the chord up to P) and pads the rest, each padding token at its `pad_us` (a dummy slot costs
+// less than a verify token on a long context, more than one on a short context). A plan is a
+// tier, a depth and a barrier T: every rank takes the most gain whose attention, padding
+// included, stays within T; the FFN runs every rank's P tokens. Per tier, each rank's points are
+// the Pareto chain of its prefixes (cheapest first). The sweep starts with every rank at its
+// dearest point (the whole tier filled where the frontier reaches) and lowers the barrier one
+// point at a time: the rank that sets it moves to its next cheaper point. It stops when that rank
+// has none, or when no lower barrier could make the gain left beat the best plan. Tiers below
+// the largest base are infeasible; past the last tier the largest base is the count (no graph).
 void SweepTiers(const PlannerConfig& c, int d, absl::Span<const RankSummary> summaries,
-                const UsableTotals& t, const DecideScratch& scratch, BestPlan& plans) {
+                const UsableTotals& t, DecideScratch& scratch, BestPlan& plans) {
+  std::vector<TierPoint>& pts = scratch.points;
+  std::vector<uint32_t>&begin = scratch.point_begin, &at = scratch.at;
+  std::vector<uint64_t>& heap = scratch.heap;
+  const size_t n = scratch.usable_ranks.size();
+  // Max-heap of ranks (their place in usable_ranks) by the cost of the point they sit on; ties by
+  // place, so every rank orders them alike.
+  auto dearer = [&](uint64_t a, uint64_t b) {
+    const double ca = pts[at[a]].cost, cb = pts[at[b]].cost;
+    return ca != cb ? ca < cb : a > b;
+  };
   auto consider_tier = [&](double tier) {
-    double barrier = t.floor_us, gain = 0;
-    for (uint32_t r : scratch.usable_ranks) {
-      const RankSummary& s = summaries[r];
+    pts.clear();
+    begin.assign(1, 0);
+    at.resize(n);
+    double cheapest_barrier = t.floor_us, dearest_barrier = t.floor_us, gain = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const RankSummary& s = summaries[scratch.usable_ranks[i]];
       const DepthKnots dk = KnotsAtDepth(s, d);
-      const double want = tier - s.base_tokens;  // extra tokens this rank runs
+      const double want = tier - s.base_tokens;  // the tier tokens over this rank's base
+      // Prefixes in frontier order (gain rises): a point cheaper than the ones kept before it
+      // dominates them.
+      auto add = [&](double cost, double g) {
+        while (pts.size() > begin[i] && pts.back().cost >= cost) pts.pop_back();
+        pts.push_back({cost, g});
+      };
+      add(s.base_attention_us + s.pad_us * want, s.base_gain);
       double c0 = s.base_attention_us, g0 = s.base_gain, t0 = 0;
       int k = 0;
       for (; k < dk.count && s.knot_tokens[dk.first + k] < want; ++k) {
         c0 = s.knot_attention_us[dk.first + k];
         g0 = s.knot_gain[dk.first + k];
         t0 = s.knot_tokens[dk.first + k];
+        add(c0 + s.pad_us * (want - t0), g0);
       }
-      double cost = c0, g = g0;
-      if (want > 0 && k < dk.count) {  // on the chord to knot k
+      if (want > 0 && k < dk.count) {  // the tier filled along the chord to knot k
         const double t1 = s.knot_tokens[dk.first + k];
         const double f = t1 > t0 ? (want - t0) / (t1 - t0) : 1.0;
-        cost = c0 + f * (s.knot_attention_us[dk.first + k] - c0);
-        g = g0 + f * (s.knot_gain[dk.first + k] - g0);
-      } else if (want > t0) {  // past the last knot: padding at the rank's mean cost per token
-        const double per_token = t0 > 0             ? (c0 - s.base_attention_us) / t0
-                                 : s.base_tokens > 0 ? s.base_attention_us / s.base_tokens
-                                                     : 0.0;
-        cost = c0 + per_token * (want - t0);
+        add(c0 + f * (s.knot_attention_us[dk.first + k] - c0), g0 + f * (s.knot_gain[dk.first + k] - g0));
       }
-      barrier = std::max(barrier, cost);
-      gain += g;
+      cheapest_barrier = std::max(cheapest_barrier, pts[begin[i]].cost);
+      begin.push_back(static_cast<uint32_t>(pts.size()));
+      at[i] = begin[i + 1] - 1;
+      gain += pts[at[i]].gain;
+      dearest_barrier = std::max(dearest_barrier, pts[at[i]].cost);
     }
-    plans.Consider(d, barrier, gain, tier * static_cast<double>(scratch.usable_ranks.size()), tier);
+    // Every rank at its dearest point: the tier filled (the plan before any padding is chosen).
+    const double all_tokens = tier * static_cast<double>(n);
+    plans.Consider(d, dearest_barrier, gain, all_tokens, tier);
+    // The gain only falls as the barrier does, and no barrier is below the cheapest.
+    const double global_us = plans.GlobalUs(all_tokens, tier, d);
+    if (plans.CannotWin(gain / (cheapest_barrier + global_us))) return;
+    heap.resize(n);
+    std::iota(heap.begin(), heap.end(), uint64_t{0});
+    std::make_heap(heap.begin(), heap.end(), dearer);
+    while (true) {
+      const uint64_t i = heap.front();
+      if (at[i] == begin[i]) return;  // the rank that sets the barrier has no cheaper point
+      std::pop_heap(heap.begin(), heap.end(), dearer);
+      gain -= pts[at[i]].gain - pts[at[i] - 1].gain;
+      --at[i];
+      std::push_heap(heap.begin(), heap.end(), dearer);
+      plans.Consider(d, std::max(pts[at[heap.front()]].cost, t.floor_us), gain, all_tokens, tier);
+      if (plans.CannotWin(gain / (cheapest_barrier + global_us))) return;
+    }
+  };
+  // A tier's plans gain at most every rank's whole frontier at this depth, and wait at least the
+  // floor barrier: a tier whose global terms alone make that lose is not swept.
+  double max_gain = 0;
+  for (uint32_t r : scratch.usable_ranks) {
+    const RankSummary& s = summaries[r];
+    const DepthKnots dk = KnotsAtDepth(s, d);
+    max_gain += dk.count > 0 ? s.knot_gain[dk.first + dk.count - 1] : s.base_gain;
+  }
+  auto sweep = [&](double tier) {
+    const double bound = max_gain / (t.floor_us + plans.GlobalUs(tier * static_cast<double>(n), tier, d));
+    if (!plans.CannotWin(bound)) consider_tier(tier);
   };
   bool any = false;
   for (int32_t tier : c.token_tiers) {
     if (tier < t.max_base_tokens) continue;
-    consider_tier(tier);
+    sweep(tier);
     any = true;
   }
-  if (!any) consider_tier(t.max_base_tokens);
+  if (!any) sweep(t.max_base_tokens);
 }
 
 }  // namespace
@@ -961,6 +1022,12 @@ void Planner::SetBase(LocalState& st, absl::Span<const PlanRequest> batch,
     model_.FillGrid(st.base_loads, &st.base_agg);
   }
   st.base_attention_us = model_.AttentionUs(st.base_agg) + RankDraftUs() * st.min_depth;
+  st.pad_us = 0;
+  if (PricesTiers(config_)) {  // one padding slot: a dummy request, one query token, one key
+    BatchAggregates padded = st.base_agg;
+    padded.Add(RequestLoad{1, 1});
+    st.pad_us = std::max(0.0, model_.AttentionUs(padded) - model_.AttentionUs(st.base_agg));
+  }
 }
 
 void Planner::StartSummary(const LocalState& st, int rank_idx, RankSummary& s) const {
@@ -977,6 +1044,7 @@ void Planner::StartSummary(const LocalState& st, int rank_idx, RankSummary& s) c
   s.num_requests = static_cast<uint16_t>(st.batch.size());
   s.min_depth = static_cast<uint8_t>(st.min_depth);
   s.max_depth = static_cast<uint8_t>(std::max(st.min_depth, st.max_cap));
+  s.pad_us = static_cast<float>(st.pad_us);
 }
 
 void Planner::SummarizeDefault(LocalState& st, RankSummary& s) const {
@@ -1193,8 +1261,7 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
   }
   decide_.segments.resize(summaries.size());
   const int depth_hi = std::max(totals->depth_lo, c.k_max);
-  const bool tiers = c.global.padded_tokens && !c.token_tiers.empty() && !c.uniform_per_rank &&
-                     c.mode == PlanMode::kGoodput;
+  const bool tiers = PricesTiers(c);
   for (int d = totals->depth_lo; d <= depth_hi; ++d) {
     if (tiers) {
       SweepTiers(c, d, summaries, *totals, decide_, plans);
@@ -1442,7 +1509,8 @@ class Planner::Filler {
       const BatchAggregates::TokenMark mark = agg.Mark();
       agg.AddQueryToken(RequestLoad{st_.batch[i].ctx_tokens, pos});
       const int next_deepest = std::max(deepest_, static_cast<int>(pos));
-      if (model.AttentionUs(agg) + rank_draft_us_ * next_deepest > barrier_us_) {
+      if (model.AttentionUs(agg) + PadRestUs(agg.query_tokens) + rank_draft_us_ * next_deepest >
+          barrier_us_) {
         agg.Restore(mark);
         continue;
       }
@@ -1502,7 +1570,13 @@ class Planner::Filler {
       deepest = std::max(deepest, static_cast<int>(lens[i]));
     }
     exact_ = planner_.model_.Aggregate(loads_);
-    return planner_.model_.AttentionUs(exact_) + rank_draft_us_ * deepest;
+    return planner_.model_.AttentionUs(exact_) + PadRestUs(exact_.query_tokens) +
+           rank_draft_us_ * deepest;
+  }
+  // Token tiers: the padding that fills the agreed tier beyond `query_tokens`, at the rank's
+  // pad_us a token (0 without tiers).
+  double PadRestUs(double query_tokens) const {
+    return st_.pad_us * std::max(0.0, decision_.padded_rank_tokens - query_tokens);
   }
   // The committed plan plus the first m items added.
   void ApplyPrefix(size_t m) {

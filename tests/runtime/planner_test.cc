@@ -1149,12 +1149,12 @@ namespace dpbalance {
 namespace {
 
 // Padded mode with token tiers (the v2 plugin's DPB_TIERS + DPB_PADDED): every rank runs the
-// agreed tier, its spare tokens costing attention like verify tokens whether they are padding or
-// verify work. The plan must price that: its step holds every rank's assigned plan padded to the
-// tier (padding spread round-robin over the rank's requests, as the replay's truth does), the
-// tier is a tier (or the largest rank's tokens past the last) and holds every rank. On V2
-// (linear in the sums, so the planner's price of padding, the rank's mean cost per extra token, is
-// close); the planner that priced the knots without the padding planned up to 15% short here.
+// agreed tier, the tokens it does not fill with verify work going on padding slots (dummy
+// requests of one key, as SGLang pads and the replay's truth charges), each priced at the rank's
+// pad_us. The plan must price that: its step holds every rank's assigned plan padded to the tier
+// with one-token dummy slots, the tier is a tier (or the largest rank's tokens past the last) and
+// holds every rank. On V2 (linear in the sums, so pad_us is exact); the planner that priced the
+// knots without the padding planned up to 15% short here.
 TEST(PlannerProperties, WithTokenTiersThePlanPricesEveryRankAtTheAgreedTier) {
   std::vector<int32_t> tiers;  // SGLang's speculative CUDA-graph sizes up to 64, x 8 tokens
   for (int bs = 1; bs <= 64; bs += bs < 8 ? 1 : bs < 32 ? 2 : 4) {
@@ -1188,9 +1188,7 @@ TEST(PlannerProperties, WithTokenTiersThePlanPricesEveryRankAtTheAgreedTier) {
       }
       max_tokens = std::max(max_tokens, tokens);
       ASSERT_LE(tokens, d->padded_rank_tokens);
-      for (int64_t pad = d->padded_rank_tokens - tokens, i = 0; pad > 0; --pad, ++i) {
-        ++loads[i % loads.size()].query_tokens;
-      }
+      for (int64_t pad = d->padded_rank_tokens - tokens; pad > 0; --pad) loads.push_back({1, 1});
       barrier = std::max(barrier, m.AttentionUs(loads));
     }
     EXPECT_TRUE(std::binary_search(tiers.begin(), tiers.end(), d->padded_rank_tokens) ||
@@ -1198,9 +1196,102 @@ TEST(PlannerProperties, WithTokenTiersThePlanPricesEveryRankAtTheAgreedTier) {
         << d->padded_rank_tokens;
     const double step = barrier + c.global.StepUs(c.num_ranks * d->padded_rank_tokens, d->draft_depth);
     worst = std::max(worst, step / d->step_us);
-    EXPECT_LE(step, 1.06 * d->step_us) << "trial " << trial << ": " << step / d->step_us;
+    EXPECT_LE(step, 1.01 * d->step_us) << "trial " << trial << ": " << step / d->step_us;
   }
   std::printf("padded tiers: worst true step / planned step %.4f\n", worst);
+}
+
+// Token tiers with padding (SweepTiers): every rank runs the agreed tier, filling part of it with
+// verify work (a prefix of its frontier at the agreed depth: its base, a knot, or the chord up to
+// the tier) and padding the rest at its pad_us, so a rank whose verify tokens cost more than a
+// padding slot may pad to lower the barrier. Decide's plan is the best over every tier, depth and
+// every rank's choice of prefix: checked against an exhaustive search over those choices on small
+// instances, on V2 (linear, so pad_us is exact) and on a model whose multi-query path costs more.
+TEST(PlannerProperties, TierSweepFindsTheBestFillOrPadOfEveryRank) {
+  const std::vector<int32_t> tiers = {4, 8, 16, 32};
+  int checked = 0, best_pads = 0;
+  for (int model_idx = 0; model_idx < 2; ++model_idx) {
+    const CostModel model = model_idx == 0 ? CostModel::PublishedV2() : RegimeModel();
+    std::mt19937_64 rng(23 + model_idx);
+    for (int trial = 0; trial < 30; ++trial) {
+      auto [b, c] = SmallCase(rng, trial);
+      c.global.padded_tokens = true;
+      c.token_tiers = tiers;
+      c.max_step_slack = -1;  // no TPOT guard: the best plan, whatever its step
+      Planner p = *Planner::Create(c, model);
+      std::vector<RankSummary> s(c.num_ranks);
+      for (int r = 0; r < c.num_ranks; ++r) ASSERT_TRUE(p.Summarize(r, b[r], -1, &s[r]).ok());
+      absl::StatusOr<GlobalDecision> d = p.Decide(s);
+      ASSERT_TRUE(d.ok()) << d.status();
+      if (d->kept_default) continue;  // the default plan beat every plan (the default guard)
+      double max_base = 0, floor = 0;
+      int depth_lo = 0;
+      for (const RankSummary& x : s) {
+        max_base = std::max<double>(max_base, x.base_tokens);
+        floor = std::max<double>(floor, x.base_attention_us);
+        depth_lo = std::max<int>(depth_lo, x.min_depth);
+      }
+      std::vector<double> sweep_tiers;
+      for (int32_t t : tiers) {
+        if (t >= max_base) sweep_tiers.push_back(t);
+      }
+      if (sweep_tiers.empty()) sweep_tiers.push_back(max_base);
+      double best = -1;
+      bool best_padded = false;
+      for (double tier : sweep_tiers) {
+        for (int depth = depth_lo; depth <= std::max(depth_lo, c.k_max); ++depth) {
+          // Each rank's choices: its base, each knot below the tier, the chord up to it; the
+          // rest padded. The last is the tier filled.
+          std::vector<std::vector<std::pair<double, double>>> options(c.num_ranks);
+          for (int r = 0; r < c.num_ranks; ++r) {
+            const RankSummary& x = s[r];
+            const double want = tier - x.base_tokens;
+            options[r].push_back({x.base_attention_us + x.pad_us * want, x.base_gain});
+            const int slot = std::min<int>(depth, x.max_depth);
+            const int first = slot > 0 ? x.knot_begin[slot - 1] : 0, count = slot > 0 ? x.num_knots[slot - 1] : 0;
+            double c0 = x.base_attention_us, g0 = x.base_gain, t0 = 0;
+            int k = 0;
+            for (; k < count && x.knot_tokens[first + k] < want; ++k) {
+              c0 = x.knot_attention_us[first + k];
+              g0 = x.knot_gain[first + k];
+              t0 = x.knot_tokens[first + k];
+              options[r].push_back({c0 + x.pad_us * (want - t0), g0});
+            }
+            if (want > 0 && k < count) {
+              const double t1 = x.knot_tokens[first + k];
+              const double f = t1 > t0 ? (want - t0) / (t1 - t0) : 1.0;
+              options[r].push_back({c0 + f * (x.knot_attention_us[first + k] - c0),
+                                    g0 + f * (x.knot_gain[first + k] - g0)});
+            }
+          }
+          const double global = c.global.StepUs(c.num_ranks * tier, depth);
+          std::vector<size_t> pick(c.num_ranks, 0);
+          while (true) {  // every combination
+            double barrier = floor, gain = 0;
+            bool pads = false;
+            for (int r = 0; r < c.num_ranks; ++r) {
+              barrier = std::max(barrier, options[r][pick[r]].first);
+              gain += options[r][pick[r]].second;
+              pads = pads || pick[r] + 1 < options[r].size();
+            }
+            if (gain / (barrier + global) > best) {
+              best = gain / (barrier + global);
+              best_padded = pads;
+            }
+            int r = 0;
+            while (r < c.num_ranks && ++pick[r] == options[r].size()) pick[r++] = 0;
+            if (r == c.num_ranks) break;
+          }
+        }
+      }
+      EXPECT_NEAR(d->tokens_per_us, best, 1e-9 * best) << "model " << model_idx << " trial " << trial;
+      ++checked;
+      best_pads += best_padded;
+    }
+  }
+  std::printf("tier sweep: %d instances checked, %d where the best plan pads a rank\n", checked, best_pads);
+  EXPECT_GE(checked, 40);
+  EXPECT_GT(best_pads, 5);
 }
 
 // DSpark's modes through the planner's three phases (what the plugin's DPB_MODE=dspark_fill runs):
@@ -1317,7 +1408,10 @@ TEST(PlannerPerRankDepth, WithinOnePercentOfExhaustiveAndDeterministic) {
       ASSERT_TRUE(p.PlanAll(b, kv, &k).ok());
       const double got = Objective(b, k, kPerRankDepth, model, c.global);
       const double best = BruteForce(b, model, c.global, /*per_rank_depth=*/true);
-      ASSERT_GE(got, 0.99 * best) << "model " << model_idx << " trial " << trials;
+      // Within 1.5%: since v5 of the record a rank sends 27 knots at most (one knot's bytes went
+      // to the padding price, RankSummary::pad_us), shared by every depth at this DP; the worst
+      // of these 120 instances plans 1.14% short of the exhaustive optimum (none short with 28).
+      ASSERT_GE(got, 0.985 * best) << "model " << model_idx << " trial " << trials;
       worst = std::min(worst, got / best);
       // The phases run as separate ranks reach the same verify lengths.
       const RankRun run = RunAsRanks(c, model, b, kv);

@@ -93,10 +93,12 @@ BACKEND_FROM_FLAGS, BACKEND_IN_PROCESS, BACKEND_CALLBACK, BACKEND_NCCL = range(4
 RECORD_BYTES = 512
 # The idle row (dpbalance/summary.h, IdleRowRecord): what an engine writes itself into its
 # per-step sync for a DP rank that has no work this step and makes no plan there (SGLang's
-# fallback row for an inactive rank): the summary magic "DPB1", version 4, the idle flag, and
+# fallback row for an inactive rank): the summary magic "DPB1", the record's version
+# (kSummaryVersion: 5 since the record carries each rank's padding price), the idle flag, and
 # zeros. Every plugin plans that rank as one that runs nothing and keeps balancing. A row of
 # zeros instead is a rank without a working plugin: every rank pauses balancing that step.
-IDLE_ROW = struct.pack("=IHH", 0x31425044, 4, 1 << 3) + bytes(RECORD_BYTES - 8)
+SUMMARY_VERSION = 5
+IDLE_ROW = struct.pack("=IHH", 0x31425044, SUMMARY_VERSION, 1 << 3) + bytes(RECORD_BYTES - 8)
 # dpbStepKind_t
 STEP_DECODE, STEP_IDLE, STEP_EXTEND, STEP_NO_VERIFY = range(4)
 STEP_KINDS = {"decode": STEP_DECODE, "idle": STEP_IDLE, "extend": STEP_EXTEND,

@@ -61,7 +61,10 @@ struct PlannerConfig {
   int k_max = 7;        // the engine's draft depth limit, 0..kMaxDraftLen
   int default_k = 3;    // the engine's static verify length (mode off, fallback)
   GlobalCost global;    // identical on every rank
-  // Allowed per-rank query-token counts (CUDA-graph tiers), ascending; empty: any count.
+  // Allowed per-rank query-token counts (CUDA-graph tiers), ascending; empty: any count. With
+  // global.padded_tokens and one agreed draft depth (goodput mode) every rank runs the agreed
+  // tier: a prefix of its frontier as verify work, the rest padding slots priced at its
+  // RankSummary::pad_us; the tier and the barrier are chosen together (planner.cc, SweepTiers).
   std::vector<int32_t> token_tiers;
   // TPOT guard: a plan's step time may not exceed (1 + max_step_slack) x the step time of the
   // engine's default plan (every request at default_k) for the same batches. < 0: no guard.
@@ -197,10 +200,21 @@ struct FrontierSegment {
   double bound0 = 0, bound_slope = 0;
   bool unbounded = false;
 };
+// One point of a rank's tier plan (SweepTiers): its attention with the rest of the tier padded,
+// and its expected tokens.
+struct TierPoint {
+  double cost = 0, gain = 0;
+};
 struct DecideScratch {
   std::vector<uint32_t> usable_ranks;      // indices of the summaries that take part
   std::vector<uint64_t> events, sort_tmp;  // knot events: cost key, rank, knot index
   std::vector<FrontierSegment> segments;   // per rank: the segment it sits on
+  // SweepTiers: every usable rank's points, cheapest first, from point_begin[i] (i: its place in
+  // usable_ranks; one more entry ends the last); the point each rank sits on; the heap of ranks
+  // by the cost of that point.
+  std::vector<TierPoint> points;
+  std::vector<uint32_t> point_begin, at;
+  std::vector<uint64_t> heap;
 };
 }  // namespace internal
 
@@ -290,6 +304,9 @@ class Planner {
     std::array<Level, kMaxDraftLen + 1> levels{};
     RankSummary summary{};  // what this rank sent (exact_rank_tokens: Assign reads its knots)
     int64_t dspark_budget = 0;  // DSpark modes: this rank's own budget (verify tokens over n)
+    // Token tiers: what one padding token (a dummy request of one query token, one key) adds
+    // to the base's attention (RankSummary::pad_us); 0 otherwise.
+    double pad_us = 0;
   };
   absl::Status SummarizeInto(LocalState& st, int rank_idx, absl::Span<const PlanRequest> batch,
                              int64_t kv_free_tokens, RankSummary* out) const;

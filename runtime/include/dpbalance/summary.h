@@ -24,8 +24,8 @@
 namespace dpbalance {
 
 inline constexpr uint32_t kSummaryMagic = 0x31425044;  // "DPB1" read little-endian
-inline constexpr uint16_t kSummaryVersion = 4;
-inline constexpr int kKnotPool = 28;  // most knots a rank sends, shared by all depths
+inline constexpr uint16_t kSummaryVersion = 5;
+inline constexpr int kKnotPool = 27;  // most knots a rank sends, shared by all depths
 inline constexpr uint16_t kSummaryValid = 1u << 0;     // planned with: its frontier is usable
 inline constexpr uint16_t kSummaryExtend = 1u << 1;    // the rank runs prefill tokens this step
 inline constexpr uint16_t kSummaryNoVerify = 1u << 2;  // the rank skips verify this step
@@ -55,7 +55,7 @@ struct RankSummary {
   uint8_t max_depth;           // largest draft depth this rank can use
   uint8_t knot_begin[kMaxDraftLen];  // first knot of depth d at index d-1
   uint8_t num_knots[kMaxDraftLen];   // knots of depth d at index d-1
-  // --- knots: 424 bytes. Cost and gain are totals (base included), in knot order. ---
+  // --- knots: 412 bytes. Cost and gain are totals (base included), in knot order. ---
   float knot_attention_us[kKnotPool];
   float knot_gain[kKnotPool];
   // The steepest gain-per-microsecond slope of the depth's frontier after this knot (0 at its
@@ -63,6 +63,7 @@ struct RankSummary {
   // still gain with it; the sender computes it once instead of every receiver.
   float knot_max_slope[kKnotPool];
   uint16_t knot_tokens[kKnotPool];    // extra query tokens over the base
+  uint16_t reserved0;                 // 0
   float base_max_slope[kMaxDraftLen];  // the same from the base, per depth
   // --- the engine's default plan (every request at min(default_k, cap)): 12 bytes ---
   float default_attention_us;       // predicted attention time at the default verify length
@@ -72,6 +73,13 @@ struct RankSummary {
   // --- step: 8 bytes ---
   uint32_t extra_tokens;            // query tokens beside verify (prefill), in the rank's total
   uint32_t input_digest;            // digest of the planning inputs (attention-TP members compare)
+  // --- padding: 12 bytes ---
+  // Predicted attention time one padding token adds to this rank's base batch: a dummy request
+  // of one query token and one key (the engine's padding slot). With token tiers Decide prices
+  // the tier tokens a rank does not fill with verify work at this, and Assign fills only while
+  // its attention plus the padding left stays under the barrier. >= 0; 0 without tiers.
+  float pad_us;
+  uint32_t reserved1[2];            // 0
 };
 
 inline constexpr size_t kSummaryBytes = 512;
