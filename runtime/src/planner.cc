@@ -657,90 +657,113 @@ void SweepDepth(const PlannerConfig& c, int d, absl::Span<const RankSummary> sum
 // the chord up to P) and pads the rest, each padding token at its `pad_us` (a dummy slot costs
 // less than a verify token on a long context, more than one on a short context). A plan is a
 // tier, a depth and a barrier T: every rank takes the most gain whose attention, padding
-// included, stays within T; the FFN runs every rank's P tokens. Per tier, each rank's points are
-// the Pareto chain of its prefixes (cheapest first). The sweep starts with every rank at its
-// dearest point (the whole tier filled where the frontier reaches) and lowers the barrier one
-// point at a time: the rank that sets it moves to its next cheaper point. It stops when that rank
-// has none, or when no lower barrier could make the gain left beat the best plan. Tiers below
-// the largest base are infeasible; past the last tier the largest base is the count (no graph).
-void SweepTiers(const PlannerConfig& c, int d, absl::Span<const RankSummary> summaries,
-                const UsableTotals& t, DecideScratch& scratch, BestPlan& plans) {
+// included, stays within T; the FFN runs every rank's P tokens.
+
+// What TierPoints leaves in `scratch` beside the points: the barrier with every rank at its
+// cheapest point and at its dearest one, and the gain of the dearest.
+struct TierStart {
+  double cheapest_barrier = 0, dearest_barrier = 0, gain = 0;
+};
+
+// Each usable rank's points at tier `tier` and depth d, the Pareto chain of its prefixes with the
+// rest padded (cheapest first; scratch.points from scratch.point_begin[i]); every rank starts at
+// its dearest point (the tier filled where its frontier reaches), scratch.at.
+TierStart TierPoints(int d, double tier, absl::Span<const RankSummary> summaries,
+                     const UsableTotals& t, DecideScratch& scratch) {
   std::vector<TierPoint>& pts = scratch.points;
   std::vector<uint32_t>&begin = scratch.point_begin, &at = scratch.at;
+  const size_t n = scratch.usable_ranks.size();
+  pts.clear();
+  begin.assign(1, 0);
+  at.resize(n);
+  TierStart start{t.floor_us, t.floor_us, 0};
+  for (size_t i = 0; i < n; ++i) {
+    const RankSummary& s = summaries[scratch.usable_ranks[i]];
+    const DepthKnots dk = KnotsAtDepth(s, d);
+    const double want = tier - s.base_tokens;  // the tier tokens over this rank's base
+    // Prefixes in frontier order (gain rises): a point cheaper than the ones kept before it
+    // dominates them.
+    auto add = [&](double cost, double g) {
+      while (pts.size() > begin[i] && pts.back().cost >= cost) pts.pop_back();
+      pts.push_back({cost, g});
+    };
+    add(s.base_attention_us + s.pad_us * want, s.base_gain);
+    double c0 = s.base_attention_us, g0 = s.base_gain, t0 = 0;
+    int k = 0;
+    for (; k < dk.count && s.knot_tokens[dk.first + k] < want; ++k) {
+      c0 = s.knot_attention_us[dk.first + k];
+      g0 = s.knot_gain[dk.first + k];
+      t0 = s.knot_tokens[dk.first + k];
+      add(c0 + s.pad_us * (want - t0), g0);
+    }
+    if (want > 0 && k < dk.count) {  // the tier filled along the chord to knot k
+      const double t1 = s.knot_tokens[dk.first + k];
+      const double f = t1 > t0 ? (want - t0) / (t1 - t0) : 1.0;
+      add(c0 + f * (s.knot_attention_us[dk.first + k] - c0), g0 + f * (s.knot_gain[dk.first + k] - g0));
+    }
+    start.cheapest_barrier = std::max(start.cheapest_barrier, pts[begin[i]].cost);
+    begin.push_back(static_cast<uint32_t>(pts.size()));
+    at[i] = begin[i + 1] - 1;
+    start.gain += pts[at[i]].gain;
+    start.dearest_barrier = std::max(start.dearest_barrier, pts[at[i]].cost);
+  }
+  return start;
+}
+
+// One tier: from every rank at its dearest point, lowers the barrier one point at a time (the
+// rank that sets it, the top of a max-heap by cost, moves to its next cheaper point) until that
+// rank has none or the gain left over the cheapest barrier cannot beat the best plan.
+void SweepTier(int d, double tier, absl::Span<const RankSummary> summaries, const UsableTotals& t,
+               DecideScratch& scratch, BestPlan& plans) {
+  TierStart start = TierPoints(d, tier, summaries, t, scratch);
+  const std::vector<TierPoint>& pts = scratch.points;
+  const std::vector<uint32_t>&begin = scratch.point_begin;
+  std::vector<uint32_t>& at = scratch.at;
   std::vector<uint64_t>& heap = scratch.heap;
   const size_t n = scratch.usable_ranks.size();
-  // Max-heap of ranks (their place in usable_ranks) by the cost of the point they sit on; ties by
-  // place, so every rank orders them alike.
+  const double all_tokens = tier * static_cast<double>(n);
+  double gain = start.gain;
+  plans.Consider(d, start.dearest_barrier, gain, all_tokens, tier);
+  // The gain only falls as the barrier does, and no barrier is below the cheapest.
+  const double global_us = plans.GlobalUs(all_tokens, tier, d);
+  if (plans.CannotWin(gain / (start.cheapest_barrier + global_us))) return;
+  // Ranks (their place in usable_ranks) by the cost of the point they sit on; ties by place, so
+  // every rank orders them alike.
   auto dearer = [&](uint64_t a, uint64_t b) {
     const double ca = pts[at[a]].cost, cb = pts[at[b]].cost;
     return ca != cb ? ca < cb : a > b;
   };
-  auto consider_tier = [&](double tier) {
-    pts.clear();
-    begin.assign(1, 0);
-    at.resize(n);
-    double cheapest_barrier = t.floor_us, dearest_barrier = t.floor_us, gain = 0;
-    for (size_t i = 0; i < n; ++i) {
-      const RankSummary& s = summaries[scratch.usable_ranks[i]];
-      const DepthKnots dk = KnotsAtDepth(s, d);
-      const double want = tier - s.base_tokens;  // the tier tokens over this rank's base
-      // Prefixes in frontier order (gain rises): a point cheaper than the ones kept before it
-      // dominates them.
-      auto add = [&](double cost, double g) {
-        while (pts.size() > begin[i] && pts.back().cost >= cost) pts.pop_back();
-        pts.push_back({cost, g});
-      };
-      add(s.base_attention_us + s.pad_us * want, s.base_gain);
-      double c0 = s.base_attention_us, g0 = s.base_gain, t0 = 0;
-      int k = 0;
-      for (; k < dk.count && s.knot_tokens[dk.first + k] < want; ++k) {
-        c0 = s.knot_attention_us[dk.first + k];
-        g0 = s.knot_gain[dk.first + k];
-        t0 = s.knot_tokens[dk.first + k];
-        add(c0 + s.pad_us * (want - t0), g0);
-      }
-      if (want > 0 && k < dk.count) {  // the tier filled along the chord to knot k
-        const double t1 = s.knot_tokens[dk.first + k];
-        const double f = t1 > t0 ? (want - t0) / (t1 - t0) : 1.0;
-        add(c0 + f * (s.knot_attention_us[dk.first + k] - c0), g0 + f * (s.knot_gain[dk.first + k] - g0));
-      }
-      cheapest_barrier = std::max(cheapest_barrier, pts[begin[i]].cost);
-      begin.push_back(static_cast<uint32_t>(pts.size()));
-      at[i] = begin[i + 1] - 1;
-      gain += pts[at[i]].gain;
-      dearest_barrier = std::max(dearest_barrier, pts[at[i]].cost);
-    }
-    // Every rank at its dearest point: the tier filled (the plan before any padding is chosen).
-    const double all_tokens = tier * static_cast<double>(n);
-    plans.Consider(d, dearest_barrier, gain, all_tokens, tier);
-    // The gain only falls as the barrier does, and no barrier is below the cheapest.
-    const double global_us = plans.GlobalUs(all_tokens, tier, d);
-    if (plans.CannotWin(gain / (cheapest_barrier + global_us))) return;
-    heap.resize(n);
-    std::iota(heap.begin(), heap.end(), uint64_t{0});
-    std::make_heap(heap.begin(), heap.end(), dearer);
-    while (true) {
-      const uint64_t i = heap.front();
-      if (at[i] == begin[i]) return;  // the rank that sets the barrier has no cheaper point
-      std::pop_heap(heap.begin(), heap.end(), dearer);
-      gain -= pts[at[i]].gain - pts[at[i] - 1].gain;
-      --at[i];
-      std::push_heap(heap.begin(), heap.end(), dearer);
-      plans.Consider(d, std::max(pts[at[heap.front()]].cost, t.floor_us), gain, all_tokens, tier);
-      if (plans.CannotWin(gain / (cheapest_barrier + global_us))) return;
-    }
-  };
-  // A tier's plans gain at most every rank's whole frontier at this depth, and wait at least the
-  // floor barrier: a tier whose global terms alone make that lose is not swept.
+  heap.resize(n);
+  std::iota(heap.begin(), heap.end(), uint64_t{0});
+  std::make_heap(heap.begin(), heap.end(), dearer);
+  while (true) {
+    const uint64_t i = heap.front();
+    if (at[i] == begin[i]) return;  // the rank that sets the barrier has no cheaper point
+    std::pop_heap(heap.begin(), heap.end(), dearer);
+    gain -= pts[at[i]].gain - pts[at[i] - 1].gain;
+    --at[i];
+    std::push_heap(heap.begin(), heap.end(), dearer);
+    plans.Consider(d, std::max(pts[at[heap.front()]].cost, t.floor_us), gain, all_tokens, tier);
+    if (plans.CannotWin(gain / (start.cheapest_barrier + global_us))) return;
+  }
+}
+
+// Every tier at or above the largest base (past the last tier the largest base is the count: no
+// graph). A tier's plans gain at most every rank's whole frontier at this depth and wait at least
+// the floor barrier: a tier whose global terms alone make that lose is not swept.
+void SweepTiers(const PlannerConfig& c, int d, absl::Span<const RankSummary> summaries,
+                const UsableTotals& t, DecideScratch& scratch, BestPlan& plans) {
   double max_gain = 0;
   for (uint32_t r : scratch.usable_ranks) {
     const RankSummary& s = summaries[r];
     const DepthKnots dk = KnotsAtDepth(s, d);
     max_gain += dk.count > 0 ? s.knot_gain[dk.first + dk.count - 1] : s.base_gain;
   }
+  const double n = static_cast<double>(scratch.usable_ranks.size());
   auto sweep = [&](double tier) {
-    const double bound = max_gain / (t.floor_us + plans.GlobalUs(tier * static_cast<double>(n), tier, d));
-    if (!plans.CannotWin(bound)) consider_tier(tier);
+    if (!plans.CannotWin(max_gain / (t.floor_us + plans.GlobalUs(tier * n, tier, d)))) {
+      SweepTier(d, tier, summaries, t, scratch, plans);
+    }
   };
   bool any = false;
   for (int32_t tier : c.token_tiers) {
