@@ -7,7 +7,6 @@
 namespace dpbalance {
 namespace {
 constexpr int kMaxAfter = QuietConfig::kMaxAfter;
-constexpr int kMaxSpan = QuietConfig::kMaxSpan;
 constexpr int kMaxLevel = kSummaryQuietMask >> kSummaryQuietShift;  // 15
 }  // namespace
 
