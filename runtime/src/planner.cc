@@ -1049,7 +1049,8 @@ void Planner::SetBase(LocalState& st, absl::Span<const PlanRequest> batch,
   if (PricesTiers(config_)) {  // one padding slot: a dummy request, one query token, one key
     BatchAggregates padded = st.base_agg;
     padded.Add(RequestLoad{1, 1});
-    st.pad_us = std::max(0.0, model_.AttentionUs(padded) - model_.AttentionUs(st.base_agg));
+    // The depth is agreed here, so the base's attention holds no draft time of the rank's own.
+    st.pad_us = std::max(0.0, model_.AttentionUs(padded) - st.base_attention_us);
   }
 }
 
