@@ -83,12 +83,15 @@ bool PricesTiers(const PlannerConfig& c) {
          c.agreed_draft_depth && c.mode == PlanMode::kGoodput;
 }
 
+// A padding token's price above this (10 s) is garbage, not a rank's cost.
+constexpr float kMaxPadUs = 1e7f;
+
 bool SummaryUsable(const RankSummary& s, size_t idx) {
   if (!(s.flags & kSummaryValid) || s.rank_idx != idx) return false;
   if (!(std::isfinite(s.base_attention_us) && s.base_attention_us >= 0)) return false;
   if (!(std::isfinite(s.base_gain) && s.base_gain >= 0)) return false;
   if (!(std::isfinite(s.default_attention_us) && s.default_attention_us >= 0)) return false;
-  if (!(std::isfinite(s.pad_us) && s.pad_us >= 0)) return false;
+  if (!(s.pad_us >= 0 && s.pad_us <= kMaxPadUs)) return false;  // NaN and inf too
   if (s.min_depth > kMaxDraftLen || s.max_depth > kMaxDraftLen || s.min_depth > s.max_depth) {
     return false;
   }
@@ -255,8 +258,54 @@ struct KnotChoice {
   double gain = 0;
 };
 
+// Token tiers priced by Decide (PricesTiers): the rank's point is the last of its fill-or-pad
+// points (as TierPoints lists them: the base, each knot below the tier, the chord up to it, each
+// with the rest of the tier padded at its pad_us) whose cost is within the fill barrier, then as
+// far along the chord to the next point as the barrier allows. The last, not the first over: a
+// verify token may cost less than the padding it replaces, so the costs need not rise.
+KnotChoice KnotInTier(const RankSummary& s, const GlobalDecision& d, int depth) {
+  KnotChoice k{depth, 0, s.base_gain};
+  const int dd = std::min(depth, static_cast<int>(s.max_depth));
+  const double want = static_cast<double>(d.padded_rank_tokens) - s.base_tokens;
+  if (dd < std::max(1, static_cast<int>(s.min_depth)) || !(want > 0)) return k;
+  const double barrier = FillBarrierUs(d);
+  struct Point {
+    double cost, tokens, gain;
+    double padded(double pad_us, double w) const { return cost + pad_us * (w - tokens); }
+  };
+  const int begin = s.knot_begin[dd - 1], end = std::min<int>(begin + s.num_knots[dd - 1], kKnotPool);
+  Point last{s.base_attention_us, 0, s.base_gain};  // the last point within the barrier
+  std::optional<Point> next;                        // the point after it
+  Point prev = last;
+  for (int i = begin; i < end; ++i) {
+    Point p{s.knot_attention_us[i], static_cast<double>(s.knot_tokens[i]), s.knot_gain[i]};
+    if (p.tokens >= want) {  // the chord from the point before up to the tier
+      const double f = p.tokens > prev.tokens ? (want - prev.tokens) / (p.tokens - prev.tokens) : 1.0;
+      p = {prev.cost + f * (p.cost - prev.cost), want, prev.gain + f * (p.gain - prev.gain)};
+    }
+    if (p.padded(s.pad_us, want) <= barrier) {
+      last = p;
+      next.reset();
+    } else if (!next) {
+      next = p;
+    }
+    if (p.tokens >= want) break;
+    prev = p;
+  }
+  k.extra_tokens = std::llround(last.tokens);
+  k.gain = last.gain;
+  if (next && next->tokens > last.tokens) {
+    const double c0 = last.padded(s.pad_us, want), c1 = next->padded(s.pad_us, want);
+    const double f = c1 > c0 ? std::clamp((barrier - c0) / (c1 - c0), 0.0, 1.0) : 0.0;
+    k.extra_tokens += static_cast<int64_t>(std::floor(f * (next->tokens - last.tokens)));
+    k.gain += f * (next->gain - last.gain);
+  }
+  return k;
+}
+
 KnotChoice KnotAtDepth(const RankSummary& s, const GlobalDecision& d, const PlannerConfig& c,
                        int depth) {
+  if (PricesTiers(c) && d.padded_rank_tokens > 0) return KnotInTier(s, d, depth);
   KnotChoice k{depth, 0, s.base_gain};
   const int dd = std::min(depth, static_cast<int>(s.max_depth));
   if (dd < std::max(1, static_cast<int>(s.min_depth))) return k;
@@ -1044,14 +1093,64 @@ void Planner::SetBase(LocalState& st, absl::Span<const PlanRequest> batch,
     }
     model_.FillGrid(st.base_loads, &st.base_agg);
   }
+  // A padded tier runs the verify launch (DSpark verifies its whole tier, padding rows included),
+  // so the base is priced there even where every request is at one query token.
+  if (PricesTiers(config_)) st.base_agg.multi_query = true;
   st.base_attention_us = model_.AttentionUs(st.base_agg) + RankDraftUs() * st.min_depth;
-  st.pad_us = 0;
-  if (PricesTiers(config_)) {  // one padding slot: a dummy request, one query token, one key
-    BatchAggregates padded = st.base_agg;
-    padded.Add(RequestLoad{1, 1});
-    // The depth is agreed here, so the base's attention holds no draft time of the rank's own.
-    st.pad_us = std::max(0.0, model_.AttentionUs(padded) - st.base_attention_us);
+  st.pad_us = PricesTiers(config_) ? PadPriceUs(st) : 0.0;
+}
+
+// What one padding token adds to the rank's base, on the verify launch (the launch a padded tier
+// runs: DSpark verifies its whole tier), as a dummy request of one query token and one key: the
+// most a padding token costs (the engine may put several on one dummy row: dspark::PadToTier),
+// so the barrier a plan prices holds whatever rows the engine lays out. Averaged over the tokens
+// from the base up to the tier of the rank's whole frontier (every request at its cap; the next
+// tier above the base where that is the base's own), at most kPadPriceRows of them, and over a
+// quarter of them, whichever is dearer: a grid model simulates the launches, and whether a few
+// dummy rows' CTAs fill its idle slots or lengthen its tail depends on how many there are (a
+// head-major launch priced 64 rows at nothing a token where 32 added 6.6%).
+double Planner::PadPriceUs(const LocalState& st) const {
+  const std::vector<int32_t>& tiers = config_.token_tiers;
+  const int64_t base = std::llround(st.base_agg.query_tokens);
+  int64_t full = base;
+  for (size_t i = 0; i < st.batch.size(); ++i) {
+    full += std::max(0, st.batch[i].k_cap - st.base_len[i]);
   }
+  int64_t tier = TierFor(tiers, full);
+  if (tier <= base) tier = TierFor(tiers, base + 1);
+  // At most kPadPriceRows dummy rows are simulated: the price is a mean, and a head-major
+  // launch runs every head of each row.
+  constexpr int64_t kPadPriceRows = 64;
+  const int64_t rows = std::min(tier - base, kPadPriceRows);
+  std::vector<RequestLoad> loads;
+  loads.reserve(st.batch.size() + static_cast<size_t>(rows));
+  for (size_t i = 0; i < st.batch.size(); ++i) {
+    loads.push_back(RequestLoad{st.batch[i].ctx_tokens, 1 + st.base_len[i]});
+  }
+  // A price is a difference of two launches: sampled heads move a head-major launch's makespans
+  // by a few per cent either way (kernel_grid.h), more than a few dummy rows add, so both are
+  // simulated whole.
+  const std::optional<CostModel> whole =
+      model_.uses_grid() && model_.grid_simulation() == GridSimulation::kSampledHeads
+          ? std::optional<CostModel>(model_.WithGridSimulation(GridSimulation::kReference))
+          : std::nullopt;
+  const CostModel& model = whole ? *whole : model_;
+  auto verify_us = [&](absl::Span<const RequestLoad> batch) {
+    BatchAggregates agg;
+    for (const RequestLoad& l : batch) agg.Add(l);
+    agg.multi_query = true;
+    model.FillGrid(batch, &agg, /*paths=*/2u);
+    return model.AttentionUs(agg);
+  };
+  const double without = verify_us(loads);
+  double per_token = 0;
+  const size_t n = loads.size();
+  for (int64_t r : {std::max<int64_t>(1, rows / 4), rows}) {
+    loads.resize(n);
+    loads.insert(loads.end(), static_cast<size_t>(r), RequestLoad{1, 1});
+    per_token = std::max(per_token, (verify_us(loads) - without) / static_cast<double>(r));
+  }
+  return std::isfinite(per_token) ? per_token : 0.0;
 }
 
 void Planner::StartSummary(const LocalState& st, int rank_idx, RankSummary& s) const {
@@ -1520,10 +1619,14 @@ class Planner::Filler {
   }
 
   // One greedy pass over the items from `agg` (the aggregates of the current plan); appends what
-  // it takes to `added_`.
+  // it takes to `added_`. An item is taken while the plan stays under the barrier, or when it
+  // lowers the plan's cost: with token tiers a verify token may cost less than the padding token
+  // it replaces (a dummy request on a grid, a per-request term), and then the rank's base with
+  // the tier padded can sit above a barrier its filled tier is under (Decide's chain).
   void Greedy(BatchAggregates agg) {
     const CostModel& model = planner_.model_;
     const bool padded = planner_.config_.global.padded_tokens;
+    double current = model.AttentionUs(agg) + PadRestUs(agg.query_tokens) + rank_draft_us_ * deepest_;
     for (uint32_t idx = 0; idx < st_.items.size(); ++idx) {
       const Item& it = st_.items[idx];
       const int32_t i = it.req_idx(), pos = it.pos();
@@ -1533,11 +1636,13 @@ class Planner::Filler {
       const BatchAggregates::TokenMark mark = agg.Mark();
       agg.AddQueryToken(RequestLoad{st_.batch[i].ctx_tokens, pos});
       const int next_deepest = std::max(deepest_, static_cast<int>(pos));
-      if (model.AttentionUs(agg) + PadRestUs(agg.query_tokens) + rank_draft_us_ * next_deepest >
-          barrier_us_) {
+      const double cost =
+          model.AttentionUs(agg) + PadRestUs(agg.query_tokens) + rank_draft_us_ * next_deepest;
+      if (cost > std::max(barrier_us_, current)) {
         agg.Restore(mark);
         continue;
       }
+      current = cost;
       deepest_ = next_deepest;
       verify_len_[i] = pos;
       ++extra_tokens_;
@@ -1551,20 +1656,26 @@ class Planner::Filler {
   // whose plan the line underestimates would set a higher one. Checks the plan with a
   // simulation; if it is over the barrier, keeps the longest prefix of what was added that fits
   // (bisection); if it fits, fills on from a simulation at the plan, where the line is close.
-  // A few simulations per step (kMaxFillRounds + about log2 of the items added).
+  // A few simulations per step (kMaxFillRounds + about log2 of the items added). Where even the
+  // committed plan is over the barrier (padding dearer than verify: Greedy took items that lower
+  // the cost), the cheaper of it and the whole plan stays.
   void KeepUnderSimulatedLaunch() {
     constexpr int kMaxFillRounds = 3;
-    committed_.assign(st_.base_len.begin(), st_.base_len.end());  // fits (the base does)
+    committed_.assign(st_.base_len.begin(), st_.base_len.end());
     loads_.resize(st_.batch.size());
     for (int round = 1;; ++round) {
-      if (Simulate(verify_len_) > barrier_us_) {
-        size_t lo = 0, hi = added_.size();  // the committed plan fits; all of `added_` does not
+      const double whole_us = Simulate(verify_len_);
+      if (whole_us > barrier_us_) {
+        size_t lo = 0, hi = added_.size();  // the committed plan fits, if any prefix does
         while (hi - lo > 1) {
           const size_t mid = lo + (hi - lo) / 2;
           ApplyPrefix(mid);
           (Simulate(verify_len_) <= barrier_us_ ? lo : hi) = mid;
         }
         ApplyPrefix(lo);
+        if (lo == 0 && Simulate(verify_len_) > std::max(barrier_us_, whole_us)) {
+          ApplyPrefix(added_.size());
+        }
         return;
       }
       if (round == kMaxFillRounds) return;

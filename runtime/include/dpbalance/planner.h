@@ -314,6 +314,8 @@ class Planner {
   // header and base; the engine's default plan (the TPOT guard's reference); the extra-token
   // items by gain per microsecond; the items each depth can take; the knots of every depth.
   void SetBase(LocalState& st, absl::Span<const PlanRequest> batch, int64_t kv_free_tokens) const;
+  // Token tiers: the price of one padding token on this rank (RankSummary::pad_us), after SetBase.
+  double PadPriceUs(const LocalState& st) const;
   void StartSummary(const LocalState& st, int rank_idx, RankSummary& s) const;
   void SummarizeDefault(LocalState& st, RankSummary& s) const;
   void OrderItems(LocalState& st) const;
