@@ -1093,22 +1093,20 @@ void Planner::SetBase(LocalState& st, absl::Span<const PlanRequest> batch,
     }
     model_.FillGrid(st.base_loads, &st.base_agg);
   }
-  // A padded tier runs the verify launch (DSpark verifies its whole tier, padding rows included),
-  // so the base is priced there even where every request is at one query token.
-  if (PricesTiers(config_)) st.base_agg.multi_query = true;
   st.base_attention_us = model_.AttentionUs(st.base_agg) + RankDraftUs() * st.min_depth;
   st.pad_us = PricesTiers(config_) ? PadPriceUs(st) : 0.0;
 }
 
-// What one padding token adds to the rank's base, on the verify launch (the launch a padded tier
-// runs: DSpark verifies its whole tier), as a dummy request of one query token and one key: the
-// most a padding token costs (the engine may put several on one dummy row: dspark::PadToTier),
-// so the barrier a plan prices holds whatever rows the engine lays out. Averaged over the tokens
-// from the base up to the tier of the rank's whole frontier (every request at its cap; the next
-// tier above the base where that is the base's own), at most kPadPriceRows of them, and over a
-// quarter of them, whichever is dearer: a grid model simulates the launches, and whether a few
-// dummy rows' CTAs fill its idle slots or lengthen its tail depends on how many there are (a
-// head-major launch priced 64 rows at nothing a token where 32 added 6.6%).
+// What one padding token adds to the rank's base, on the base's own launch (a dummy request of
+// one query token leaves a batch of single-query requests on the decode launch, as the kernel
+// runs it), as a dummy request of one query token and one key: the most a padding token costs
+// while the engine has a free request slot for each (SGLang puts several on one dummy row when it
+// has not: dspark::PadToTier). Averaged over the tokens from the base up to the tier of the rank's
+// whole frontier (every request at its cap; the next tier above the base where that is the
+// base's own), at most kPadPriceRows of them, and over a quarter of them, whichever is dearer: a
+// grid model simulates the launches, and whether a few dummy rows' CTAs fill its idle slots or
+// lengthen its tail depends on how many there are (a head-major launch priced 64 rows at nothing
+// a token where 32 added 6.6%).
 double Planner::PadPriceUs(const LocalState& st) const {
   const std::vector<int32_t>& tiers = config_.token_tiers;
   const int64_t base = std::llround(st.base_agg.query_tokens);
@@ -1135,20 +1133,17 @@ double Planner::PadPriceUs(const LocalState& st) const {
           ? std::optional<CostModel>(model_.WithGridSimulation(GridSimulation::kReference))
           : std::nullopt;
   const CostModel& model = whole ? *whole : model_;
-  auto verify_us = [&](absl::Span<const RequestLoad> batch) {
-    BatchAggregates agg;
-    for (const RequestLoad& l : batch) agg.Add(l);
-    agg.multi_query = true;
-    model.FillGrid(batch, &agg, /*paths=*/2u);
+  auto launch_us = [&](absl::Span<const RequestLoad> batch) {
+    const BatchAggregates agg = model.Aggregate(batch);  // the launch the batch runs
     return model.AttentionUs(agg);
   };
-  const double without = verify_us(loads);
+  const double without = launch_us(loads);
   double per_token = 0;
   const size_t n = loads.size();
   for (int64_t r : {std::max<int64_t>(1, rows / 4), rows}) {
     loads.resize(n);
     loads.insert(loads.end(), static_cast<size_t>(r), RequestLoad{1, 1});
-    per_token = std::max(per_token, (verify_us(loads) - without) / static_cast<double>(r));
+    per_token = std::max(per_token, (launch_us(loads) - without) / static_cast<double>(r));
   }
   return std::isfinite(per_token) ? per_token : 0.0;
 }

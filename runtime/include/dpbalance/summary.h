@@ -74,8 +74,8 @@ struct RankSummary {
   uint32_t extra_tokens;            // query tokens beside verify (prefill), in the rank's total
   uint32_t input_digest;            // digest of the planning inputs (attention-TP members compare)
   // --- padding: 12 bytes ---
-  // Predicted attention time one padding token adds to this rank's base batch on the verify
-  // launch: a dummy request of one query token and one key (the engine's padding slot; a grid
+  // Predicted attention time one padding token adds to this rank's base batch, on the launch the
+  // base runs: a dummy request of one query token and one key (the engine's padding slot; a grid
   // model simulates its CTAs; Planner::PadPriceUs). With token tiers Decide prices the tier
   // tokens a rank does not fill with verify work at this, and Assign fills only while its
   // attention plus the padding left stays under the barrier. 0..1e7; 0 without tiers.
