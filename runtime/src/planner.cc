@@ -258,44 +258,70 @@ struct KnotChoice {
   double gain = 0;
 };
 
+// A rank's knots at draft depth d: its frontier of the deepest depth it can use up to d.
+struct DepthKnots {
+  int slot = 0, first = 0, count = 0;  // slot 0: none
+};
+ABSL_ATTRIBUTE_ALWAYS_INLINE inline DepthKnots KnotsAtDepth(const RankSummary& s, int depth) {
+  const int slot = std::min<int>(depth, s.max_depth);
+  if (slot <= 0) return DepthKnots{};
+  return DepthKnots{slot, s.knot_begin[slot - 1], s.num_knots[slot - 1]};
+}
+
+// Padded mode with token tiers: a rank's fill-or-pad points at a tier `want` tokens over its
+// base, in frontier order (gain rises): its base, each knot below the tier, and the chord up to
+// the tier where the frontier reaches it. `f(cost, tokens, gain)` gets each point's attention
+// without the padding (the rest of the tier, want - tokens, at the rank's pad_us). Decide's chains
+// (TierPoints) and the budget path's knot (KnotInTier) list the same points through it.
+template <class F>
+ABSL_ATTRIBUTE_ALWAYS_INLINE inline void ForEachTierPoint(const RankSummary& s, DepthKnots dk,
+                                                          double want, F&& f) {
+  double c0 = s.base_attention_us, g0 = s.base_gain, t0 = 0;
+  f(c0, t0, g0);
+  int k = 0;
+  for (; k < dk.count && s.knot_tokens[dk.first + k] < want; ++k) {
+    c0 = s.knot_attention_us[dk.first + k];
+    g0 = s.knot_gain[dk.first + k];
+    t0 = s.knot_tokens[dk.first + k];
+    f(c0, t0, g0);
+  }
+  if (want > 0 && k < dk.count) {  // the tier filled along the chord to knot k
+    const double t1 = s.knot_tokens[dk.first + k];
+    const double frac = t1 > t0 ? (want - t0) / (t1 - t0) : 1.0;
+    f(c0 + frac * (s.knot_attention_us[dk.first + k] - c0), want,
+      g0 + frac * (s.knot_gain[dk.first + k] - g0));
+  }
+}
+
 // Token tiers priced by Decide (PricesTiers): the rank's point is the last of its fill-or-pad
-// points (as TierPoints lists them: the base, each knot below the tier, the chord up to it, each
-// with the rest of the tier padded at its pad_us) whose cost is within the fill barrier, then as
-// far along the chord to the next point as the barrier allows. The last, not the first over: a
-// verify token may cost less than the padding it replaces, so the costs need not rise.
+// points whose cost, the rest of the tier padded at its pad_us, is within the fill barrier, then
+// as far along the chord to the next point as the barrier allows. The last, not the first over:
+// a verify token may cost less than the padding it replaces, so the costs need not rise.
 KnotChoice KnotInTier(const RankSummary& s, const GlobalDecision& d, int depth) {
   KnotChoice k{depth, 0, s.base_gain};
-  const int dd = std::min(depth, static_cast<int>(s.max_depth));
   const double want = static_cast<double>(d.padded_rank_tokens) - s.base_tokens;
-  if (dd < std::max(1, static_cast<int>(s.min_depth)) || !(want > 0)) return k;
+  const DepthKnots dk = KnotsAtDepth(s, depth);
+  if (dk.slot < std::max(1, static_cast<int>(s.min_depth)) || !(want > 0)) return k;
   const double barrier = FillBarrierUs(d);
   struct Point {
     double cost, tokens, gain;
-    double padded(double pad_us, double w) const { return cost + pad_us * (w - tokens); }
   };
-  const int begin = s.knot_begin[dd - 1], end = std::min<int>(begin + s.num_knots[dd - 1], kKnotPool);
+  auto padded = [&](const Point& p) { return p.cost + s.pad_us * (want - p.tokens); };
   Point last{s.base_attention_us, 0, s.base_gain};  // the last point within the barrier
   std::optional<Point> next;                        // the point after it
-  Point prev = last;
-  for (int i = begin; i < end; ++i) {
-    Point p{s.knot_attention_us[i], static_cast<double>(s.knot_tokens[i]), s.knot_gain[i]};
-    if (p.tokens >= want) {  // the chord from the point before up to the tier
-      const double f = p.tokens > prev.tokens ? (want - prev.tokens) / (p.tokens - prev.tokens) : 1.0;
-      p = {prev.cost + f * (p.cost - prev.cost), want, prev.gain + f * (p.gain - prev.gain)};
-    }
-    if (p.padded(s.pad_us, want) <= barrier) {
+  ForEachTierPoint(s, dk, want, [&](double cost, double tokens, double gain) {
+    const Point p{cost, tokens, gain};
+    if (padded(p) <= barrier) {
       last = p;
       next.reset();
     } else if (!next) {
       next = p;
     }
-    if (p.tokens >= want) break;
-    prev = p;
-  }
+  });
   k.extra_tokens = std::llround(last.tokens);
   k.gain = last.gain;
   if (next && next->tokens > last.tokens) {
-    const double c0 = last.padded(s.pad_us, want), c1 = next->padded(s.pad_us, want);
+    const double c0 = padded(last), c1 = padded(*next);
     const double f = c1 > c0 ? std::clamp((barrier - c0) / (c1 - c0), 0.0, 1.0) : 0.0;
     k.extra_tokens += static_cast<int64_t>(std::floor(f * (next->tokens - last.tokens)));
     k.gain += f * (next->gain - last.gain);
@@ -428,16 +454,6 @@ void FillMaxSlopes(RankSummary& s) {
       steepest = std::max(steepest, m);
     }
   }
-}
-
-// A rank's knots at draft depth d: its frontier of the deepest depth it can use up to d.
-struct DepthKnots {
-  int slot = 0, first = 0, count = 0;  // slot 0: none
-};
-ABSL_ATTRIBUTE_ALWAYS_INLINE inline DepthKnots KnotsAtDepth(const RankSummary& s, int depth) {
-  const int slot = std::min<int>(depth, s.max_depth);
-  if (slot <= 0) return DepthKnots{};
-  return DepthKnots{slot, s.knot_begin[slot - 1], s.num_knots[slot - 1]};
 }
 
 // Rank r's segment from knot k (-1: its base) among its knots `dk` at the depth swept. Between
@@ -732,24 +748,11 @@ TierStart TierPoints(int d, double tier, absl::Span<const RankSummary> summaries
     const double want = tier - s.base_tokens;  // the tier tokens over this rank's base
     // Prefixes in frontier order (gain rises): a point cheaper than the ones kept before it
     // dominates them.
-    auto add = [&](double cost, double g) {
-      while (pts.size() > begin[i] && pts.back().cost >= cost) pts.pop_back();
-      pts.push_back({cost, g});
-    };
-    add(s.base_attention_us + s.pad_us * want, s.base_gain);
-    double c0 = s.base_attention_us, g0 = s.base_gain, t0 = 0;
-    int k = 0;
-    for (; k < dk.count && s.knot_tokens[dk.first + k] < want; ++k) {
-      c0 = s.knot_attention_us[dk.first + k];
-      g0 = s.knot_gain[dk.first + k];
-      t0 = s.knot_tokens[dk.first + k];
-      add(c0 + s.pad_us * (want - t0), g0);
-    }
-    if (want > 0 && k < dk.count) {  // the tier filled along the chord to knot k
-      const double t1 = s.knot_tokens[dk.first + k];
-      const double f = t1 > t0 ? (want - t0) / (t1 - t0) : 1.0;
-      add(c0 + f * (s.knot_attention_us[dk.first + k] - c0), g0 + f * (s.knot_gain[dk.first + k] - g0));
-    }
+    ForEachTierPoint(s, dk, want, [&](double cost, double tokens, double g) {
+      const double padded = cost + s.pad_us * (want - tokens);
+      while (pts.size() > begin[i] && pts.back().cost >= padded) pts.pop_back();
+      pts.push_back({padded, g});
+    });
     start.cheapest_barrier = std::max(start.cheapest_barrier, pts[begin[i]].cost);
     begin.push_back(static_cast<uint32_t>(pts.size()));
     at[i] = begin[i + 1] - 1;
