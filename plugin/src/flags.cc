@@ -91,8 +91,23 @@ void AddPlannerFlags(FlagTable& t) {
        })},
       {"value_deferral", Int(0, 1, [](PluginFlags& f, int x) { f.balancer.planner.value_deferral = x; })},
       {"granularity", [](PluginFlags& f, const std::string& v) -> absl::Status {
-         if (v != "request" && v != "rank") return BadValue(v, "request or rank");
+         if (v != "request" && v != "rank" && v != "instance") {
+           return BadValue(v, "request, rank or instance");
+         }
          f.balancer.planner.uniform_per_rank = v == "rank";
+         f.balancer.planner.uniform_instance = v == "instance";
+         return absl::OkStatus();
+       }},
+      {"depths", [](PluginFlags& f, const std::string& v) -> absl::Status {
+         f.balancer.planner.allowed_depths = 0;
+         if (v.empty()) return absl::OkStatus();
+         for (absl::string_view part : absl::StrSplit(v, ',')) {
+           int d;
+           if (!absl::SimpleAtoi(part, &d) || d < 0 || d > kMaxDraftLen) {
+             return BadValue(v, "a comma list of draft depths in 0..8");
+           }
+           f.balancer.planner.allowed_depths |= 1u << d;
+         }
          return absl::OkStatus();
        }},
       {"agreed_depth", Int(0, 1, [](PluginFlags& f, int x) { f.balancer.planner.agreed_draft_depth = x; })},

@@ -462,9 +462,10 @@ dpbResult_t ReportV2(void* context, const dpbReport_v2_t* rep) {
     Logger()->warn("report (ABI v2): plan_id {} is not an outstanding plan: ignored", rep->plan_id);
     return dpbInvalidArgument;
   }
-  // Plans before it were skipped: they stay unreported.
-  ctx->missing_reports += it - ctx->outstanding.begin();
-  ctx->outstanding.erase(ctx->outstanding.begin(), it + 1);
+  // Only this plan is settled: an engine may report out of order (SGLang reports a step where
+  // every rank was idle at once, while the batch before it is still in flight under its overlap
+  // scheduler). A plan never reported is counted when a third outstanding plan evicts it.
+  ctx->outstanding.erase(it);
   try {
     ctx->accepted.resize(rep->num_accepted);
     for (int32_t i = 0; i < rep->num_accepted; ++i) {

@@ -79,7 +79,7 @@ absl::Status CheckSummary(const RankSummary& s, size_t idx, uint64_t want_hash) 
 // Token tiers priced by the planner (SweepTiers: one agreed draft depth), each rank filling the
 // agreed tier (the Filler) with its padding priced at its `pad_us`.
 bool PricesTiers(const PlannerConfig& c) {
-  return c.global.padded_tokens && !c.token_tiers.empty() && !c.uniform_per_rank &&
+  return c.global.padded_tokens && !c.token_tiers.empty() && !c.uniform_per_rank && !c.uniform_instance &&
          c.agreed_draft_depth && c.mode == PlanMode::kGoodput;
 }
 
@@ -365,6 +365,27 @@ KnotChoice KnotAtDepth(const RankSummary& s, const GlobalDecision& d, const Plan
     k.extra_tokens += more;
   }
   return k;
+}
+
+// Instance mode (PlannerConfig::uniform_instance): a rank's point when every rank runs level d
+// (every request at min(d, k_cap), at least its floor): its attention, expected tokens and query
+// tokens over its base. A level past the rank's deepest cap is its deepest; one past 65535 extra
+// tokens is not there (false). SummarizeUniform stored level L as the L-th knot of depth L.
+struct LevelPt {
+  double cost = 0, gain = 0;
+  int64_t tokens = 0;
+};
+bool LevelPoint(const RankSummary& s, int d, LevelPt* p) {
+  const int level = std::min<int>(d, s.max_depth);
+  if (level <= 0) {
+    *p = LevelPt{s.base_attention_us, s.base_gain, 0};
+    return true;
+  }
+  const DepthKnots dk = KnotsAtDepth(s, level);
+  if (dk.count < level) return false;
+  const int k = dk.first + level - 1;
+  *p = LevelPt{s.knot_attention_us[k], s.knot_gain[k], s.knot_tokens[k]};
+  return true;
 }
 
 KnotChoice ChooseKnot(const RankSummary& s, const GlobalDecision& d, const PlannerConfig& c) {
@@ -826,8 +847,31 @@ void SweepTiers(const PlannerConfig& c, int d, absl::Span<const RankSummary> sum
   if (!any) sweep(t.max_base_tokens);
 }
 
-}  // namespace
+// Instance mode: every allowed depth d from the floors' up, every usable rank at level d; the
+// slowest rank's level sets the barrier. A depth some rank's record does not hold is out.
+void SweepInstance(const PlannerConfig& c, absl::Span<const RankSummary> summaries,
+                   const UsableTotals& t, absl::Span<const uint32_t> usable, BestPlan& plans) {
+  for (int d = t.depth_lo; d <= std::max(t.depth_lo, c.k_max); ++d) {
+    if (!c.DepthAllowed(d)) continue;
+    double barrier = 0, gain = 0, sum_tokens = 0, max_tokens = 0;
+    bool reachable = true;
+    for (uint32_t r : usable) {
+      LevelPt p;
+      if (!LevelPoint(summaries[r], d, &p)) {
+        reachable = false;
+        break;
+      }
+      const double tokens = summaries[r].base_tokens + static_cast<double>(p.tokens);
+      barrier = std::max(barrier, p.cost);
+      gain += p.gain;
+      sum_tokens += tokens;
+      max_tokens = std::max(max_tokens, tokens);
+    }
+    if (reachable) plans.Consider(d, barrier, gain, sum_tokens, max_tokens);
+  }
+}
 
+}  // namespace
 
 std::string_view PlanModeName(PlanMode m) {
   switch (m) {
@@ -879,6 +923,24 @@ absl::Status PlannerConfig::Validate() const {
     return absl::InvalidArgumentError(
         "planner: exact_rank_tokens needs per-request lengths (uniform_per_rank is set)");
   }
+  if (uniform_instance && (uniform_per_rank || !agreed_draft_depth)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "planner: granularity instance needs one agreed draft depth and not one length per rank "
+        "(agreed_draft_depth = %d, uniform_per_rank = %d)", agreed_draft_depth, uniform_per_rank));
+  }
+  if (uniform_instance && mode != PlanMode::kGoodput && mode != PlanMode::kOff) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "planner: granularity instance plans in mode goodput or off, not %s", PlanModeName(mode)));
+  }
+  if (allowed_depths >> (kMaxDraftLen + 1)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "planner: allowed_depths = 0x%x names a depth above %d", allowed_depths, kMaxDraftLen));
+  }
+  if (!DepthAllowed(default_k) || !DepthAllowed(k_max)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "planner: allowed_depths = 0x%x must hold default_k (%d) and k_max (%d)", allowed_depths,
+        default_k, k_max));
+  }
   for (size_t i = 0; i < token_tiers.size(); ++i) {
     if (token_tiers[i] <= 0 || (i > 0 && token_tiers[i] <= token_tiers[i - 1])) {
       return absl::InvalidArgumentError(absl::StrFormat(
@@ -907,6 +969,8 @@ uint64_t PlannerConfig::Hash() const {
   if (min_plan_gain != 0) h.Value(min_plan_gain);
   if (guard_measured_overhead) h.Value(uint64_t{0x6d6561737572656f});  // a tag: "measureo"
   if (value_deferral) h.Value(value_deferral);
+  if (uniform_instance) h.Value(uint64_t{0x696e7374616e6365});  // a tag: "instance"
+  if (allowed_depths != 0) h.Value(allowed_depths);
   h.Value(kSummaryVersion);
   return h.digest();
 }
@@ -987,9 +1051,9 @@ absl::Status Planner::SummarizeInto(LocalState& st, int rank_idx,
     return absl::OkStatus();
   }
   const int64_t kv_cap = KvCap(kv_free_tokens);
-  if (config_.uniform_per_rank) {
+  if (config_.uniform_per_rank || config_.uniform_instance) {
     st.items.clear();
-    SummarizeUniform(st, kv_cap, s);
+    SummarizeUniform(st, kv_cap, s, config_.uniform_instance);
   } else {
     // Step 2: extra-token items ordered by expected tokens per marginal microsecond.
     OrderItems(st);
@@ -1320,14 +1384,11 @@ double GuardOverheadUs(const PlannerConfig& c, absl::Span<const RankSummary> sum
 // plan's predicted goodput in `best` and, unless `best` beats it by more than the margin,
 // replaces `best` with the default plan. The default plan must respect every floor
 // (default_k >= the deepest), else the plan stands. Every rank runs this on the same bytes, so all keep or all plan.
-void GuardDefault(const PlannerConfig& c, const UsableTotals& t, double default_step_us,
-                  const BestPlan& plans, GlobalDecision& best) {
-  if (!(default_step_us > 0)) return;
-  best.default_tokens_per_us = t.default_gain / default_step_us;
-  if (c.min_plan_gain <= 0 || t.depth_lo > c.default_k) return;
-  if (best.tokens_per_us > best.default_tokens_per_us * (1 + c.min_plan_gain)) return;
+// Replaces `best` with the engine's default plan (every request at default_k).
+void KeepDefault(const PlannerConfig& c, const UsableTotals& t, double default_step_us,
+                 const BestPlan& plans, GlobalDecision& best) {
   const int num_planned = best.num_planned_ranks;
-  const double default_tokens_per_us = best.default_tokens_per_us;
+  const double default_tokens_per_us = default_step_us > 0 ? t.default_gain / default_step_us : 0;
   best = GlobalDecision{};
   best.kept_default = true;
   best.draft_depth = c.default_k;
@@ -1342,6 +1403,15 @@ void GuardDefault(const PlannerConfig& c, const UsableTotals& t, double default_
                                 ? TierFor(c.token_tiers, std::llround(t.max_default_tokens))
                                 : 0;
   best.num_planned_ranks = num_planned;
+}
+
+void GuardDefault(const PlannerConfig& c, const UsableTotals& t, double default_step_us,
+                  const BestPlan& plans, GlobalDecision& best) {
+  if (!(default_step_us > 0)) return;
+  best.default_tokens_per_us = t.default_gain / default_step_us;
+  if (c.min_plan_gain <= 0 || t.depth_lo > c.default_k) return;
+  if (best.tokens_per_us > best.default_tokens_per_us * (1 + c.min_plan_gain)) return;
+  KeepDefault(c, t, default_step_us, plans, best);
 }
 }  // namespace
 
@@ -1383,7 +1453,9 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
   decide_.segments.resize(summaries.size());
   const int depth_hi = std::max(totals->depth_lo, c.k_max);
   const bool tiers = PricesTiers(c);
-  for (int d = totals->depth_lo; d <= depth_hi; ++d) {
+  if (c.uniform_instance) SweepInstance(c, summaries, *totals, decide_.usable_ranks, plans);
+  for (int d = totals->depth_lo; d <= depth_hi && !c.uniform_instance; ++d) {
+    if (!c.DepthAllowed(d)) continue;
     if (tiers) {
       SweepTiers(c, d, summaries, *totals, decide_, plans);
     } else {
@@ -1397,6 +1469,9 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
   best.num_planned_ranks = num_usable;
   GuardDefault(c, *totals, default_step_us, plans, best);
   if (!local && num_usable < static_cast<int>(summaries.size())) {
+    // Instance mode: the rank without a usable summary verifies the default width, so every
+    // rank does (one width for the instance).
+    if (c.uniform_instance) KeepDefault(c, *totals, default_step_us, plans, best);
     best.draft_depth = std::max(best.draft_depth, c.default_k);
   }
   return best;
@@ -1439,6 +1514,10 @@ absl::Status Planner::AssignFrom(const LocalState& st, const GlobalDecision& d,
           "planner: request %d needs verify length %d but the agreed draft depth is %d", i,
           st.base_len[i], d.draft_depth));
     }
+  }
+  if (config_.uniform_instance) {  // every rank at the agreed level
+    UniformLens(st, d.draft_depth, verify_len);
+    return absl::OkStatus();
   }
   // Exact totals take the knot; so does a budget (the engine spreads it by confidence, which is
   // the knot's prefix), padded or not. Padded per-request lengths fill up to the tier instead.
@@ -1494,6 +1573,9 @@ void Planner::RankTokens(absl::Span<const RankSummary> summaries, const GlobalDe
         // A rank that can verify runs the tier and fills up to it; one that cannot (no
         // requests, no drafts) runs what it has.
         tokens = s.max_depth > 0 ? decision.padded_rank_tokens : int64_t{s.base_tokens};
+      } else if (!decision.kept_default && config_.uniform_instance) {
+        LevelPt p;
+        if (LevelPoint(s, decision.draft_depth, &p)) tokens = s.base_tokens + p.tokens;
       } else if (!decision.kept_default) {  // kept: the default lengths' tokens, as unbalanced
         tokens = config_.exact_rank_tokens ? s.base_tokens + ChooseKnot(s, decision, config_).extra_tokens
                                            : s.base_tokens;
@@ -1512,7 +1594,8 @@ int Planner::UniformLens(const LocalState& st, int level, absl::Span<int32_t> le
   return deepest;
 }
 
-void Planner::SummarizeUniform(LocalState& st, int64_t kv_cap, RankSummary& s) const {
+void Planner::SummarizeUniform(LocalState& st, int64_t kv_cap, RankSummary& s,
+                               bool every_level) const {
   // One knot per level that adds tokens, priced exactly (a grid model simulates the launch),
   // stored once and shared by every depth at or above it: depth d reads the first knots, those
   // of levels <= d. Levels past the KV budget are left out whole (a level is all or nothing).
@@ -1540,11 +1623,14 @@ void Planner::SummarizeUniform(LocalState& st, int64_t kv_cap, RankSummary& s) c
     }
     const double us = model_.AttentionUs(model_.Aggregate(loads)) + rank_draft_us * deepest;
     st.levels[level] = {us, gain, added};
-    if (!open || added == prev_added) continue;  // no request can go this deep
+    if (!open || (added == prev_added && !every_level)) continue;  // no request can go this deep
     // Past the KV budget, or (as items) a level whose extra tokens cannot pay for their FFN time
-    // at last step's goodput, ends the knots: the deeper ones do not help either.
-    if (added > kv_cap || added > 65535 ||
-        gain - prev_gain < min_gain * static_cast<double>(added - prev_added)) {
+    // at last step's goodput, ends the knots: the deeper ones do not help either. In instance
+    // mode neither does: another rank's gain may pay for this rank's level, and the engine
+    // reserves the KV of the width it runs (a captured step graph) itself.
+    if (added > 65535 ||
+        (!every_level && (added > kv_cap ||
+                          gain - prev_gain < min_gain * static_cast<double>(added - prev_added)))) {
       open = false;
       continue;
     }

@@ -122,6 +122,15 @@ TEST(Flags, UnknownAndMalformedFlagsAreNamed) {
   f = ParseFlags({{"DPB_VALUE_DEFERRAL", "2"}}, "");
   ASSERT_FALSE(f.ok());
   EXPECT_NE(f.status().message().find("value_deferral"), std::string::npos) << f.status();
+  f = ParseFlags({{"DPB_GRANULARITY", "instance"}, {"DPB_DEPTHS", "0,1,3,7"}}, "");
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_TRUE(f->balancer.planner.uniform_instance);
+  EXPECT_FALSE(f->balancer.planner.uniform_per_rank);
+  EXPECT_EQ(f->balancer.planner.allowed_depths, 0b10001011u);
+  f = ParseFlags({}, "depths=1,9");
+  ASSERT_FALSE(f.ok());
+  EXPECT_EQ(f.status().message(),
+            "flag 'depths' in the config string: '1,9' is not a comma list of draft depths in 0..8");
   f = ParseFlags({{"DPB_TPOT_SLO_MS", "-3"}}, "");
   ASSERT_FALSE(f.ok());
   EXPECT_NE(f.status().message().find("tpot_slo_ms"), std::string::npos) << f.status();

@@ -1601,5 +1601,127 @@ TEST(PlannerUniformPerRank, EqualsExhaustiveOverLevelsAndEveryRankIsOneLevel) {
   }
 }
 
+// One verify width for the instance (granularity "instance": SGLang's EAGLE/MTP step graphs):
+// the plan is the best single depth, every request of every rank at min(depth, k_cap) (at least
+// its floor), over the allowed depths only; exhaustive over those depths on random instances,
+// with KV budgets that rule some depths out on some ranks; every rank derives the same decision,
+// its lengths and every rank's token total (ABI v2's exact_rank_tokens) from the records alone.
+TEST(PlannerInstanceWidth, EqualsExhaustiveOverAllowedDepthsAndEveryRankRunsIt) {
+  for (int model_idx = 0; model_idx < 2; ++model_idx) {
+    const CostModel model = model_idx == 0 ? CostModel::PublishedV2() : RegimeModel();
+    std::mt19937_64 rng(5000 + model_idx);
+    std::set<int> chosen;
+    int kv_limited = 0;
+    for (int trial = 0; trial < 120; ++trial) {
+      const int ranks = 1 + static_cast<int>(rng() % 8);
+      PlannerConfig c = RandomConfig(rng, ranks);
+      c.uniform_instance = true;
+      c.exact_rank_tokens = trial % 2 == 0;
+      if (trial % 3 != 0) {  // a captured subset: default_k, k_max and random others
+        c.allowed_depths = (1u << c.default_k) | (1u << c.k_max) | static_cast<uint32_t>(rng() % 512);
+        c.allowed_depths &= (2u << c.k_max) - 1;
+      }
+      Batches b = RandomInstance(rng, ranks, 12, c.k_max, /*floors=*/trial % 4 == 0);
+      std::vector<int64_t> kv(ranks, -1);
+      if (trial % 5 == 1) kv[rng() % ranks] = static_cast<int64_t>(rng() % 20);
+      Planner p = *Planner::Create(c, model);
+      std::vector<std::vector<int32_t>> k;
+      absl::StatusOr<GlobalDecision> d = p.PlanAll(b, kv, &k);
+      ASSERT_TRUE(d.ok()) << d.status();
+      ASSERT_TRUE(c.DepthAllowed(d->draft_depth)) << "trial " << trial << ": depth " << d->draft_depth;
+      // Exhaustive: every allowed depth at or above the deepest floor; the plan's objective is
+      // the best of them. KV budgets do not cut levels in this mode (the engine reserves the KV
+      // of the width it runs): the plan is the same with or without them.
+      int depth_lo = 0;
+      for (const auto& rank : b)
+        for (const auto& r : rank) depth_lo = std::max(depth_lo, static_cast<int>(r.k_min));
+      double best = -1;
+      for (int depth = depth_lo; depth <= c.k_max; ++depth) {
+        if (!c.DepthAllowed(depth)) continue;
+        std::vector<std::vector<int32_t>> lens(ranks);
+        for (int r = 0; r < ranks; ++r) {
+          int64_t added = 0;
+          for (const auto& q : b[r]) {
+            const int32_t floor = q.k_min, len = std::max(floor, std::min<int32_t>(depth, q.k_cap));
+            lens[r].push_back(len);
+            added += len - floor;
+          }
+          kv_limited += kv[r] >= 0 && added > kv[r];
+        }
+        best = std::max(best, Objective(b, lens, depth, model, c.global));
+      }
+      {  // the same plan without the KV budgets
+        std::vector<std::vector<int32_t>> k_free;
+        ASSERT_TRUE(Planner::Create(c, model)->PlanAll(b, std::vector<int64_t>(ranks, -1), &k_free).ok());
+        EXPECT_EQ(k_free, k);
+      }
+      const double got = Objective(b, k, d->draft_depth, model, c.global);
+      EXPECT_GE(got, best * (1 - 1e-5)) << "model " << model_idx << " trial " << trial;
+      chosen.insert(d->draft_depth);
+      for (int r = 0; r < ranks; ++r) {
+        for (size_t i = 0; i < b[r].size(); ++i) {
+          ASSERT_EQ(k[r][i], std::max(b[r][i].k_min, std::min<int32_t>(d->draft_depth, b[r][i].k_cap)))
+              << "trial " << trial << " rank " << r << " request " << i;
+        }
+      }
+      const RankRun run = RunAsRanks(c, model, b, kv);
+      EXPECT_EQ(run.k, k);
+      std::vector<int64_t> totals(ranks);
+      for (int r = 0; r < ranks; ++r) {
+        EXPECT_EQ(run.decisions[r], run.decisions[0]) << "ranks disagree, trial " << trial;
+        std::vector<int64_t> mine(ranks);
+        Planner own = *Planner::Create(c, model);
+        own.RankTokens(run.summaries, run.decisions[r], /*balanced=*/true, absl::MakeSpan(mine));
+        if (r == 0) totals = mine;
+        EXPECT_EQ(mine, totals);
+        int64_t tokens = 0;
+        AssignedLoads(b[r], run.k[r], &tokens, nullptr);
+        EXPECT_EQ(totals[r], tokens) << "trial " << trial << " rank " << r;
+      }
+    }
+    EXPECT_GE(chosen.size(), 3u) << "the chosen depth hardly varies: the test shows little";
+    EXPECT_GT(kv_limited, 0);
+    std::printf("instance width: depths chosen %zu distinct, %d rank-levels over a KV budget\n",
+                chosen.size(), kv_limited);
+  }
+}
+
+// Instance mode with a rank that sends no usable record: it verifies the default width, so the
+// whole instance does (kept default), on every rank alike. And bad settings are errors naming
+// them.
+TEST(PlannerInstanceWidth, AnUnusableRankKeepsEveryRankAtTheDefaultWidth) {
+  std::mt19937_64 rng(77);
+  PlannerConfig c = RandomConfig(rng, 3);
+  c.k_max = 5;
+  c.default_k = 2;
+  c.uniform_instance = true;
+  Batches b = RandomInstance(rng, 3, 6, c.k_max, false);
+  const CostModel m = CostModel::PublishedV2();
+  std::vector<Planner> ps;
+  std::vector<RankSummary> sums(3);
+  for (int r = 0; r < 3; ++r) {
+    ps.push_back(*Planner::Create(c, m));
+    ASSERT_TRUE(ps[r].Summarize(r, b[r], -1, &sums[r]).ok());
+  }
+  sums[1].flags &= ~kSummaryValid;  // rank 1 fell back: its record says so
+  for (int r = 0; r < 3; ++r) {
+    absl::StatusOr<GlobalDecision> d = ps[r].Decide(sums);
+    ASSERT_TRUE(d.ok()) << d.status();
+    EXPECT_TRUE(d->kept_default);
+    EXPECT_EQ(d->draft_depth, c.default_k);
+    std::vector<int32_t> k(b[r].size());
+    ASSERT_TRUE(ps[r].Assign(*d, absl::MakeSpan(k)).ok());
+    for (size_t i = 0; i < k.size(); ++i) EXPECT_EQ(k[i], std::min<int32_t>(2, b[r][i].k_cap));
+  }
+  PlannerConfig bad = c;
+  bad.uniform_per_rank = true;
+  EXPECT_NE(Planner::Create(bad, m).status().message().find("granularity instance"), std::string::npos);
+  bad = c;
+  bad.allowed_depths = (1u << 1) | (1u << 5);  // default_k 2 not captured
+  EXPECT_NE(Planner::Create(bad, m).status().message().find("must hold default_k (2)"), std::string::npos);
+  bad.allowed_depths = 1u << 12;
+  EXPECT_NE(Planner::Create(bad, m).status().message().find("above 8"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace dpbalance

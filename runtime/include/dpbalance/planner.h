@@ -107,6 +107,19 @@ struct PlannerConfig {
   // floor), for engines that can vary the verify length per batch but not per request. The
   // rank's frontier is then its few uniform levels, and Decide treats them as steps.
   bool uniform_per_rank = false;
+  // true: one verify width for the whole instance (granularity "instance"): every request on
+  // every rank verifies min(draft_depth, k_cap) drafts, at least its floor, where draft_depth is
+  // the agreed depth. For engines whose verify width is the draft depth of a captured step graph
+  // (SGLang's EAGLE/EAGLE3/MTP with topk 1: speculative_num_steps, the same on every DP rank).
+  // Each rank sends the exact price and gain of every level (one knot a level); Decide picks
+  // the depth whose instance goodput is best (the slowest rank's level sets the barrier). Needs
+  // agreed_draft_depth; excludes uniform_per_rank.
+  bool uniform_instance = false;
+  // The draft depths the engine can run (bit d: depth d), e.g. the step graphs it captured;
+  // Decide considers no other agreed depth. 0: every depth 0..k_max. When set it must hold
+  // default_k and k_max. Hashed (ranks must agree).
+  uint32_t allowed_depths = 0;
+  bool DepthAllowed(int d) const { return allowed_depths == 0 || ((allowed_depths >> d) & 1u); }
   // true: every rank's token total follows from the exchanged summaries alone (RankTokens), and
   // Assign gives each rank exactly that many: the extra tokens of the last knot of its frontier
   // under the agreed barrier, taken in frontier order. The plugin's ABI v2 sets it so an engine
@@ -328,8 +341,10 @@ class Planner {
   void SummarizeDspark(LocalState& st, RankSummary& s) const;
   absl::StatusOr<GlobalDecision> DecideDspark(absl::Span<const RankSummary> summaries) const;
   void AssignDspark(const LocalState& st, const GlobalDecision& d, absl::Span<int32_t> verify_len) const;
-  // Uniform-per-rank mode: each level a knot, priced exactly.
-  void SummarizeUniform(LocalState& st, int64_t kv_cap, RankSummary& s) const;
+  // Uniform-per-rank mode: each level a knot, priced exactly. `every_level` (instance mode): a
+  // knot for every level up to the KV budget, whether or not its tokens pay, so that knot L-1
+  // is level L (LevelPoint reads it).
+  void SummarizeUniform(LocalState& st, int64_t kv_cap, RankSummary& s, bool every_level) const;
   // Greedy fill under the barrier with draft positions <= depth_cap; returns the expected gain.
   double FillUnder(const LocalState& st, const GlobalDecision& d, int depth_cap,
                    absl::Span<int32_t> verify_len) const;

@@ -21,10 +21,11 @@
  * Each `plan` returns a plan_id; `report` names the plan it reports. Up to two plans may be
  * outstanding, for engines that schedule step t+1 before step t's results are in (SGLang's
  * overlap scheduler, vLLM's async scheduling): their report of step t comes after the plan of
- * step t+1. Reports come in plan order; a report that skips an outstanding plan, or a plan that
- * would leave three outstanding, drops the oldest (counted as missing_reports; its measurements
- * are unknown to every rank); a report for a plan that is not outstanding is refused
- * (dpbInvalidArgument) and changes nothing.
+ * step t+1. Reports may come in any order (each settles only the plan it names: SGLang reports
+ * a step where every rank was idle at once, while the batch before it is still in flight); a
+ * plan that would leave three outstanding drops the oldest (counted as missing_reports; its
+ * measurements are unknown to every rank); a report for a plan that is not outstanding is
+ * refused (dpbInvalidArgument) and changes nothing.
  *
  * Failure contract (as v1): anything but dpbSuccess means "use the engine's default verify
  * lengths"; `plan` always fills result->verify_len (the defaults min(default_k, k_cap) when not
