@@ -1,1 +1,0 @@
-../../adapters/python/dpbalance_plugin.py
