@@ -187,8 +187,19 @@ class DSparkCheck:
         self.worker = w
 
     def step(self, batch, bp, own_total, step, seed):
-        """DSpark's code on this step with the plan; returns the figures checked by the driver."""
-        from dpbalance_sglang.patch import dspark as dspark_hooks
+        """DSpark's code on this step with the plan, inside the batch's run (as
+        Scheduler.run_batch runs the worker: the plan is the running one); returns the figures
+        checked by the driver."""
+        from dpbalance_sglang import engine_step
+
+        st = engine_step.state()
+        token = st.begin_run(batch)
+        try:
+            return self._step(batch, bp, own_total, step, seed)
+        finally:
+            st.end_run(token)
+
+    def _step(self, batch, bp, own_total, step, seed):
         from sglang.srt.speculative.dspark_components import dspark_planner as dp
         from sglang.srt.speculative.ragged_verify import RaggedVerifyLayout, round_up_grid
 
@@ -244,7 +255,7 @@ class DSparkCheck:
 
         out["dspark_own_lens"] = [int(x) for x in ScheduleVerifyLensTopk.execute(
             confidence=conf, budget=int(own_budget), cfg=self.cfg).tolist()]
-        lens = dspark_hooks.around_forward_decode(decode, self.worker, batch)
+        lens = decode(self.worker, batch)
         out["verify_lens"] = [int(x) for x in lens.tolist()]
         # schedule_layout's floor: the agreed tier, at most the DP-global request count x width.
         global_reqs = max(batch.global_num_tokens)
@@ -289,7 +300,7 @@ def run_case(proc, world, case, plugin, logdir):
     # what the handshake added beyond SGLang's own gather (the ranks arrive as they start).
     t0 = time.monotonic()
     sync(None)
-    out["init_ms"] = max(0.0, (time.monotonic() - t0) * 1e3 - st.last_gather_ms)
+    out["init_ms"] = max(0.0, (time.monotonic() - t0) * 1e3 - st.n.last_gather_ms)
     out["error"] = st.init_error
     out["abi"] = 2 if st.dpb is not None else None
     for step in range(case["steps"]):
@@ -313,7 +324,7 @@ def run_case(proc, world, case, plugin, logdir):
         bp = st.last_sync_plan  # also when SGLang returns no batch (every rank idle)
         sg = {"step": step, "kind": kind, "local_tokens": local_tokens,
               "global_num_tokens": list(ran.global_num_tokens) if ran is not None else None,
-              "sync_ms": sync_ms, "gather_ms": st.last_gather_ms,
+              "sync_ms": sync_ms, "gather_ms": st.n.last_gather_ms,
               "mode": int(ran.forward_mode.value) if ran is not None else None}
         if skew := (spec.get("tp_skew_steps") and step in spec["tp_skew_steps"]):
             batch.reqs[0].output_ids.pop()
@@ -325,7 +336,7 @@ def run_case(proc, world, case, plugin, logdir):
                     for r in reqs]
             extra = batch.extend_num_tokens if kind == "extend" else 0
             rec = {"step": step, "kind": kind, "n": len(reqs), "extra": extra,
-                   "plan_ms": max(0.0, sync_ms - st.last_gather_ms), "caps": caps,
+                   "plan_ms": max(0.0, sync_ms - st.n.last_gather_ms), "caps": caps,
                    "mins": [0] * len(reqs), "lens": lens,
                    "own_total": sum(1 + k for k in lens) + extra,
                    "result": p.result, "balanced": p.balanced, "depth": p.draft_depth,

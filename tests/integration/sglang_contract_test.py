@@ -233,7 +233,7 @@ def check_bad_input(c, got, logs, f):
                 f"process {p}: hooks applied on a mismatched SGLang: {r['targets']}")
         f.check(r["global_num_tokens"] == want and not r["has_plan"],
                 f"process {p}: SGLang's sync gave {r['global_num_tokens']}, want {want}")
-        f.check("written against SGLang 0.5.23, found SGLang 0.5.22" in logs[p] and
+        f.check("written for SGLang >= 0.5.23, < 0.6, found SGLang 0.5.22" in logs[p] and
                 "SGLang runs as shipped" in logs[p],
                 f"process {p}'s log does not name the versions:\n{logs[p][-1500:]}")
     # A row of the wrong width: SGLang's real 11-column rows, gathered without our columns.

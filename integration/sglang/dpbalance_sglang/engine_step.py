@@ -1,38 +1,43 @@
 """Where SGLang's scheduler step meets dpbalance's plugin ABI (v2, through the Python adapter).
 
-Read at SGLang 0.5.23 (PyPI wheel; sgl-project/sglang, see docs/engines.md for the commits):
-`prepare_mlp_sync_batch_raw` (sglang/srt/managers/scheduler_components/dp_attn.py) runs on
-every scheduler process every step that needs the MLP sync, idle ranks included, and calls
-`MLPSyncBatchInfo.all_gather`, which gathers one int64 row per process of the TP group into a
-(num_dp_ranks, attn_tp_size * attn_cp_size, W) tensor (W = 11 fields at 0.5.23), overwrites the
-rows of inactive slots with `_get_fallback_tensor` (an IDLE row), and keeps
-`tp0_info_cpu = global_info_tensor.cpu()[:, 0, :]`.
+Read at SGLang 0.5.23 (PyPI wheel; docs/engines.md "SGLang" names the files and commits).
 
-Our record rides there, as 64 extra int64 columns (512 bytes) after SGLang's W, not as a second
-gather. Why: the row can grow: `all_gather` derives its width from `_get_local_tensor().numel()`
-and every reader indexes SGLang's fields by position 0..W-1, so columns after W are invisible to
-SGLang; one collective per step instead of two; the record fails exactly when SGLang's sync does;
-SGLang's own fallback-row overwrite (an inactive slot) and its all-reduce variant (elastic EP:
-an all-zero row becomes the fallback row) apply to our columns unchanged, so such a slot's record
-arrives as zeros and every rank runs its defaults for the step; and int64 carries the bytes
-exactly (the all-reduce sums one non-zero row per slot). The record columns are read back from
-the gathered tensor (`tp0_info_cpu` is a view of it, `_base`), checked for its shape.
+One scheduler iteration (`Scheduler.event_loop_overlap`, SGLang's default, or
+`event_loop_normal`), as the hooks in patch/ see it:
 
-Per process (scheduler) one `RankState`:
-  - the first sync initialises the plugin; its handshake rides that sync's row (the plugin's
-    init calls our all-gather, which runs SGLang's gather with the handshake record). A rank
-    whose init fails, or that has no plugin (DPB_PLUGIN=none), still runs every sync with a
-    zero record: the others see it, refuse or fall back, and nobody waits;
-  - every later sync calls `plan` with this rank's batch; `plan` runs SGLang's gather inside
-    (our callback). The result is attached to the batch (`batch.dpb_plan`) for the DSpark hooks
-    and the report;
-  - `report` after the batch's results are processed (patch/scheduler.py).
+  get_next_batch_to_run        (patch/scheduler.py: marks the iteration, `iteration()`)
+    MLP sync 1 (the probe)     speculative decoding + DP attention only: a sync over the new
+                               prefill batch. Its batch is a prefill or nothing, never a verify
+                               step, so no plan is made and SGLang's row goes as shipped.
+    MLP sync 2                 `prepare_mlp_sync_batch_raw` (patch/dp_attn.py): this rank's
+                               batch is summarised and `plan` runs with SGLang's gather as the
+                               exchange; the record rides that gather as 64 extra int64
+                               columns. The plan goes on the batch SGLang returns
+                               (`batch.dpb_plan`, None when there is none, so no older plan
+                               stays on SGLang's persistent running batch).
+  run_batch                    (patch/scheduler.py) the batch's plan is the current one while
+                               its forward runs: the DSpark and EAGLE hooks apply it only if it
+                               is this rank's latest plan (a stale plan is dropped, counted,
+                               never applied); the target's attention is timed there.
+  batch.copy()                 (patch/schedule_batch.py: the overlap loop and PD decode queue
+                               a copy for result processing; the copy keeps the plan)
+  process_batch_result         (patch/scheduler.py) reports the batch's accepted drafts and
+                               measured times for the plan it carries (plan_id), whatever
+                               object carries it.
 
-Nothing here raises into SGLang except SGLang's own collective failure, which is re-raised as
-it would have been.
+Why extra columns and not a second gather: the row can grow (`MLPSyncBatchInfo.all_gather`
+derives its width from `_get_local_tensor().numel()`, every reader indexes SGLang's fields by
+position); one collective per step instead of two; the record fails exactly when SGLang's sync
+does; SGLang's inactive-slot overwrite and its all-reduce variant reach our columns unchanged
+(such a slot's record is zeros: every rank runs its defaults that step); int64 carries the
+bytes exactly. The record columns are read back from the gathered tensor (`tp0_info_cpu._base`),
+checked for shape.
+
+Nothing here raises into SGLang except SGLang's own collective failure, re-raised as it was.
 """
 from __future__ import annotations
 
+import collections
 import contextvars
 import logging
 import os
@@ -41,32 +46,50 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 try:  # the installed package holds the adapter next to this file
     from . import dpbalance_plugin as adapter  # type: ignore
-except ImportError:  # pragma: no cover - a source tree without the link
+except ImportError:  # pragma: no cover - a source tree without the installed adapter
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
                                     "adapters", "python"))
     import dpbalance_plugin as adapter  # type: ignore  # noqa: E402
 
+from . import attention_timer, spec_config
+
 log = logging.getLogger("sglang.srt.plugins.dpbalance")
 
 RECORD_BYTES = adapter.RECORD_BYTES       # one process's summary record (the v2 handshake too)
 RECORD_COLUMNS = RECORD_BYTES // 8        # int64 columns appended to SGLang's row
+# Plans kept waiting for their report: the overlap loop reports step t after planning t + 1, so
+# two are normal; an older one was never reported (counted as missing).
+MAX_OUTSTANDING = 2
 
 
 class BatchPlan(NamedTuple):
-    """What one sync planned for the batch that runs after it."""
+    """What one planning sync decided for the batch that runs after it."""
     plan: Any                  # adapter.PlanResult
     rids: tuple                # request ids, batch order, as planned
     kind: str                  # decode, idle, extend, no_verify
+    seq: int                   # this rank's planning-sync number (RankState.seq at the plan)
     t_plan: float              # time.monotonic() at the plan
 
     @property
     def exchanged(self) -> bool:
         """Every DP rank's total is known: the exchange went through and every rank agreed the
-        padded tier from the same bytes. Then every rank runs this plan's lengths (balanced, or
-        the defaults on a rank that fell back) and the agreed tier; else SGLang's own."""
+        padded tier and the draft depth from the same bytes. Then every rank runs this plan's
+        lengths (balanced, or the defaults on a rank that fell back), tier and depth; else
+        SGLang's own."""
         return all(t >= 0 for t in self.plan.rank_tokens)
+
+
+class Iteration:
+    """One `get_next_batch_to_run` call: how many MLP syncs it has run, and whether its first
+    is SGLang's prefill probe (see the module docstring)."""
+
+    __slots__ = ("probe_first", "syncs")
+
+    def __init__(self, probe_first: bool):
+        self.probe_first = probe_first
+        self.syncs = 0
 
 
 class StepInput(NamedTuple):
@@ -76,6 +99,10 @@ class StepInput(NamedTuple):
 
 _STEP: contextvars.ContextVar[Optional[StepInput]] = contextvars.ContextVar(
     "dpbalance_sglang_step", default=None)
+_ITERATION: contextvars.ContextVar[Optional[Iteration]] = contextvars.ContextVar(
+    "dpbalance_sglang_iteration", default=None)
+_RUNNING: contextvars.ContextVar[Optional[BatchPlan]] = contextvars.ContextVar(
+    "dpbalance_sglang_running", default=None)
 
 
 def records_from_gathered(gathered, dp_size: int, slots: int, engine_width: int) -> bytes:
@@ -93,40 +120,12 @@ def records_from_gathered(gathered, dp_size: int, slots: int, engine_width: int)
     return gathered[:, :, engine_width:].contiguous().numpy().tobytes()
 
 
-def _env_set(name: str) -> bool:
-    """Whether DPB_<name> is given (the plugin parses it and names a bad value)."""
-    return bool(os.environ.get(name))
-
-
-def _spec_width(model_runner) -> tuple[str, int]:
-    """(algorithm, drafts per request that verify can take) from SGLang's spec configuration:
-    DSpark verifies its block (speculative_num_draft_tokens, the anchor included), EAGLE/MTP
-    their speculative_num_steps drafts at a fixed width."""
-    alg = getattr(model_runner, "spec_algorithm", None)
-    if alg is None or alg.is_none():
-        return "none", 0
-    from sglang.srt.runtime_context import get_spec
-
-    spec = get_spec()
-    if alg.is_eagle():
-        return "eagle", int(spec.speculative_num_steps or 0)
-    name = "dspark" if alg.is_dspark() else alg.name.lower()
-    return name, max(0, int(spec.speculative_num_draft_tokens or 1) - 1)
-
-
-def _ragged_tiers(model_runner) -> Optional[list]:
-    """DSpark compact: the decode runner's captured token grid (the tiers SGLang pads to)."""
-    runner = getattr(model_runner, "decode_cuda_graph_runner", None)
-    if runner is None or not getattr(runner, "ragged_verify_mode", False):
-        return None
-    return [int(t) for t in runner.capture_num_tokens]
-
-
-def step_of(batch, k_draft: int) -> tuple[str, list, int]:
+def step_of(batch, k_draft: int, full_width: bool) -> tuple[str, list, int]:
     """(kind, requests, extra_tokens) for this rank's batch, as SGLang formed it before the sync.
 
     None, idle or prebuilt: idle. Decode: one request per running request (`rid`, its host-side
-    length `seqlen`, k_cap = min(drafts, tokens it may still emit - 1)), or no_verify without
+    length `seqlen`, k_cap = min(drafts, tokens it may still emit - 1); `full_width`: every
+    request at the width, as EAGLE verifies it whatever is left), or no_verify without
     speculation. Extend or mixed: extend with its `extend_num_tokens` of prefill."""
     if batch is None:
         return "idle", [], 0
@@ -137,7 +136,7 @@ def step_of(batch, k_draft: int) -> tuple[str, list, int]:
         reqs = []
         for req in batch.reqs:
             cap = req.sampling_params.max_new_tokens
-            left = k_draft + 1 if cap is None else int(cap) - len(req.output_ids)
+            left = k_draft + 1 if cap is None or full_width else int(cap) - len(req.output_ids)
             reqs.append(adapter.Request(req.rid, int(req.seqlen), k_min=0,
                                         k_cap=max(0, min(k_draft, left - 1))))
         return ("decode" if k_draft > 0 else "no_verify"), reqs, 0
@@ -158,6 +157,25 @@ class _SyncGather:
         return self.run(send)
 
 
+class Counters:
+    """What the package counts on one process (summary(); the tests read them)."""
+
+    def __init__(self):
+        self.syncs = 0             # MLP syncs with our columns (the first carries the handshake)
+        self.probe_syncs = 0       # SGLang's prefill probes, left as shipped
+        self.plans = 0
+        self.reports = 0
+        self.idle_reports = 0      # plans whose sync found every rank idle (reported at once)
+        self.stale_dropped = 0     # a batch's plan that was not this rank's latest: not applied
+        self.missing_reports = 0   # plans evicted unreported (more than MAX_OUTSTANDING behind)
+        self.unplanned_results = 0  # results of batches that carried no plan (prefill probes)
+        self.applied = {}          # what the hooks applied: name -> count
+        self.exchange_errors = 0
+        self.max_plan_ms = 0.0     # longest plan call, SGLang's gather inside it included
+        self.max_wait_ms = 0.0     # longest time from a plan to its report
+        self.last_gather_ms = 0.0  # SGLang's gather in the last sync
+
+
 class RankState:
     """One scheduler process's dpbalance state."""
 
@@ -167,69 +185,71 @@ class RankState:
         self.init_error: Optional[str] = None
         self.gather = _SyncGather()
         self.pending = None            # the int64 record columns of the gather in flight
-        self.last_plan: Optional[BatchPlan] = None       # until the batch takes it
-        self.last_sync_plan: Optional[BatchPlan] = None  # the last sync's, kept
-        self.alg, self.k_draft = "none", 0
-        self.syncs = 0                 # syncs joined (the first carries the handshake)
-        self.plans = 0
+        self.n = Counters()
         self.results: dict = {}        # plan result name -> count
-        self.exchange_errors = 0
-        self.max_plan_ms = 0.0         # longest plan call, SGLang's gather inside it included
-        self.last_gather_ms = 0.0      # SGLang's gather in the last sync
-        self.reports = 0
+        self.seq = 0                   # planning syncs so far
+        self.latest: Optional[BatchPlan] = None          # the last planning sync's plan
+        self.last_sync_plan: Optional[BatchPlan] = None  # the same, kept (tests, logs)
+        self.outstanding: collections.OrderedDict = collections.OrderedDict()  # plan_id -> plan
+        self.spec = spec_config.SpecConfig.none()
+        self.timer = attention_timer.AttentionTimer()
+        self.run_starts: collections.OrderedDict = collections.OrderedDict()  # seq -> start
 
     # --- the plugin -------------------------------------------------------------------------
-
-    def _config(self, model_runner) -> tuple[str, Optional[list]]:
-        """Flags SGLang's configuration decides, where DPB_* leaves them unset (the config
-        string wins over DPB_*, so only unset ones are passed): the draft width as k_max and
-        default_k (SGLang verifies every draft by default: DSpark's verify-all fallback, EAGLE's
-        fixed width), no draft cost (the draft length is SGLang's, not ours)."""
-        self.alg, self.k_draft = _spec_width(model_runner)
-        parts = []
-        k = min(self.k_draft, 8)  # DPB_K_MAX's range (docs/flags.md)
-        if not _env_set("DPB_K_MAX"):
-            parts.append(f"k_max={k}")
-        if not _env_set("DPB_DEFAULT_K"):
-            parts.append(f"default_k={k}")
-        if not _env_set("DPB_DRAFT_US"):
-            parts.append("draft_us=0")
-        tiers = _ragged_tiers(model_runner) if self.alg == "dspark" else None
-        return ";".join(parts), tiers
 
     def _init(self, info, group, model_runner) -> None:
         """The first sync: load and init the plugin (its handshake rides this sync)."""
         self.initialised = True
         import torch.distributed as dist
 
-        library = os.environ.get("DPB_PLUGIN", "")
+        from . import library
+
         slots = int(info.tp_size) * int(info.cp_size)
         index = dist.get_rank(group)
-        config, tiers = self._config(model_runner)
+        value = os.environ.get("DPB_PLUGIN", "")
+        self.spec = spec_config.SpecConfig.from_sglang(model_runner)
+        config = self.spec.plugin_config()
         try:
+            path = library.resolve(value)
             self.dpb = adapter.DpBalance.load(
                 int(info.num_dp_ranks), index // slots, config, allgather=self.gather,
-                library=library, abi=2, attn_tp_size=slots, attn_tp_rank=index % slots,
-                token_tiers=tiers, granularity="request")
+                library=path, abi=2, attn_tp_size=slots, attn_tp_rank=index % slots,
+                token_tiers=self.spec.tiers, granularity="request")
         except (adapter.DpBalanceError, OSError, ValueError, TypeError) as e:
             self.dpb = None
             self.init_error = str(e)
             log.error("dpbalance_sglang: DPB_PLUGIN=%r could not start on TP process %d (%s); "
                       "this rank joins SGLang's sync with an empty record and every rank runs "
-                      "SGLang's own verify lengths", library, index, e)
+                      "SGLang's own verify lengths", value, index, e)
             return
         if self.dpb is None:
             log.warning("dpbalance_sglang: DPB_PLUGIN=none on TP process %d: SGLang's own "
                         "verify lengths on every rank", index)
-        else:
-            log.info("dpbalance_sglang: plugin %s on DP rank %d (attn-TP slot %d of %d), %s, "
-                     "draft width %d, tiers %s", self.dpb.path, self.dpb.dp_rank,
-                     index % slots, slots, self.alg, self.k_draft, tiers)
+            return
+        self.timer.bind(model_runner)
+        log.info("dpbalance_sglang: plugin %s on DP rank %d (attn-TP slot %d of %d), %s; "
+                 "config %r; attention timed on %d layers", self.dpb.path, self.dpb.dp_rank,
+                 index % slots, slots, self.spec.describe(), config, self.timer.num_layers)
 
     # --- one sync -------------------------------------------------------------------------
 
+    def planning_sync(self) -> bool:
+        """Whether the sync now starting plans (counts it in the iteration). Every rank runs the
+        same iterations, so every rank answers alike."""
+        it = _ITERATION.get()
+        if it is None:  # a sync outside get_next_batch_to_run (PD decode, pipeline stages)
+            return True
+        first = it.syncs == 0
+        it.syncs += 1
+        return not (it.probe_first and first)
+
     def sync(self, orig: Callable, info, device, group, use_all_reduce: bool) -> None:
-        """MLPSyncBatchInfo.all_gather with our record in it (the AROUND hook's body)."""
+        """MLPSyncBatchInfo.all_gather with our record in it (the AROUND hook's body). The probe
+        sync of an iteration runs as shipped (no columns, no plan)."""
+        if self.initialised and not self.planning_sync():
+            self.n.probe_syncs += 1
+            orig(info, device, group, use_all_reduce)
+            return
         import torch
 
         step = _STEP.get()
@@ -237,8 +257,8 @@ class RankState:
         model_runner = step.model_runner if step is not None else None
         g = self.gather
         g.ran, g.engine_error = False, None
-        self.syncs += 1
-        self.last_gather_ms = 0.0
+        self.n.syncs += 1
+        self.n.last_gather_ms = 0.0
 
         def exchange(record: bytes) -> bytes:
             g.ran = True
@@ -254,7 +274,7 @@ class RankState:
                 raise
             finally:
                 self.pending = None
-                self.last_gather_ms = (time.monotonic() - t0) * 1e3
+                self.n.last_gather_ms = (time.monotonic() - t0) * 1e3
             tp0 = info.tp0_info_cpu
             full = getattr(tp0, "_base", None)
             engine_width = int(tp0.shape[-1]) - RECORD_COLUMNS if tp0 is not None else 0
@@ -262,7 +282,7 @@ class RankState:
                 return records_from_gathered(full, int(info.num_dp_ranks),
                                              int(info.tp_size) * int(info.cp_size), engine_width)
             except ValueError as e:  # SGLang's own fields stay as gathered; the plugin falls back
-                self.exchange_errors += 1
+                self.n.exchange_errors += 1
                 log.error("%s; SGLang's own verify lengths this step", e)
                 raise
 
@@ -282,7 +302,7 @@ class RankState:
                 exchange(bytes(RECORD_BYTES))
         finally:
             g.run = None
-        self.last_plan = self.last_sync_plan = plan
+        self.latest = self.last_sync_plan = plan
 
     def _stop(self, why: str) -> None:
         """An error of ours (or SGLang state we did not expect): log it once with its trace,
@@ -305,7 +325,7 @@ class RankState:
             return None
         if self.dpb is None:
             return None
-        kind, reqs, extra = step_of(batch, self.k_draft)
+        kind, reqs, extra = step_of(batch, self.spec.k_draft, self.spec.full_width)
         t0 = time.monotonic()
         try:
             res = self.dpb.plan(reqs, kind=kind, extra_tokens=extra)
@@ -313,25 +333,74 @@ class RankState:
             log.error("dpbalance_sglang: DP rank %d: %s; SGLang's own lengths this step",
                       self.dpb.dp_rank, e)
             return None
-        self.max_plan_ms = max(self.max_plan_ms, (time.monotonic() - t0) * 1e3)
-        self.plans += 1
+        self.n.max_plan_ms = max(self.n.max_plan_ms, (time.monotonic() - t0) * 1e3)
+        self.n.plans += 1
+        self.seq += 1
         name = adapter.RESULT_NAMES.get(res.result, str(res.result))
         self.results[name] = self.results.get(name, 0) + 1
-        return BatchPlan(res, tuple(r.request_id for r in reqs), kind, t0)
+        bp = BatchPlan(res, tuple(r.request_id for r in reqs), kind, self.seq, t0)
+        self._keep(bp)
+        return bp
 
-    def take_plan(self) -> Optional[BatchPlan]:
-        p, self.last_plan = self.last_plan, None
+    def _keep(self, bp: BatchPlan) -> None:
+        """Waits for bp's report; a plan more than MAX_OUTSTANDING behind is counted missing."""
+        self.outstanding[bp.plan.plan_id] = bp
+        while len(self.outstanding) > MAX_OUTSTANDING:
+            self.outstanding.popitem(last=False)
+            self.n.missing_reports += 1
+
+    def take_latest(self) -> Optional[BatchPlan]:
+        """The plan of the sync that just ran (once)."""
+        p, self.latest = self.latest, None
         return p
+
+    # --- the forward --------------------------------------------------------------------------
+
+    def usable(self) -> Optional[BatchPlan]:
+        """The running batch's plan when the hooks may apply it: this rank's latest (begin_run
+        checked) and exchanged (every rank derived the same tier and depth from it)."""
+        bp = _RUNNING.get()
+        return bp if bp is not None and self.dpb is not None and bp.exchanged else None
+
+    def applied(self, what: str) -> None:
+        self.n.applied[what] = self.n.applied.get(what, 0) + 1
+
+    def begin_run(self, batch) -> contextvars.Token:
+        """run_batch starts: the batch's plan is the running one if it is this rank's latest.
+        A batch that carries an older plan (a batch SGLang kept across iterations without a new
+        planning sync) runs SGLang's own values: dropped, counted, never applied."""
+        now = time.monotonic()
+        bp = getattr(batch, "dpb_plan", None)
+        if bp is not None and bp.seq != self.seq:
+            self.n.stale_dropped += 1
+            log.warning("dpbalance_sglang: a batch carries plan %d of planning sync %d, the "
+                        "latest is %d: dropped, SGLang's own values", bp.plan.plan_id, bp.seq,
+                        self.seq)
+            bp = None
+        if bp is not None:
+            self.run_starts[bp.seq] = now
+            while len(self.run_starts) > 2 * MAX_OUTSTANDING:
+                self.run_starts.popitem(last=False)
+        self.timer.begin(bp.seq if bp is not None else None)
+        return _RUNNING.set(bp)
+
+    def end_run(self, token: contextvars.Token) -> None:
+        self.timer.end()
+        _RUNNING.reset(token)
 
     # --- after the batch ran ------------------------------------------------------------------
 
     def report(self, batch, result) -> None:
-        """Reports a batch's accepted drafts for the plan it ran (plan_id pairs them under the
-        overlap scheduler, where the report of step t follows the plan of step t+1). SGLang
-        measures no attention-only time per step: the wall time from the plan to this report
-        stands for both times."""
+        """Reports a batch's accepted drafts for the plan it carries (plan_id pairs them under
+        the overlap scheduler, where the report of step t follows the plan of step t+1).
+        attention_us: the target's attention layers as timed during its forward (0 when they
+        were not seen: a CUDA-graph replay; the online refit then skips the step); step_us: the
+        time from this batch's run_batch to the next one's (or to now)."""
         bp: Optional[BatchPlan] = getattr(batch, "dpb_plan", None)
-        if self.dpb is None or bp is None:
+        if self.dpb is None:
+            return
+        if bp is None:
+            self.n.unplanned_results += 1
             return
         batch.dpb_plan = None
         self.report_plan(bp, batch, result)
@@ -339,7 +408,7 @@ class RankState:
     def report_plan(self, bp: BatchPlan, batch=None, result=None) -> None:
         """Reports `bp`; with no batch (SGLang ran nothing after the sync: every rank was idle)
         a step without accepted drafts."""
-        if self.dpb is None:
+        if self.dpb is None or self.outstanding.pop(bp.plan.plan_id, None) is None:
             return
         lens = list(bp.plan.verify_len)
         accepted = []
@@ -349,15 +418,28 @@ class RankState:
                 for req, rid, k, a in zip(batch.reqs, bp.rids, lens, per_req):
                     accepted.append(adapter.Accepted(rid, k, max(0, min(int(a), k)),
                                                      bool(req.finished())))
-        us = (time.monotonic() - bp.t_plan) * 1e6
-        self.dpb.report(us, us, accepted, plan_id=bp.plan.plan_id)
-        self.reports += 1
+        now = time.monotonic()
+        start = self.run_starts.pop(bp.seq, None)
+        later = [t for s, t in self.run_starts.items() if s > bp.seq]
+        step_us = ((later[0] if later else now) - start) * 1e6 if start is not None else 0.0
+        attention_us = self.timer.take_us(bp.seq)
+        self.dpb.report(attention_us, step_us, accepted, plan_id=bp.plan.plan_id)
+        self.n.reports += 1
+        if batch is None:
+            self.n.idle_reports += 1
+        self.n.max_wait_ms = max(self.n.max_wait_ms, (now - bp.t_plan) * 1e3)
 
     def summary(self) -> dict:
-        out = {"syncs": self.syncs, "plans": self.plans, "results": dict(self.results),
-               "exchange_errors": self.exchange_errors, "max_plan_ms": self.max_plan_ms,
-               "reports": self.reports, "init_error": self.init_error,
-               "plugin": self.dpb is not None}
+        n = self.n
+        out = {"syncs": n.syncs, "probe_syncs": n.probe_syncs, "plans": n.plans,
+               "reports": n.reports, "idle_reports": n.idle_reports,
+               "stale_dropped": n.stale_dropped, "missing_reports": n.missing_reports,
+               "unplanned_results": n.unplanned_results, "applied": dict(n.applied),
+               "results": dict(self.results), "exchange_errors": n.exchange_errors,
+               "max_plan_ms": n.max_plan_ms, "max_wait_ms": n.max_wait_ms,
+               "outstanding": len(self.outstanding), "init_error": self.init_error,
+               "plugin": self.dpb is not None, "spec": self.spec.describe(),
+               "timed_layers": self.timer.num_layers}
         if self.dpb is not None:
             out["stats"] = self.dpb.stats()
         return out
@@ -395,3 +477,11 @@ def enter_step(batch, model_runner) -> contextvars.Token:
 
 def leave_step(token: contextvars.Token) -> None:
     _STEP.reset(token)
+
+
+def enter_iteration(probe_first: bool) -> contextvars.Token:
+    return _ITERATION.set(Iteration(probe_first))
+
+
+def leave_iteration(token: contextvars.Token) -> None:
+    _ITERATION.reset(token)

@@ -2,13 +2,14 @@
 SGLang's MLP-sync row (engine_step.py says why extra columns and not a second gather).
 
   prepare_mlp_sync_batch_raw           AROUND: makes this rank's batch and model runner visible
-                                       to the sync inside it; attaches the plan to the batch
-                                       the function returns (the idle batch it makes included)
-  MLPSyncBatchInfo.all_gather          AROUND: plan, with SGLang's gather as the exchange
+                                       to the sync inside it; puts the sync's plan (or None) on
+                                       the batch it returns (the idle batch it makes included)
+  MLPSyncBatchInfo.all_gather          AROUND: plan, with SGLang's gather as the exchange (the
+                                       iteration's prefill probe runs as shipped)
   MLPSyncBatchInfo._get_local_tensor   AFTER: appends the record (64 int64) while a gather runs
   MLPSyncBatchInfo._get_fallback_tensor AFTER: appends 64 zeros then (an inactive slot's record)
 
-Outside our gather (`finalize_local` at one DP rank) the rows stay SGLang's.
+Outside our gather (`finalize_local` at one DP rank, the probe) the rows stay SGLang's.
 """
 from __future__ import annotations
 
@@ -37,10 +38,12 @@ def around_prepare(original, *args, **kwargs):
     finally:
         engine_step.leave_step(token)
     st = engine_step.state()
-    plan = st.take_plan()
+    plan = st.take_latest()
     if plan is not None and out is None:  # every rank idle: SGLang runs nothing this step
         st.report_plan(plan)
-    elif plan is not None:
+    elif out is not None:
+        # Always set, None too: SGLang keeps its running batch across iterations, and an older
+        # plan left on it must not look like this step's.
         out.dpb_plan = plan
         inner = getattr(out, "inner_idle_batch", None)  # a prebuilt batch runs its idle batch
         if inner is not None:

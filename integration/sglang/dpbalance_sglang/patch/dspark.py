@@ -1,29 +1,33 @@
 """Hooks on DSpark (SGLang 0.5.23, SGLANG_RAGGED_VERIFY_MODE=compact): each request's verify
-length and the agreed verify tier come from the plan made at this step's MLP sync.
+length and the agreed verify tier come from the plan of the batch being run
+(engine_step.RankState.usable: this rank's latest plan, exchanged).
 
   speculative/dspark_components/dspark_worker_v2.py
-    DSparkWorkerV2._forward_decode             AROUND: the batch's plan is the current one while
-                                               its decode step is laid out
     DSparkWorkerV2._dp_verify_tier_num_tokens  AROUND: the agreed tier = the plan's padded_tokens
                                                (the smallest captured token tier at or above every
-                                               DP rank's total; the same bytes on every rank)
+                                               DP rank's total; the same bytes on every rank),
+                                               on busy and idle ranks alike
   speculative/dspark_components/dspark_planner.py
+    DSparkVerifyPlanner.schedule_layout        AROUND: without an SPS table (SGLang's default)
+                                               DSpark verifies every draft through a cached
+                                               uniform layout and schedules nothing; with a plan
+                                               the layout is built from the plan's lengths and
+                                               tier instead, as with a table, so that busy ranks
+                                               lay out the same tier the idle ranks run
     DSparkVerifyPlanner._schedule_verify_lens  AROUND: SGLang's own schedule runs (its top-k and
                                                its attention-TP broadcast, so SGLang's collectives
-                                               stay paired), then its lengths are overwritten with
-                                               1 + the plan's verify_len (DSpark counts the anchor)
+                                               stay paired), then its lengths are the plan's
+                                               1 + verify_len (DSpark counts the anchor); where
+                                               SGLang schedules none (no budget yet), the plan's
 
-Both replace SGLang's values only when the plan's exchange went through (every DP rank's total
-known), on every rank alike; a rank that fell back then runs the plan's defaults (DPB_DEFAULT_K =
-the whole block: DSpark's verify-all), whose total the others counted in the tier. Otherwise
-(no plugin somewhere, an inactive slot, a failed exchange) SGLang's own lengths and tier, on
-every rank alike. Where SGLang gathers no tier (attention TP > 1, no DP attention) its tier
-stays, and the plan's lengths fit under it (at most the block per request).
+All only when the plan's exchange went through (every DP rank's total known), on every rank
+alike; a rank that fell back then runs the plan's defaults (DPB_DEFAULT_K = the whole block:
+DSpark's verify-all), whose total the others counted in the tier. Otherwise (no plugin
+somewhere, an inactive slot, a failed exchange) SGLang's own lengths and tier on every rank.
+Where SGLang gathers no tier (attention TP > 1, the normal loop, no DP attention) its tier stays,
+and the plan's lengths fit under it (at most the block per request).
 """
 from __future__ import annotations
-
-import contextvars
-from typing import Optional
 
 from .. import engine_step
 
@@ -31,59 +35,70 @@ WORKER = "sglang.srt.speculative.dspark_components.dspark_worker_v2.DSparkWorker
 PLANNER = "sglang.srt.speculative.dspark_components.dspark_planner.DSparkVerifyPlanner"
 
 SIGNATURES = {
-    f"{WORKER}._forward_decode": ("self", "batch", "on_publish", "grammar_barrier",
-                                  "coordination_plan"),
     f"{WORKER}._dp_verify_tier_num_tokens": ("self", "batch"),
+    f"{PLANNER}.schedule_layout": ("self", "req_pool_indices", "prefix_lens", "device",
+                                   "confidence", "budget", "global_num_reqs",
+                                   "dp_tier_num_tokens"),
     f"{PLANNER}._schedule_verify_lens": ("self", "req_pool_indices", "prefix_lens", "device",
                                          "confidence", "budget"),
 }
 
-_CURRENT: contextvars.ContextVar[Optional[engine_step.BatchPlan]] = contextvars.ContextVar(
-    "dpbalance_sglang_dspark_plan", default=None)
 
-
-def usable_plan(batch) -> Optional[engine_step.BatchPlan]:
-    bp = getattr(batch, "dpb_plan", None)
-    return bp if bp is not None and bp.exchanged else None
-
-
-def around_forward_decode(original, self, batch, *args, **kwargs):
-    token = _CURRENT.set(usable_plan(batch))
-    try:
-        return original(self, batch, *args, **kwargs)
-    finally:
-        _CURRENT.reset(token)
+def _decode_plan():
+    bp = engine_step.state().usable()
+    return bp if bp is not None and bp.kind == "decode" else None
 
 
 def around_tier(original, self, batch):
     tier = original(self, batch)
-    bp = usable_plan(batch)
+    st = engine_step.state()
+    bp = st.usable()
     # A step where some rank prefills: padded_tokens counts prefill tokens, not a verify tier
     # (DSpark verifies nothing then, except under SGLang's prefill coordination, where its own
     # tier stays; the plan's lengths fit under it, at most the block per request).
     if tier is None or bp is None or bp.plan.any_rank_flags & engine_step.adapter.RANK_EXTEND:
         return tier
+    st.applied("dspark_tier")
     return int(bp.plan.padded_tokens)
+
+
+def around_schedule_layout(original, self, *args, **kwargs):
+    """Verify-all (no SPS table): the plan's layout, not the cached uniform one."""
+    if _decode_plan() is None or not getattr(self, "_is_verify_all", False) or \
+            not self.is_compact_mode:
+        return original(self, *args, **kwargs)
+    engine_step.state().applied("dspark_verify_all_layout")
+    self._is_verify_all = False
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        self._is_verify_all = True
 
 
 def around_schedule_verify_lens(original, self, *args, **kwargs):
     lens = original(self, *args, **kwargs)
-    bp = _CURRENT.get()
-    if lens is None or bp is None or bp.kind != "decode" or \
-            len(bp.plan.verify_len) != int(lens.shape[0]):
+    bp = _decode_plan()
+    pool = kwargs.get("req_pool_indices", args[0] if args else None)
+    n = int(pool.shape[0]) if pool is not None else -1
+    if bp is None or len(bp.plan.verify_len) != n:
         return lens
     import torch
 
     try:
-        ours = torch.tensor([1 + k for k in bp.plan.verify_len], dtype=lens.dtype)
-        lens.copy_(ours.to(lens.device))
+        ours = torch.tensor([1 + k for k in bp.plan.verify_len], dtype=torch.int32)
+        if lens is None:  # SGLang schedules nothing without a budget; the plan still applies
+            device = kwargs.get("device", args[2] if len(args) > 2 else pool.device)
+            lens = ours.to(device)
+        else:
+            lens.copy_(ours.to(device=lens.device, dtype=lens.dtype))
+        engine_step.state().applied("dspark_lengths")
     except Exception:  # noqa: BLE001 - SGLang's own lengths on this rank then (never seen)
         engine_step.log.exception("dpbalance_sglang: the plan's lengths could not be written")
     return lens
 
 
 HOOKS = (
-    (f"{WORKER}._forward_decode", around_forward_decode, "AROUND"),
     (f"{WORKER}._dp_verify_tier_num_tokens", around_tier, "AROUND"),
+    (f"{PLANNER}.schedule_layout", around_schedule_layout, "AROUND"),
     (f"{PLANNER}._schedule_verify_lens", around_schedule_verify_lens, "AROUND"),
 )

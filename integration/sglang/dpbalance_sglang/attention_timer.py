@@ -1,0 +1,78 @@
+"""The rank's attention time per step, measured where it runs: around each attention layer of the
+target model (SGLang's `RadixAttention.forward`, sglang/srt/layers/radix_attention.py, 0.5.23)
+during the forward of a planned batch (patch/attention.py), summed over the layers.
+
+On a GPU each layer is bracketed by CUDA events on the current stream, read when the batch is
+reported (its results are on the host by then, so the events have completed); on a CPU the
+forward is synchronous and `time.perf_counter` brackets it. Only the target's layers count
+(`bind` collects them from the scheduler's model runner): draft models have their own modules,
+and their attention is not the verify's. Under CUDA-graph replay no Python runs inside the
+forward, so no layer is seen: the step's attention is then unknown and reported as 0, which the
+plugin's online refit skips (docs/engines.md "SGLang" says what that leaves open).
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+
+class AttentionTimer:
+    def __init__(self):
+        self._layers: set = set()      # id() of the target model's attention modules
+        self._seq: Optional[int] = None  # the planned batch whose forward is running
+        self._cpu_us = 0.0
+        self._events: list = []
+        self._done: dict = {}          # plan seq -> (cpu_us, events), until reported
+        self._cuda = False
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
+
+    def bind(self, model_runner) -> None:
+        """Collects the target's attention layers (none for a model runner without a model)."""
+        model = getattr(model_runner, "model", None)
+        if model is None or not hasattr(model, "modules"):
+            return
+        from sglang.srt.layers.radix_attention import RadixAttention
+
+        self._layers = {id(m) for m in model.modules() if isinstance(m, RadixAttention)}
+        device = str(getattr(model_runner, "device", "cpu"))
+        self._cuda = device.startswith("cuda")
+
+    def begin(self, seq: Optional[int]) -> None:
+        self._seq, self._cpu_us, self._events = seq, 0.0, []
+
+    def end(self) -> None:
+        if self._seq is not None:
+            self._done[self._seq] = (self._cpu_us, self._events)
+            while len(self._done) > 4:  # plans never reported
+                self._done.pop(next(iter(self._done)))
+        self._seq = None
+
+    def around_layer(self, original, layer, *args, **kwargs):
+        if self._seq is None or id(layer) not in self._layers:
+            return original(layer, *args, **kwargs)
+        if self._cuda:
+            import torch
+
+            if torch.cuda.is_current_stream_capturing():
+                return original(layer, *args, **kwargs)
+            start, stop = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            out = original(layer, *args, **kwargs)
+            stop.record()
+            self._events.append((start, stop))
+            return out
+        t0 = time.perf_counter()
+        out = original(layer, *args, **kwargs)
+        self._cpu_us += (time.perf_counter() - t0) * 1e6
+        return out
+
+    def take_us(self, seq: int) -> float:
+        """The attention microseconds of the planned batch `seq` (0: none was timed)."""
+        cpu_us, events = self._done.pop(seq, (0.0, []))
+        if not events:
+            return cpu_us
+        events[-1][1].synchronize()
+        return sum(a.elapsed_time(b) for a, b in events) * 1e3
