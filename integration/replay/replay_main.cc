@@ -129,8 +129,10 @@ ABSL_FLAG(std::string, draft, "agreed",
           "step whatever the depth: SGLang DSpark's draft). The comparison runs its DSpark "
           "section with 'block' when this is 'agreed'");
 ABSL_FLAG(std::string, granularity, "request",
-          "planner rows: 'request' (a verify length per request) or 'rank' (one per rank, for "
-          "engines that vary it per batch only)");
+          "planner rows: 'request' (a verify length per request), 'rank' (one per rank, for "
+          "engines that vary it per batch only) or 'instance' (one width for every rank, the "
+          "agreed draft depth: SGLang's EAGLE/MTP step graphs; the static rows are that "
+          "engine's fixed widths)");
 ABSL_FLAG(double, noise, 0.0, "truth: multiplicative log-normal noise sigma on attention");
 ABSL_FLAG(double, acceptance_sigma, 1.0, "per-request acceptance shift, logit std-dev");
 ABSL_FLAG(double, prior_strength, 4.0,
@@ -384,8 +386,10 @@ absl::Status CheckFlags() {
   if (absl::StatusOr<uint32_t> p = ParseLagPredict(absl::GetFlag(FLAGS_lag_predict)); !p.ok()) {
     return p.status();
   }
-  if (const std::string g = absl::GetFlag(FLAGS_granularity); g != "request" && g != "rank") {
-    return absl::InvalidArgumentError(absl::StrCat("--granularity = '", g, "' must be request or rank"));
+  if (const std::string g = absl::GetFlag(FLAGS_granularity);
+      g != "request" && g != "rank" && g != "instance") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--granularity = '", g, "' must be request, rank or instance"));
   }
   if (absl::StatusOr<RoutingStrategy> r = ParseRouting(absl::GetFlag(FLAGS_group_choice));
       !r.ok() || (*r != RoutingStrategy::kMinBatch && *r != RoutingStrategy::kMinContext)) {
@@ -447,9 +451,11 @@ absl::StatusOr<SimConfig> BaseConfigFromFlags(const TruthModel& truth) {
   SimConfig base;
   if (const std::string g = absl::GetFlag(FLAGS_granularity); g == "rank") {
     base.uniform_per_rank = true;
+  } else if (g == "instance") {
+    base.uniform_instance = true;
   } else if (g != "request") {
     return absl::InvalidArgumentError(
-        absl::StrCat("--granularity = '", g, "' must be request or rank"));
+        absl::StrCat("--granularity = '", g, "' must be request, rank or instance"));
   }
   base.num_ranks = absl::GetFlag(FLAGS_dp);
   base.rank_capacity_tokens = absl::GetFlag(FLAGS_rank_capacity_tokens);
@@ -544,8 +550,13 @@ std::vector<RowSpec> AllComparisonRows(std::optional<int> fixed_k);
 std::vector<RowSpec> ComparisonRows(std::optional<int> fixed_k, int num_ranks, std::vector<std::string>& skipped) {
   std::vector<RowSpec> rows = AllComparisonRows(fixed_k);
   std::vector<RowSpec> kept;
+  // One width for the instance (EAGLE/MTP step graphs): per-rank local plans, the fill mode and
+  // DSpark's engine do not apply (their lengths differ per rank or per request).
+  const bool instance = absl::GetFlag(FLAGS_granularity) == "instance";
   for (RowSpec& r : rows) {
-    if (r.groups > num_ranks) {
+    if (instance && (r.dspark_engine || r.verify == VerifyMode::kLocal || r.verify == VerifyMode::kFill)) {
+      skipped.push_back(absl::StrFormat("%s (granularity instance)", r.name));
+    } else if (r.groups > num_ranks) {
       skipped.push_back(absl::StrFormat("%s (%d groups > --dp %d)", r.name, r.groups, num_ranks));
     } else {
       kept.push_back(std::move(r));

@@ -227,6 +227,7 @@ absl::StatusOr<Simulation> Simulation::Create(const SimConfig& cfg, const TruthM
   pc.value_deferral = cfg.value_deferral;
   pc.agreed_draft_depth = !truth.per_rank_draft;
   pc.uniform_per_rank = cfg.uniform_per_rank;
+  pc.uniform_instance = cfg.uniform_instance;
   if (cfg.verify != VerifyMode::kOracle) {
     pc.grid_simulation = cfg.planner_grid_simulation;
   } else {

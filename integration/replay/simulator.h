@@ -91,6 +91,8 @@ struct SimConfig {
   bool value_deferral = false;            // planner modes: PlannerConfig::value_deferral
   bool floor_at_default = false;          // planner modes: k_min = min(static_k, cap) (TPOT floor)
   bool uniform_per_rank = false;          // planner modes: one verify length per rank (granularity)
+  bool uniform_instance = false;          // planner modes: one width for the instance (granularity
+                                          // instance: EAGLE/MTP step graphs, the agreed depth)
   double tpot_slo_us = 0;                 // planner modes: per-request TPOT SLO floors (TpotSlo),
                                           // <= 0: none
   // Token tiers: every rank padded to the agreed tier (see the contract); kDspark always is.

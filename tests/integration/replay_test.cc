@@ -149,6 +149,42 @@ TEST(Simulator, PlannerBeatsWorstStaticAndOracleIsBest) {
   EXPECT_LT(1 - gp.balance_efficiency, 0.05);
 }
 
+// One width for the instance (granularity instance: SGLang's EAGLE/MTP step graphs), on real
+// trace data: the agreed depth each step does at least about as well as the best fixed width of a
+// sweep (what a user finds by benchmarking), and the oracle bounds it.
+TEST(Simulator, InstanceWidthMatchesTheBestFixedWidth) {
+  const auto trace = Slice(1500);
+  TruthModel truth;
+  SimConfig c = Small();
+  c.k_max = 4;
+  double best_static = 0;
+  int best_k = 0;
+  for (int k = 0; k <= c.k_max; ++k) {
+    c.static_k = k;
+    const double g = Simulate(c, truth, trace)->goodput_tok_per_s;
+    if (g > best_static) best_static = g, best_k = k;
+  }
+  c.verify = VerifyMode::kGoodput;
+  c.uniform_instance = true;
+  // An untuned default width (1) without the TPOT guard: the plan finds the best width itself.
+  c.static_k = 1;
+  c.max_step_slack = -1;
+  const RunResult free = *Simulate(c, truth, trace);
+  // The engine's default at the best width, under the guard (SimConfig's 5%).
+  c.static_k = best_k;
+  c.max_step_slack = 0.05;
+  const RunResult tuned = *Simulate(c, truth, trace);
+  c.verify = VerifyMode::kOracle;
+  const RunResult orc = *Simulate(c, truth, trace);
+  EXPECT_GT(free.goodput_tok_per_s, 0.99 * best_static);
+  EXPECT_GT(tuned.goodput_tok_per_s, 0.99 * best_static);
+  EXPECT_GT(orc.goodput_tok_per_s, 0.99 * tuned.goodput_tok_per_s);
+  std::printf("instance width: goodput %.1f (default 1, no guard; mean depth %.2f), %.1f (default "
+              "%d, guarded) vs best fixed width k=%d %.1f tok/s; oracle %.1f\n",
+              free.goodput_tok_per_s, free.mean_draft_depth, tuned.goodput_tok_per_s, best_k,
+              best_k, best_static, orc.goodput_tok_per_s);
+}
+
 // The balancer's quiet mode in the replay (SimConfig::quiet, quiet.h): with a default guard no
 // plan beats, every plan keeps the default lengths, so skipping the plan on quiet spans changes
 // nothing the instance runs (the same steps, tokens and time, to the bit) while most steps go
