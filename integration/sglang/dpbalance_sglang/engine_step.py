@@ -246,7 +246,8 @@ class RankState:
     def sync(self, orig: Callable, info, device, group, use_all_reduce: bool) -> None:
         """MLPSyncBatchInfo.all_gather with our record in it (the AROUND hook's body). The probe
         sync of an iteration runs as shipped (no columns, no plan)."""
-        if self.initialised and not self.planning_sync():
+        planning = self.planning_sync()  # counted on every sync, the handshake's too
+        if self.initialised and not planning:
             self.n.probe_syncs += 1
             orig(info, device, group, use_all_reduce)
             return
