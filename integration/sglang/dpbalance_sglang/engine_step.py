@@ -173,6 +173,8 @@ class Counters:
         self.exchange_errors = 0
         self.max_plan_ms = 0.0     # longest plan call, SGLang's gather inside it included
         self.max_wait_ms = 0.0     # longest time from a plan to its report
+        self.attention_reports = 0  # reports whose attention was timed (> 0)
+        self.attention_us = 0.0    # their attention, summed
         self.last_gather_ms = 0.0  # SGLang's gather in the last sync
 
 
@@ -424,6 +426,9 @@ class RankState:
         later = [t for s, t in self.run_starts.items() if s > bp.seq]
         step_us = ((later[0] if later else now) - start) * 1e6 if start is not None else 0.0
         attention_us = self.timer.take_us(bp.seq)
+        if attention_us > 0:
+            self.n.attention_reports += 1
+            self.n.attention_us += attention_us
         self.dpb.report(attention_us, step_us, accepted, plan_id=bp.plan.plan_id)
         self.n.reports += 1
         if batch is None:
@@ -438,6 +443,7 @@ class RankState:
                "unplanned_results": n.unplanned_results, "applied": dict(n.applied),
                "results": dict(self.results), "exchange_errors": n.exchange_errors,
                "max_plan_ms": n.max_plan_ms, "max_wait_ms": n.max_wait_ms,
+               "attention_reports": n.attention_reports, "attention_us": n.attention_us,
                "outstanding": len(self.outstanding), "init_error": self.init_error,
                "plugin": self.dpb is not None, "spec": self.spec.describe(),
                "timed_layers": self.timer.num_layers}
