@@ -84,11 +84,11 @@ spec_args() {  # spec_args ARM: SGLang's speculative flags for one arm
     steps*) local s="${arm#steps}"
             echo --speculative-algorithm EAGLE --speculative-eagle-topk 1 --speculative-num-steps "$s" \
                  --speculative-num-draft-tokens $((s + 1)) "${draft[@]}" ;;
-    mtp_dpb) local max=0; for s in $STEPS; do [ "$s" -gt "$max" ] && max=$s; done
-             printf '{"1": {"candidate_steps": [%s]}}' "$(echo $STEPS | tr ' ' ',')" > "$WORK/adaptive.json"
+    mtp_dpb) # one batch-size slot, so every depth has step graphs for every batch size; SGLang
+             # resolves the draft tokens per depth (steps + 1) itself
+             printf '{"1": {"candidate_steps": [%s]}}' "$(echo "$STEPS" | tr ' ' ',')" > "$WORK/adaptive.json"
              echo --speculative-algorithm EAGLE --speculative-eagle-topk 1 --speculative-num-steps "${STEPS%% *}" \
-                  --speculative-num-draft-tokens $((max + 1)) --speculative-adaptive \
-                  --speculative-adaptive-config "$WORK/adaptive.json" "${draft[@]}" ;;
+                  --speculative-adaptive --speculative-adaptive-config "$WORK/adaptive.json" "${draft[@]}" ;;
     dspark*) local table=(); [ -f "$WORK/sps.json" ] && table=(--speculative-dspark-sps-table-path "$WORK/sps.json")
              echo --speculative-algorithm DSPARK "${draft[@]}" "${table[@]}" ;;
   esac
