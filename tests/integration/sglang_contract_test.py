@@ -257,17 +257,38 @@ def check_bad_input(c, got, logs, f):
           "11-column rows -> refused naming (2, 1, 11) vs (2, 1, 75)")
 
 
-def main():
-    if len(sys.argv) != 3 or sys.argv[1] not in cases():
-        sys.exit(f"usage: sglang_contract_test.py {{{'|'.join(cases())}}} PLUGIN_SO")
-    name, plugin = sys.argv[1], os.path.abspath(sys.argv[2])
+def case_and_plugin(script, names):
+    """(case name, absolute PLUGIN_SO) from argv, after checking that SGLang, torch and the
+    installed package import (the sglang ctests' usage; a missing one fails, never skips)."""
+    if len(sys.argv) != 3 or sys.argv[1] not in names:
+        sys.exit(f"usage: {script} {{{'|'.join(names)}}} PLUGIN_SO")
     try:
         import dpbalance_sglang  # noqa: F401
-        import sglang
+        import sglang  # noqa: F401
         import torch  # noqa: F401
     except ImportError as e:
         sys.exit(f"FAIL: {e} in {sys.executable}: run with the SGLang venv that "
-                 f"scripts/install_sglang.sh makes, with integration/sglang installed; not skipping")
+                 f"tests/integration/sglang_env.sh makes (integration/sglang installed beside "
+                 f"the pinned SGLang); not skipping")
+    return sys.argv[1], os.path.abspath(sys.argv[2])
+
+
+def all_arrived(got, crashed, logs, codes, world) -> bool:
+    """Whether every process sent its record; else prints what crashed and the logs' tails."""
+    if not crashed and len(got) >= world:
+        return True
+    for proc, tb in crashed:
+        print(f"process {proc} crashed:\n{tb}")
+    for p, text in logs.items():
+        print(f"--- process {p} log (tail) ---\n{text[-3000:]}")
+    print(f"FAIL: {len(got)} of {world} records arrived; exit codes {codes}")
+    return False
+
+
+def main():
+    name, plugin = case_and_plugin("sglang_contract_test.py", cases())
+    import sglang
+
     from contract_test import Failures, check_case
 
     c = cases()[name]
@@ -275,12 +296,7 @@ def main():
     got, crashed, logs, codes = run_procs(c, plugin)
     f = Failures()
     world = len(c["procs"])
-    if crashed or len(got) < world:
-        for proc, tb in crashed:
-            print(f"process {proc} crashed:\n{tb}")
-        for p, text in logs.items():
-            print(f"--- process {p} log (tail) ---\n{text[-3000:]}")
-        print(f"FAIL: {len(got)} of {world} records arrived; exit codes {codes}")
+    if not all_arrived(got, crashed, logs, codes, world):
         return 1
     print(f"case {c['name']}: SGLang {sglang.__version__}, {world} scheduler processes "
           f"(dp {c['dp']} x attn_tp {c['attn_tp']}), gloo, DPB_TIMEOUT_MS={TIMEOUT_MS}")

@@ -635,7 +635,7 @@ def _verify_lens(worker, batch, result):
 # ============================================================================================
 
 def run(proc, world, port, case, outdir):
-    import torch  # noqa: F401
+    import torch
     import zmq
 
     stats = {"target_forwards": 0, "target_tokens": 0, "draft_forwards": 0, "draft_tokens": 0,
@@ -973,8 +973,6 @@ def run(proc, world, port, case, outdir):
     finished = sorted(r for r, d in outputs.items() if d["finished"] is not None)
     # Greedy speculative decoding is lossless: every request's output must be the target's own
     # chain from its prompt (token after t at position p = target_tokens(t, p)).
-    import torch
-
     for r in my_reqs:
         d = outputs.get(r["rid"])
         if d is None:

@@ -82,16 +82,6 @@ def cases():
     }
 
 
-class Failures:
-    def __init__(self):
-        self.items = []
-
-    def check(self, ok, what):
-        if not ok:
-            self.items.append(what)
-        return ok
-
-
 def decode_iterations(rec):
     """Iterations whose batch on this rank was a decode batch."""
     return [it for it in rec["iterations"] if (it.get("batch") or {}).get("mode") == "DECODE"]
@@ -255,17 +245,12 @@ def check_attention(c, got, f):
 
 
 def main():
-    if len(sys.argv) != 3 or sys.argv[1] not in cases():
-        sys.exit(f"usage: sglang_loop_test.py {{{'|'.join(cases())}}} PLUGIN_SO")
-    name, plugin = sys.argv[1], os.path.abspath(sys.argv[2])
-    try:
-        import dpbalance_sglang  # noqa: F401
-        import sglang
-        import torch  # noqa: F401
-    except ImportError as e:
-        sys.exit(f"FAIL: {e} in {sys.executable}: run with the venv sglang_env.sh makes; "
-                 f"not skipping")
+    from sglang_contract_test import all_arrived, case_and_plugin
+
+    name, plugin = case_and_plugin("sglang_loop_test.py", cases())
+    import sglang
     import sglang_loop_probe as probe
+    from contract_test import Failures
 
     c = cases()[name]
     c["name"] = f"sglang_loop_{name}"
@@ -274,12 +259,7 @@ def main():
     t0 = time.monotonic()
     got, crashed, logs, codes, wall, outdir = probe.run_procs(c)
     f = Failures()
-    if crashed or len(got) < 2:
-        for proc, tb in crashed:
-            print(f"process {proc} crashed:\n{tb}")
-        for p, text in logs.items():
-            print(f"--- process {p} log (tail) ---\n{text[-3000:]}")
-        print(f"FAIL: {len(got)} of 2 records arrived; exit codes {codes}")
+    if not all_arrived(got, crashed, logs, codes, 2):
         return 1
     print(f"case {c['name']}: SGLang {sglang.__version__}, {c['loop']} loop, spec {c['spec']}, "
           f"{c['iterations']} iterations, 2 scheduler processes (dp 2), gloo; wall {wall:.1f} s")
