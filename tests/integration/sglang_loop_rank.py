@@ -56,6 +56,7 @@ import sys
 import tempfile
 import time
 import traceback
+import types
 import zlib
 from array import array
 
@@ -152,6 +153,14 @@ def draft_tokens(torch, ids, pos, seed, accept, shift=1):
 
 def install_stand_ins(case, stats):
     """Installed before SGLang builds anything, in this process only."""
+    _stand_in_pinned_memory()
+    _stand_in_dp_fill_value()
+    _stand_in_draft_backends()
+    _stand_in_device_dispatch()
+    _stand_in_decoder_stacks(case, stats)
+
+
+def _stand_in_pinned_memory():
     import torch
 
     # 1. Pinned host memory. SGLang allocates page-locked staging tensors (pin_memory=True in
@@ -182,6 +191,8 @@ def install_stand_ins(case, stats):
 
     torch.Tensor.record_stream = record_stream
 
+
+def _stand_in_dp_fill_value():
     # 2. TorchNativeAttnBackend.get_cuda_graph_seq_len_fill_value. Under DP attention SGLang pads
     #    every rank's ForwardBatch (forward_batch_info._pad_inputs_to_size) with the seq-len fill
     #    value of the attention backend; SGLang's GPU backends (flashinfer, triton, fa3) give 1,
@@ -191,6 +202,8 @@ def install_stand_ins(case, stats):
 
     TorchNativeAttnBackend.get_cuda_graph_seq_len_fill_value = lambda self: 1
 
+
+def _stand_in_draft_backends():
     # 3. DraftBackendFactory.create_decode_backend / create_draft_extend_backend
     #    (speculative/draft_utils.py): the EAGLE draft's multi-step decode backend exists only
     #    for GPU attention backends (flashinfer, triton, fa3, ...: "EAGLE is not supported in
@@ -198,6 +211,7 @@ def install_stand_ins(case, stats):
     #    kernels. With torch_native the factory gives the same shape of object: one
     #    TorchNativeAttnBackend of the draft runner per draft step in `attn_backends`, and one
     #    for draft extend. (The stood-in decoder stack reads no attention metadata.)
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from sglang.srt.speculative import draft_utils
 
     class TorchNativeMultiStepDraftBackend:
@@ -233,6 +247,8 @@ def install_stand_ins(case, stats):
     draft_utils.DraftBackendFactory.create_decode_backend = create_decode_backend
     draft_utils.DraftBackendFactory.create_draft_extend_backend = create_draft_extend_backend
 
+
+def _stand_in_device_dispatch():
     # 4. EAGLE tree construction and greedy tree verification (kernels/ops/speculative/
     #    spec_tree.py: build_tree_kernel_efficient_func, verify_tree_greedy_func) dispatch by
     #    device to CUDA kernels (sgl_kernel / kernels.ops.speculative.tree), to sgl_kernel's CPU
@@ -252,6 +268,8 @@ def install_stand_ins(case, stats):
     spec_tree._is_xpu = True
     cache_locs._is_xpu = True
 
+
+def _stand_in_decoder_stacks(case, stats):
     # 5. The model's decoder stack: sglang.srt.models.llama.LlamaModel.forward (target) and
     #    sglang.srt.models.llama_eagle.LlamaModel.forward (EAGLE draft). On a GPU these run the
     #    layers' kernels (rotary, RMSNorm, attention through the backend, MLP); on this CPU
@@ -263,6 +281,15 @@ def install_stand_ins(case, stats):
     #    turn it into logits, and SGLang's sampler picks it. The draft predicts the target's
     #    token with probability case["accept"] per (token, position).
     seed = int(case.get("model_seed", 1234))
+    accept_rate = _accept_rate_of(case)
+    _stand_in_target_stack(case, stats, seed)
+    _stand_in_eagle_draft_stack(stats, seed, accept_rate)
+    _stand_in_dspark_draft_stack(stats, seed, accept_rate)
+
+
+def _accept_rate_of(case):
+    """The draft's hit probability now (case["accept"], per DP rank with case["accept_by_dp"],
+    from an iteration on with case["accept_schedule"]), as a function of no arguments."""
     by_dp = {int(k): float(v) for k, v in case.get("accept_by_dp", {}).items()}
 
     schedule = sorted((int(f), {int(k): float(v) for k, v in d.items()})
@@ -281,12 +308,20 @@ def install_stand_ins(case, stats):
             return by_dp.get(get_parallel().attn_dp_rank, float(case.get("accept", 0.7)))
         return float(case.get("accept", 0.7))
 
-    def one_hot(ids, pos, tokens):
-        out = torch.zeros((ids.shape[0], VOCAB), dtype=torch.float32)
-        if ids.shape[0]:
-            out[torch.arange(ids.shape[0]), tokens] = 8.0
-        return out
+    return accept_rate
 
+
+def one_hot(torch, ids, pos, tokens):
+    """The stood-in decoder stacks' hidden states: one row per token, one-hot on `tokens`."""
+    out = torch.zeros((ids.shape[0], VOCAB), dtype=torch.float32)
+    if ids.shape[0]:
+        out[torch.arange(ids.shape[0]), tokens] = 8.0
+    return out
+
+
+def _stand_in_target_stack(case, stats, seed):
+    """5, the target: llama.LlamaModel.forward."""
+    import torch
     from sglang.srt.models import llama
 
     def target_attention(model, input_ids, forward_batch):
@@ -318,7 +353,8 @@ def install_stand_ins(case, stats):
         stats["target_tokens"] += int(input_ids.shape[0])
         if case.get("attention", True):
             target_attention(self, input_ids, forward_batch)
-        hidden = one_hot(input_ids, positions, target_tokens(torch, input_ids, positions, seed))
+        hidden = one_hot(torch, input_ids, positions,
+                         target_tokens(torch, input_ids, positions, seed))
         if getattr(self, "layers_to_capture", None):
             # The layers an EAGLE3 / DSpark draft reads (LlamaModel returns them beside the
             # final hidden states): the same rows stand for each captured layer.
@@ -331,6 +367,12 @@ def install_stand_ins(case, stats):
         return hidden
 
     llama.LlamaModel.forward = target_forward
+
+
+def _stand_in_eagle_draft_stack(stats, seed, accept_rate):
+    """5, the EAGLE draft: llama_eagle.LlamaModel.forward."""
+    import torch
+
     try:
         from sglang.srt.models import llama_eagle
     except Exception:  # noqa: BLE001 (only the EAGLE cases need it)
@@ -340,10 +382,14 @@ def install_stand_ins(case, stats):
                           pp_proxy_tensors=None):
             stats["draft_forwards"] += 1
             stats["draft_tokens"] += int(input_ids.shape[0])
-            return one_hot(input_ids, positions,
+            return one_hot(torch, input_ids, positions,
                            draft_tokens(torch, input_ids, positions, seed, accept_rate()))
 
         llama_eagle.LlamaModel.forward = draft_forward
+
+
+def _stand_in_dspark_draft_stack(stats, seed, accept_rate):
+    import torch
 
     #    The DSpark draft (sglang.srt.models.dflash.DFlashDraftModel.forward, which
     #    DSparkDraftModel inherits): its layers run attention through the backend over the
@@ -380,7 +426,7 @@ def install_stand_ins(case, stats):
             tok = guess
         return LogitsProcessorOutput(
             next_token_logits=None,
-            hidden_states=one_hot(input_ids, positions, out.view(-1)))
+            hidden_states=one_hot(torch, input_ids, positions, out.view(-1)))
 
     dflash.DFlashDraftModel.forward = dflash_forward
 
@@ -489,6 +535,17 @@ def set_identity_lm_head(model):
         rows = min(w.shape[0], VOCAB - start)
         idx = torch.arange(rows)
         w[idx, start + idx] = 1.0
+
+
+def _stand_in_draft_moe(case, scheduler):
+    if case.get("draft_moe") and scheduler.draft_worker is not None:
+        # STAND-IN 7 (see STAND-INS): DSpark's DP tier agreement runs for an MoE draft only
+        # (DSparkWorkerV2._draft_is_moe = draft_is_deepseek_v4(), dspark_worker_v2.py:199: a
+        # DeepSeek-V4 draft, whose model and attention backend cannot be built on this CPU).
+        # The flag is set after construction, so that SGLang's tier paths (the agreed
+        # global_num_reqs, _dp_verify_tier_num_tokens, the idle ranks' verify layout and their
+        # draft participation) run for the dense stand-in draft as they do for that one.
+        scheduler.draft_worker._draft_is_moe = True
 
 
 # ============================================================================================
@@ -635,19 +692,40 @@ def _verify_lens(worker, batch, result):
 # ============================================================================================
 
 def run(proc, world, port, case, outdir):
-    import torch
-    import zmq
-
     stats = {"target_forwards": 0, "target_tokens": 0, "draft_forwards": 0, "draft_tokens": 0,
              "attention_calls": 0, "attention_us": 0.0, "verify_attention_skipped": 0}
+    rank = start_sglang(proc, world, port, case, outdir, stats)
+
+    # ---- observation (each wrapper calls SGLang's own function) ----
+    obs = Observer(case, proc, outdir, rank)
+    obs.install(rank.scheduler)
+    adaptive = _adaptive_summary(rank.scheduler.draft_worker)
+
+    t_loop = time.perf_counter()
+    err = obs.run_loop(rank.scheduler)
+    t_end = time.perf_counter()
+    time.sleep(0.05)
+    obs.drain_outputs()
+    rank.to_scheduler.close(linger=0)
+    rank.from_scheduler.close(linger=0)
+    shutil.rmtree(rank.ipc, ignore_errors=True)
+
+    obs.stream.close()
+    return build_record(proc, case, rank, obs, stats, adaptive, err, t_loop, t_end)
+
+
+def start_sglang(proc, world, port, case, outdir, stats):
+    """SGLang's start-up in this process (the stand-ins and argument overrides first): models
+    written, load_plugins where case["load_plugins"] says, ServerArgs published, the sockets of
+    the DP controller's and the tokenizer's ends bound, the Scheduler built. Returns what the
+    run needs of it."""
+    import zmq
+
     t_start = time.perf_counter()
     install_stand_ins(case, stats)
     install_argument_overrides(case)
 
-    from sglang.srt.managers.io_struct import sock_recv, sock_send
-    from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.managers.scheduler import Scheduler
-    from sglang.srt.managers.scheduler_components import dp_attn
     from sglang.srt.plugins import load_plugins
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
 
@@ -675,156 +753,219 @@ def run(proc, world, port, case, outdir):
         load_plugins()
     target_runner = scheduler.tp_worker.model_runner
     set_identity_lm_head(target_runner.model)
-    if case.get("draft_moe") and scheduler.draft_worker is not None:
-        # STAND-IN 7 (see STAND-INS): DSpark's DP tier agreement runs for an MoE draft only
-        # (DSparkWorkerV2._draft_is_moe = draft_is_deepseek_v4(), dspark_worker_v2.py:199: a
-        # DeepSeek-V4 draft, whose model and attention backend cannot be built on this CPU).
-        # The flag is set after construction, so that SGLang's tier paths (the agreed
-        # global_num_reqs, _dp_verify_tier_num_tokens, the idle ranks' verify layout and their
-        # draft participation) run for the dense stand-in draft as they do for that one.
-        scheduler.draft_worker._draft_is_moe = True
+    _stand_in_draft_moe(case, scheduler)
 
     par = get_parallel()
     dp_rank = par.attn_dp_rank
     my_reqs = [r for r in case["requests"] if r["dp"] == dp_rank]
-    pending = sorted(my_reqs, key=lambda r: r.get("at", 0))
+    return types.SimpleNamespace(
+        scheduler=scheduler, server_args=sa, port_args=pa, ipc=ipc, zmq_context=zctx,
+        to_scheduler=to_scheduler, from_scheduler=from_scheduler, dp_rank=dp_rank,
+        my_reqs=my_reqs, t_start=t_start, t0=t0, t_built=t_built)
 
-    # ---- observation (each wrapper calls SGLang's own function) ----
-    iters = []
-    cur = {}
-    n_iter = [0]
-    limit = int(case["iterations"])
-    outputs = {}
 
-    def drain_outputs():
+def _desc(b):
+    if b is None:
+        return None
+    return {"mode": b.forward_mode.name if b.forward_mode is not None else None,
+            "bs": b.batch_size()}
+
+
+class Observer:
+    """The observation wrappers (each calls SGLang's own function and only records) and the
+    state they share: `cur` (the iteration running), `iters` (the finished ones), `n_iter`
+    (iterations begun), `outputs` (what SGLang sent back per request), `stream` (the finished
+    iterations as JSON lines), `entered` (the event loop SGLang entered)."""
+
+    def __init__(self, case, proc, outdir, rank):
+        self.case = case
+        self.to_scheduler = rank.to_scheduler
+        self.from_scheduler = rank.from_scheduler
+        self.pending = sorted(rank.my_reqs, key=lambda r: r.get("at", 0))
+        self.iters = []
+        self.cur = {}
+        self.n_iter = 0
+        self.limit = int(case["iterations"])
+        self.outputs = {}
+        self.entered = []
+        # Each finished iteration is also appended to a JSON-lines file, so that the iterations
+        # of a process that dies in C++ (gloo aborts on a collective mismatch) can still be read.
+        self.stream = open(os.path.join(outdir, f"{case['name']}.{proc}.iters.jsonl"), "w")
+
+    def install(self, scheduler):
+        self._wrap_iteration_counter()
+        self._wrap_mlp_sync()
+        self._wrap_loop_phases()
+        spec_worker = scheduler.draft_worker
+        if spec_worker is not None:
+            self._wrap_spec_worker(spec_worker)
+        if getattr(spec_worker, "_verify_planner", None) is not None:
+            self._wrap_dspark_planner(spec_worker)
+        self._wrap_loop_entry()
+
+    def drain_outputs(self):
+        import zmq
+        from sglang.srt.managers.io_struct import sock_recv
+
         while True:
             try:
-                o = sock_recv(from_scheduler, zmq.NOBLOCK)
+                o = sock_recv(self.from_scheduler, zmq.NOBLOCK)
             except zmq.ZMQError:
                 return
             rids = getattr(o, "rids", None) or []
             fin = getattr(o, "finished_reasons", None) or [None] * len(rids)
             outs = getattr(o, "output_ids", None) or [None] * len(rids)
             for rid, f, ids in zip(rids, fin, outs):
-                d = outputs.setdefault(rid, {"tokens": 0, "finished": None, "ids": []})
+                d = self.outputs.setdefault(rid, {"tokens": 0, "finished": None, "ids": []})
                 if ids is not None:
                     d["tokens"] += len(ids)
                     d["ids"].extend(int(x) for x in ids)
                 if f is not None:
                     d["finished"] = f if isinstance(f, (str, dict)) else str(f)
 
-    orig_ingest = Scheduler.ingest_requests
-
-    # Each finished iteration is also appended to a JSON-lines file, so that the iterations of
-    # a process that dies in C++ (gloo aborts on a collective mismatch) can still be read.
-    stream = open(os.path.join(outdir, f"{case['name']}.{proc}.iters.jsonl"), "w")
-
-    def finish_iteration():
+    def finish_iteration(self):
+        cur = self.cur
         cur["t1"] = time.perf_counter()
         it = dict(cur)
-        iters.append(it)
-        stream.write(json.dumps(dict(it, seconds=round(it["t1"] - it["t0"], 4)),
-                                default=str) + "\n")
-        stream.flush()
+        self.iters.append(it)
+        self.stream.write(json.dumps(dict(it, seconds=round(it["t1"] - it["t0"], 4)),
+                                     default=str) + "\n")
+        self.stream.flush()
 
-    def ingest_requests(self, *a, **k):
-        if cur:
-            finish_iteration()
-        drain_outputs()
-        n_iter[0] += 1
-        if n_iter[0] > limit:
-            raise StopLoop()
-        cur.clear()
-        cur.update(iter=n_iter[0] - 1, t0=time.perf_counter(), events=[], syncs=0)
-        ITERATION[0] = cur["iter"]
-        while pending and pending[0].get("at", 0) <= cur["iter"]:
-            sock_send(to_scheduler, make_request(pending.pop(0), case.get("seed", 0)))
-        return orig_ingest(self, *a, **k)
+    def run_loop(self, scheduler):
+        """SGLang's loop until StopLoop; the traceback of anything else it raised, or None."""
+        err = None
+        try:
+            scheduler.run_event_loop()
+        except StopLoop:
+            pass
+        except BaseException:  # noqa: BLE001 (reported with the record)
+            err = traceback.format_exc()
+            if self.cur:
+                self.cur["error"] = True
+                self.finish_iteration()
+        return err
 
-    def desc(b):
-        if b is None:
-            return None
-        return {"mode": b.forward_mode.name if b.forward_mode is not None else None,
-                "bs": b.batch_size()}
+    def _wrap_iteration_counter(self):
+        from sglang.srt.managers.io_struct import sock_send
+        from sglang.srt.managers.scheduler import Scheduler
 
-    orig_sync = dp_attn.SchedulerDPAttnAdapter.prepare_mlp_sync_batch
+        obs, cur, case = self, self.cur, self.case
+        orig_ingest = Scheduler.ingest_requests
 
-    def prepare_mlp_sync_batch(self, local_batch):
-        out = orig_sync(self, local_batch)
-        if cur:
-            cur["syncs"] += 1
-            cur["events"].append(("sync", desc(local_batch), desc(out),
-                                  list(out.global_num_tokens) if out is not None and
-                                  out.global_num_tokens is not None else None))
-        return out
+        def ingest_requests(self, *a, **k):
+            if cur:
+                obs.finish_iteration()
+            obs.drain_outputs()
+            obs.n_iter += 1
+            if obs.n_iter > obs.limit:
+                raise StopLoop()
+            cur.clear()
+            cur.update(iter=obs.n_iter - 1, t0=time.perf_counter(), events=[], syncs=0)
+            ITERATION[0] = cur["iter"]
+            pending = obs.pending
+            while pending and pending[0].get("at", 0) <= cur["iter"]:
+                sock_send(obs.to_scheduler, make_request(pending.pop(0), case.get("seed", 0)))
+            return orig_ingest(self, *a, **k)
 
-    # The width of each MLP sync's gathered rows (SGLang's 11 int64 columns at 0.5.23, plus
-    # dpbalance's 64 where its record rides).
-    orig_all_gather = dp_attn.MLPSyncBatchInfo.all_gather
+        Scheduler.ingest_requests = ingest_requests
 
-    def all_gather(self, *a, **k):
-        out = orig_all_gather(self, *a, **k)
-        if cur and self.tp0_info_cpu is not None:
-            cur.setdefault("gather_widths", []).append(int(self.tp0_info_cpu.shape[-1]))
-        return out
+    def _wrap_mlp_sync(self):
+        from sglang.srt.managers.scheduler_components import dp_attn
 
-    dp_attn.MLPSyncBatchInfo.all_gather = all_gather
-    orig_gnb = Scheduler.get_next_batch_to_run
+        cur = self.cur
+        orig_sync = dp_attn.SchedulerDPAttnAdapter.prepare_mlp_sync_batch
 
-    def get_next_batch_to_run(self, *a, **k):
-        plan = orig_gnb(self, *a, **k)
-        if cur:
-            cur["batch"] = desc(plan.batch_to_run)
-        return plan
+        def prepare_mlp_sync_batch(self, local_batch):
+            out = orig_sync(self, local_batch)
+            if cur:
+                cur["syncs"] += 1
+                cur["events"].append(("sync", _desc(local_batch), _desc(out),
+                                      list(out.global_num_tokens) if out is not None and
+                                      out.global_num_tokens is not None else None))
+            return out
 
-    orig_run = Scheduler.run_batch
+        dp_attn.SchedulerDPAttnAdapter.prepare_mlp_sync_batch = prepare_mlp_sync_batch
 
-    def run_batch(self, batch, *a, **k):
-        res = orig_run(self, batch, *a, **k)
-        if cur:
-            cur["events"].append(("run_batch", desc(batch)))
-        return res
+        # The width of each MLP sync's gathered rows (SGLang's 11 int64 columns at 0.5.23, plus
+        # dpbalance's 64 where its record rides).
+        orig_all_gather = dp_attn.MLPSyncBatchInfo.all_gather
 
-    orig_copy = ScheduleBatch.copy
+        def all_gather(self, *a, **k):
+            out = orig_all_gather(self, *a, **k)
+            if cur and self.tp0_info_cpu is not None:
+                cur.setdefault("gather_widths", []).append(int(self.tp0_info_cpu.shape[-1]))
+            return out
 
-    def copy(self, *a, **k):
-        out = orig_copy(self, *a, **k)
-        if cur:
-            cur["events"].append(("copy", desc(self)))
-        return out
+        dp_attn.MLPSyncBatchInfo.all_gather = all_gather
 
-    orig_pbr = Scheduler.process_batch_result
+    def _wrap_loop_phases(self):
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+        from sglang.srt.managers.scheduler import Scheduler
 
-    def process_batch_result(self, batch, result, *a, **k):
-        out = orig_pbr(self, batch, result, *a, **k)
-        if cur:
-            ev = {"batch": desc(batch)}
-            acc = getattr(result, "accept_lens", None)
-            if acc is not None:
-                ev["accept_lens"] = [int(x) for x in acc.tolist()] if hasattr(acc, "tolist") \
-                    else list(acc)
-            ncd = getattr(result, "num_correct_drafts_per_req_cpu", None)
-            if ncd is not None:
-                ev["num_correct_drafts"] = [int(x) for x in ncd]
-            reported = plugin_last_report()
-            if reported is not None:
-                ev["plugin_report"] = reported
-            cur["events"].append(("process_batch_result", ev))
-        return out
+        cur = self.cur
+        orig_gnb = Scheduler.get_next_batch_to_run
 
-    orig_idle = Scheduler.on_idle
+        def get_next_batch_to_run(self, *a, **k):
+            plan = orig_gnb(self, *a, **k)
+            if cur:
+                cur["batch"] = _desc(plan.batch_to_run)
+            return plan
 
-    def on_idle(self, *a, **k):
-        if cur:
-            cur["events"].append(("on_idle",))
-        return orig_idle(self, *a, **k)
+        orig_run = Scheduler.run_batch
 
-    # The speculative worker's step (EAGLEWorkerV2 / DSparkWorkerV2.forward_batch_generation):
-    # the draft depth it ran (its speculative_num_steps during the call) and, for adaptive
-    # EAGLE, SGLang's own calls that choose it (activate_step_by_batch before the step,
-    # on_verify_complete_cpu from process_batch_result).
-    spec_worker = scheduler.draft_worker
-    if spec_worker is not None:
+        def run_batch(self, batch, *a, **k):
+            res = orig_run(self, batch, *a, **k)
+            if cur:
+                cur["events"].append(("run_batch", _desc(batch)))
+            return res
+
+        orig_copy = ScheduleBatch.copy
+
+        def copy(self, *a, **k):
+            out = orig_copy(self, *a, **k)
+            if cur:
+                cur["events"].append(("copy", _desc(self)))
+            return out
+
+        orig_pbr = Scheduler.process_batch_result
+
+        def process_batch_result(self, batch, result, *a, **k):
+            out = orig_pbr(self, batch, result, *a, **k)
+            if cur:
+                ev = {"batch": _desc(batch)}
+                acc = getattr(result, "accept_lens", None)
+                if acc is not None:
+                    ev["accept_lens"] = [int(x) for x in acc.tolist()] if hasattr(acc, "tolist") \
+                        else list(acc)
+                ncd = getattr(result, "num_correct_drafts_per_req_cpu", None)
+                if ncd is not None:
+                    ev["num_correct_drafts"] = [int(x) for x in ncd]
+                reported = plugin_last_report()
+                if reported is not None:
+                    ev["plugin_report"] = reported
+                cur["events"].append(("process_batch_result", ev))
+            return out
+
+        orig_idle = Scheduler.on_idle
+
+        def on_idle(self, *a, **k):
+            if cur:
+                cur["events"].append(("on_idle",))
+            return orig_idle(self, *a, **k)
+
+        Scheduler.get_next_batch_to_run = get_next_batch_to_run
+        Scheduler.run_batch = run_batch
+        Scheduler.process_batch_result = process_batch_result
+        Scheduler.on_idle = on_idle
+        ScheduleBatch.copy = copy
+
+    def _wrap_spec_worker(self, spec_worker):
+        # The speculative worker's step (EAGLEWorkerV2 / DSparkWorkerV2.forward_batch_generation):
+        # the draft depth it ran (its speculative_num_steps during the call) and, for adaptive
+        # EAGLE, SGLang's own calls that choose it (activate_step_by_batch before the step,
+        # on_verify_complete_cpu from process_batch_result).
+        cur, stream = self.cur, self.stream
         wcls = type(spec_worker)
         orig_fbg = wcls.forward_batch_generation
 
@@ -862,13 +1003,14 @@ def run(proc, world, port, case, outdir):
                     return out
                 setattr(wcls, name, adaptive_call)
 
-    # DSpark's verify plan per step (DSparkVerifyPlanner.schedule_layout, which
-    # _forward_decode calls with the agreed tier from _dp_verify_tier_num_tokens): its
-    # per-request verify lengths (anchor included), tier and whether it was the cached
-    # verify-all layout.
-    planner = getattr(spec_worker, "_verify_planner", None)
-    if planner is not None:
-        pcls = type(planner)
+    def _wrap_dspark_planner(self, spec_worker):
+        # DSpark's verify plan per step (DSparkVerifyPlanner.schedule_layout, which
+        # _forward_decode calls with the agreed tier from _dp_verify_tier_num_tokens): its
+        # per-request verify lengths (anchor included), tier and whether it was the cached
+        # verify-all layout.
+        cur = self.cur
+        wcls = type(spec_worker)
+        pcls = type(spec_worker._verify_planner)
         orig_layout = pcls.schedule_layout
 
         def schedule_layout(self, *a, **k):
@@ -916,6 +1058,23 @@ def run(proc, world, port, case, outdir):
 
         wcls._idle_verify_ragged_layout = _idle_verify_ragged_layout
 
+    def _wrap_loop_entry(self):
+        from sglang.srt.managers.scheduler import Scheduler
+
+        # SGLang's own entry (run_scheduler_process calls it): stream set-up, then
+        # dispatch_event_loop picks event_loop_overlap or event_loop_normal from
+        # disable_overlap_schedule. The loop it entered is recorded.
+        entered = self.entered
+        for name in ("event_loop_overlap", "event_loop_normal"):
+            def entry(self, *a, _orig=getattr(Scheduler, name), _name=name, **k):
+                entered.append(_name)
+                return _orig(self, *a, **k)
+            setattr(Scheduler, name, entry)
+
+
+def _adaptive_summary(spec_worker):
+    """The adaptive EAGLE controller's set-up (its candidate depths and per-slot states), or
+    None."""
     adaptive = None
     ctl = getattr(spec_worker, "adaptive_controller", None)
     if ctl is not None:
@@ -923,43 +1082,10 @@ def run(proc, world, port, case, outdir):
                     "candidate_steps": list(ctl.candidate_steps),
                     "states": {str(k): type(v).__name__ for k, v in ctl._states.items()},
                     "policy": type(ctl.params).__name__}
+    return adaptive
 
-    Scheduler.ingest_requests = ingest_requests
-    Scheduler.get_next_batch_to_run = get_next_batch_to_run
-    Scheduler.run_batch = run_batch
-    Scheduler.process_batch_result = process_batch_result
-    Scheduler.on_idle = on_idle
-    ScheduleBatch.copy = copy
-    dp_attn.SchedulerDPAttnAdapter.prepare_mlp_sync_batch = prepare_mlp_sync_batch
 
-    # SGLang's own entry (run_scheduler_process calls it): stream set-up, then
-    # dispatch_event_loop picks event_loop_overlap or event_loop_normal from
-    # disable_overlap_schedule. The loop it entered is recorded.
-    entered = []
-    for name in ("event_loop_overlap", "event_loop_normal"):
-        def entry(self, *a, _orig=getattr(Scheduler, name), _name=name, **k):
-            entered.append(_name)
-            return _orig(self, *a, **k)
-        setattr(Scheduler, name, entry)
-    t_loop = time.perf_counter()
-    err = None
-    try:
-        scheduler.run_event_loop()
-    except StopLoop:
-        pass
-    except BaseException:  # noqa: BLE001 (reported with the record)
-        err = traceback.format_exc()
-        if cur:
-            cur["error"] = True
-            finish_iteration()
-    t_end = time.perf_counter()
-    time.sleep(0.05)
-    drain_outputs()
-    to_scheduler.close(linger=0)
-    from_scheduler.close(linger=0)
-    shutil.rmtree(ipc, ignore_errors=True)
-
-    stream.close()
+def _dpbalance_summary():
     dpb_summary = None
     if os.environ.get("DPB_PLUGIN"):  # read-only: dpbalance_sglang's own counters
         try:
@@ -968,9 +1094,13 @@ def run(proc, world, port, case, outdir):
             dpb_summary = engine_step.state().summary()
         except Exception as e:  # noqa: BLE001
             dpb_summary = {"error": repr(e)}
-    for it in iters:
-        it["seconds"] = round(it.pop("t1", t_end) - it.pop("t0"), 4)
-    finished = sorted(r for r, d in outputs.items() if d["finished"] is not None)
+    return dpb_summary
+
+
+def _check_outputs(case, my_reqs, outputs):
+    """Marks each request's output with matches_target (and the expected ids where not)."""
+    import torch
+
     # Greedy speculative decoding is lossless: every request's output must be the target's own
     # chain from its prompt (token after t at position p = target_tokens(t, p)).
     for r in my_reqs:
@@ -987,9 +1117,19 @@ def run(proc, world, port, case, outdir):
         d["matches_target"] = d["ids"] == want
         if not d["matches_target"]:
             d["expected"] = want
+
+
+def build_record(proc, case, rank, obs, stats, adaptive, err, t_loop, t_end):
+    """The process's record (the module's docstring lists it)."""
+    dpb_summary = _dpbalance_summary()
+    iters, outputs, my_reqs = obs.iters, obs.outputs, rank.my_reqs
+    for it in iters:
+        it["seconds"] = round(it.pop("t1", t_end) - it.pop("t0"), 4)
+    finished = sorted(r for r, d in outputs.items() if d["finished"] is not None)
+    _check_outputs(case, my_reqs, outputs)
     return {
-        "proc": proc, "dp_rank": dp_rank, "loop": case["loop"], "spec": case["spec"],
-        "error": err, "loop_entered": entered, "iterations": iters,
+        "proc": proc, "dp_rank": rank.dp_rank, "loop": case["loop"], "spec": case["spec"],
+        "error": err, "loop_entered": obs.entered, "iterations": iters,
         "requests": [r["rid"] for r in my_reqs], "finished": finished, "outputs": outputs,
         "stand_in_calls": stats, "adaptive": adaptive, "dpbalance": dpb_summary,
         "totals": {
@@ -999,7 +1139,8 @@ def run(proc, world, port, case, outdir):
             "results_processed": sum(1 for i in iters for e in i["events"]
                                      if e[0] == "process_batch_result"),
         },
-        "timing": {"imports_s": round(t0 - t_start, 2), "scheduler_init_s": round(t_built - t0, 2),
+        "timing": {"imports_s": round(rank.t0 - rank.t_start, 2),
+                   "scheduler_init_s": round(rank.t_built - rank.t0, 2),
                    "loop_s": round(t_end - t_loop, 2),
                    "per_iteration_s": round((t_end - t_loop) / max(1, len(iters)), 4)},
     }
