@@ -87,6 +87,13 @@ def main():
     # A report for a plan that is no longer outstanding changes nothing.
     st.report(a, result)
     check(st.n.reports == 3, "a stale batch's report is ignored")
+    # Our bookkeeping failing at run_batch never stops SGLang's forward: it runs without a plan.
+    from dpbalance_sglang.patch import scheduler as sched_hooks
+
+    engine_step._STATE = st
+    st.begin_run = lambda _batch: 1 / 0
+    ran = sched_hooks.around_run_batch(lambda _self, bb: ("ran", bb), None, c)
+    check(ran == ("ran", c), f"run_batch still runs when ours fails: {ran[0]}")
     print(f"{'FAILED' if failures else 'PASSED'}: {len(failures)} failed checks")
     return 1 if failures else 0
 

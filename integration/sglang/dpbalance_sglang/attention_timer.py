@@ -12,8 +12,11 @@ plugin's online refit skips (docs/engines.md "SGLang" says what that leaves open
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Optional
+
+log = logging.getLogger("sglang.srt.plugins.dpbalance")
 
 
 class AttentionTimer:
@@ -56,10 +59,15 @@ class AttentionTimer:
         if self._cuda:
             import torch
 
-            if torch.cuda.is_current_stream_capturing():
+            try:
+                if torch.cuda.is_current_stream_capturing():
+                    return original(layer, *args, **kwargs)
+                start, stop = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                start.record()
+            except Exception:  # noqa: BLE001 - timing must never stop the forward
+                log.exception("dpbalance_sglang: attention timing failed; it stays off")
+                self._layers = set()
                 return original(layer, *args, **kwargs)
-            start, stop = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record()
             out = original(layer, *args, **kwargs)
             stop.record()
             self._events.append((start, stop))
@@ -74,5 +82,9 @@ class AttentionTimer:
         cpu_us, events = self._done.pop(seq, (0.0, []))
         if not events:
             return cpu_us
-        events[-1][1].synchronize()
-        return sum(a.elapsed_time(b) for a, b in events) * 1e3
+        try:
+            events[-1][1].synchronize()
+            return sum(a.elapsed_time(b) for a, b in events) * 1e3
+        except Exception:  # noqa: BLE001 - an unreadable event: this step's attention is unknown
+            log.exception("dpbalance_sglang: attention events unreadable; reported as unknown")
+            return 0.0

@@ -52,7 +52,7 @@ def _decode_plan():
 def around_tier(original, self, batch):
     tier = original(self, batch)
     st = engine_step.state()
-    bp = st.usable()
+    bp = st.usable()  # reads a context variable and the plan's bytes: nothing here can raise
     # A step where some rank prefills: padded_tokens counts prefill tokens, not a verify tier
     # (DSpark verifies nothing then, except under SGLang's prefill coordination, where its own
     # tier stays; the plan's lengths fit under it, at most the block per request).

@@ -49,7 +49,12 @@ def around_get_next_batch_to_run(original, self, *args, **kwargs):
 
 def around_run_batch(original, self, batch, *args, **kwargs):
     st = engine_step.state()
-    token = st.begin_run(batch)
+    try:
+        token = st.begin_run(batch)
+    except Exception:  # noqa: BLE001 - ours must never stop SGLang's forward
+        engine_step.log.exception("dpbalance_sglang: run_batch bookkeeping failed; this batch "
+                                  "runs without a plan")
+        return original(self, batch, *args, **kwargs)
     try:
         return original(self, batch, *args, **kwargs)
     finally:
