@@ -446,6 +446,15 @@ dpbResult_t PlanV2(void* context, const dpbStep_v2_t* step, dpbPlanResult_v2_t* 
     }
     res->draft_depth = ctx->default_k;
     res->balanced = 0;
+    // Nothing of the exchange is known here: every total unknown (the engine must not read an
+    // agreement from this result), no tier, no plan to report.
+    res->padded_tokens = 0;
+    res->plan_id = -1;
+    res->any_rank_flags = DPB_RANK_UNKNOWN;
+    for (int32_t r = 0; r < ctx->dp_size; ++r) {
+      if (res->rank_tokens) res->rank_tokens[r] = -1;
+      if (res->rank_flags) res->rank_flags[r] = DPB_RANK_UNKNOWN;
+    }
     return dpbInternalError;
   }
 }

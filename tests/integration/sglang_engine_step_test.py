@@ -40,7 +40,7 @@ def main():
     st.dpb = adapter.DpBalance.load(1, 0, "backend=inproc;group=es;log_every=0;k_max=4;"
                                     "default_k=4", library=plugin, abi=2)
     st.initialised = True
-    st.spec = SimpleNamespace(k_draft=4, full_width=False, describe=lambda: "test")
+    st.spec = SimpleNamespace(alg="none", k_draft=4, full_width=False, describe=lambda: "test")
 
     def batch(n):
         b = ScheduleBatch(reqs=[], forward_mode=ForwardMode.DECODE)
@@ -87,13 +87,36 @@ def main():
     # A report for a plan that is no longer outstanding changes nothing.
     st.report(a, result)
     check(st.n.reports == 3, "a stale batch's report is ignored")
-    # Our bookkeeping failing at run_batch never stops SGLang's forward: it runs without a plan.
+    # Our bookkeeping failing at run_batch (here the attention timer) never stops SGLang's
+    # forward, and the plan still applies: every peer applies it too.
     from dpbalance_sglang.patch import scheduler as sched_hooks
 
     engine_step._STATE = st
-    st.begin_run = lambda _batch: 1 / 0
-    ran = sched_hooks.around_run_batch(lambda _self, bb: ("ran", bb), None, c)
-    check(ran == ("ran", c), f"run_batch still runs when ours fails: {ran[0]}")
+    e = batch(2)
+    pe = plan(e)
+
+    def failing_begin(_seq):
+        raise RuntimeError("planted")
+
+    st.timer.begin = failing_begin
+    seen = []
+    ran = sched_hooks.around_run_batch(lambda _self, bb: seen.append(st.usable()) or "ran",
+                                       None, e)
+    check(ran == "ran" and seen == [pe], "a failing timer: the forward runs with its plan")
+    # What the report claims is what ran: a speculative batch whose lengths no hook applied
+    # reports no accepted counts; one whose depth was applied reports that depth.
+    st.spec = SimpleNamespace(alg="eagle", k_draft=4, full_width=True, describe=lambda: "t")
+    before = st.dpb.last_step()
+    st.report(e, SimpleNamespace(num_correct_drafts_per_req_cpu=[3, 3], accept_lens=None))
+    check(st.dpb.last_step()["plan_id"] == pe.plan.plan_id, "the batch was reported")
+    f_, g_ = batch(2), None
+    pf = plan(f_)
+    token = st.begin_run(f_)
+    st.note_run("depth", 2)
+    st.end_run(token)
+    check(st._lens_run(pf) == [2, 2], f"the depth that ran is what is reported: "
+                                      f"{st.ran}")
+    check(before is not None, "the plugin answers last_step")
     print(f"{'FAILED' if failures else 'PASSED'}: {len(failures)} failed checks")
     return 1 if failures else 0
 

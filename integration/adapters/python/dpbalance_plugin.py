@@ -829,6 +829,11 @@ class DpBalanceV2(_Balancer):
         st.kv_free_tokens = _index_field(kv_free_tokens, "kv_free_tokens", *_I64)
         st.extra_tokens = _index_field(extra_tokens, "extra_tokens", *_I64)
         ctypes.memset(ctypes.byref(res), 0, ctypes.sizeof(res))
+        # Unknown until the plugin writes them: a result that leaves them (a failure before the
+        # exchange) must not read as the previous step's agreement.
+        for r in range(self.dp_size):
+            self._rank_tokens[r] = -1
+        res.plan_id = -1
         res.verify_len, res.rank_tokens, res.rank_flags = self._lens, self._rank_tokens, self._rank_flags
         self._callback_error = None
         rc = self._plugin.plan(self._ctx, ctypes.byref(st), ctypes.byref(res))

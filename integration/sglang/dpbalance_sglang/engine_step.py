@@ -196,6 +196,7 @@ class RankState:
         self.spec = spec_config.SpecConfig.none()
         self.timer = attention_timer.AttentionTimer()
         self.run_starts: collections.OrderedDict = collections.OrderedDict()  # seq -> start
+        self.ran: dict = {}            # seq -> what the forward ran (note_run)
 
     # --- the plugin -------------------------------------------------------------------------
 
@@ -209,6 +210,16 @@ class RankState:
         slots = int(info.tp_size) * int(info.cp_size)
         index = dist.get_rank(group)
         value = os.environ.get("DPB_PLUGIN", "")
+        from sglang.srt.runtime_context import get_parallel
+
+        if int(getattr(get_parallel(), "pp_size", 1) or 1) > 1:
+            # event_loop_pp processes a microbatch's results pp_size - 1 iterations later, more
+            # than the plans kept outstanding (MAX_OUTSTANDING, the plugin's two): every plan
+            # would be evicted before its report. This rank joins with an empty record.
+            self.init_error = f"pipeline parallelism (pp_size {get_parallel().pp_size})"
+            log.error("dpbalance_sglang: %s is not supported; SGLang's own verify lengths on "
+                      "every rank", self.init_error)
+            return
         self.spec = spec_config.SpecConfig.from_sglang(model_runner)
         config = self.spec.plugin_config()
         try:
@@ -239,7 +250,7 @@ class RankState:
         """Whether the sync now starting plans (counts it in the iteration). Every rank runs the
         same iterations, so every rank answers alike."""
         it = _ITERATION.get()
-        if it is None:  # a sync outside get_next_batch_to_run (PD decode, pipeline stages)
+        if it is None:  # a sync outside get_next_batch_to_run (PD disaggregation's loops)
             return True
         first = it.syncs == 0
         it.syncs += 1
@@ -332,17 +343,23 @@ class RankState:
         t0 = time.monotonic()
         try:
             res = self.dpb.plan(reqs, kind=kind, extra_tokens=extra)
-        except (TypeError, ValueError) as e:  # this rank's batch cannot be marshalled
-            log.error("dpbalance_sglang: DP rank %d: %s; SGLang's own lengths this step",
-                      self.dpb.dp_rank, e)
+        except (TypeError, ValueError) as e:  # this rank's batch cannot be marshalled: it sends
+            log.error("dpbalance_sglang: DP rank %d: %s; SGLang's own lengths this step",  # a
+                      self.dpb.dp_rank, e)  # zero record, so no rank has an agreement this step
             return None
-        self.n.max_plan_ms = max(self.n.max_plan_ms, (time.monotonic() - t0) * 1e3)
-        self.n.plans += 1
+        # The exchange went through on this rank: every peer now holds the same agreement, so
+        # nothing below may lose this plan (an error in the bookkeeping is logged and the plan
+        # still runs; a rank running other values than its peers would split a collective).
         self.seq += 1
-        name = adapter.RESULT_NAMES.get(res.result, str(res.result))
-        self.results[name] = self.results.get(name, 0) + 1
         bp = BatchPlan(res, tuple(r.request_id for r in reqs), kind, self.seq, t0)
-        self._keep(bp)
+        try:
+            self.n.max_plan_ms = max(self.n.max_plan_ms, (time.monotonic() - t0) * 1e3)
+            self.n.plans += 1
+            name = adapter.RESULT_NAMES.get(res.result, str(res.result))
+            self.results[name] = self.results.get(name, 0) + 1
+            self._keep(bp)
+        except Exception:  # noqa: BLE001
+            log.exception("dpbalance_sglang: plan bookkeeping failed; the plan still runs")
         return bp
 
     def _keep(self, bp: BatchPlan) -> None:
@@ -372,24 +389,38 @@ class RankState:
         """run_batch starts: the batch's plan is the running one if it is this rank's latest.
         A batch that carries an older plan (a batch SGLang kept across iterations without a new
         planning sync) runs SGLang's own values: dropped, counted, never applied."""
-        now = time.monotonic()
-        bp = getattr(batch, "dpb_plan", None)
-        if bp is not None and bp.seq != self.seq:
-            self.n.stale_dropped += 1
-            log.warning("dpbalance_sglang: a batch carries plan %d of planning sync %d, the "
-                        "latest is %d: dropped, SGLang's own values", bp.plan.plan_id, bp.seq,
-                        self.seq)
-            bp = None
-        if bp is not None:
-            self.run_starts[bp.seq] = now
-            while len(self.run_starts) > 2 * MAX_OUTSTANDING:
-                self.run_starts.popitem(last=False)
-        self.timer.begin(bp.seq if bp is not None else None)
-        return _RUNNING.set(bp)
+        carried = getattr(batch, "dpb_plan", None)
+        bp = carried if carried is not None and carried.seq == self.seq else None
+        token = _RUNNING.set(bp)  # first: what every rank applies must not hang on what follows
+        try:
+            if carried is not None and bp is None:
+                self.n.stale_dropped += 1
+                log.warning("dpbalance_sglang: a batch carries plan %d of planning sync %d, the "
+                            "latest is %d: dropped, SGLang's own values", carried.plan.plan_id,
+                            carried.seq, self.seq)
+            if bp is not None:
+                self.run_starts[bp.seq] = time.monotonic()
+                while len(self.run_starts) > 2 * MAX_OUTSTANDING:
+                    self.run_starts.popitem(last=False)
+            self.timer.begin(bp.seq if bp is not None else None)
+        except Exception:  # noqa: BLE001 - timing and counts only; the plan still applies
+            log.exception("dpbalance_sglang: run_batch bookkeeping failed; the plan still runs")
+        return token
 
     def end_run(self, token: contextvars.Token) -> None:
-        self.timer.end()
-        _RUNNING.reset(token)
+        try:
+            self.timer.end()
+        finally:
+            _RUNNING.reset(token)
+
+    def note_run(self, what: str, value) -> None:
+        """What the hooks made the running batch's forward run (what its report then claims):
+        ("depth", d) for EAGLE, ("lens", [drafts per request]) for DSpark."""
+        bp = _RUNNING.get()
+        if bp is not None:
+            self.ran[bp.seq] = (what, value)
+            while len(self.ran) > 2 * MAX_OUTSTANDING:
+                self.ran.pop(next(iter(self.ran)))
 
     # --- after the batch ran ------------------------------------------------------------------
 
@@ -413,9 +444,10 @@ class RankState:
         a step without accepted drafts."""
         if self.dpb is None or self.outstanding.pop(bp.plan.plan_id, None) is None:
             return
-        lens = list(bp.plan.verify_len)
+        lens = self._lens_run(bp)
         accepted = []
-        if batch is not None and bp.kind == "decode" and len(batch.reqs) == len(bp.rids):
+        if lens is not None and batch is not None and bp.kind == "decode" and \
+                len(batch.reqs) == len(bp.rids):
             per_req = accepted_per_request(result, len(bp.rids))
             if per_req is not None:
                 for req, rid, k, a in zip(batch.reqs, bp.rids, lens, per_req):
@@ -434,6 +466,19 @@ class RankState:
         if batch is None:
             self.n.idle_reports += 1
         self.n.max_wait_ms = max(self.n.max_wait_ms, (now - bp.t_plan) * 1e3)
+
+    def _lens_run(self, bp: BatchPlan) -> Optional[list]:
+        """The drafts each request of bp's batch verified, as far as we know: what the hooks
+        applied (note_run); for a speculative decode batch they did not touch, None (SGLang's own
+        lengths ran: its accepted counts would be read against lengths it did not verify)."""
+        ran = self.ran.pop(bp.seq, None)
+        if ran is not None and ran[0] == "depth":
+            return [int(ran[1])] * len(bp.rids)
+        if ran is not None:
+            return list(ran[1])
+        if bp.kind == "decode" and self.spec.alg != "none":
+            return None
+        return list(bp.plan.verify_len)
 
     def summary(self) -> dict:
         n = self.n

@@ -40,7 +40,10 @@ def around_prepare(original, *args, **kwargs):
     st = engine_step.state()
     plan = st.take_latest()
     if plan is not None and out is None:  # every rank idle: SGLang runs nothing this step
-        st.report_plan(plan)
+        try:
+            st.report_plan(plan)
+        except Exception:  # noqa: BLE001 - a report of ours must never stop SGLang's scheduler
+            engine_step.log.exception("dpbalance_sglang: report failed; SGLang goes on")
     elif out is not None:
         # Always set, None too: SGLang keeps its running batch across iterations, and an older
         # plan left on it must not look like this step's.

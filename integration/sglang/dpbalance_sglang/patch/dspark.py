@@ -91,7 +91,9 @@ def around_schedule_verify_lens(original, self, *args, **kwargs):
             lens = ours.to(device)
         else:
             lens.copy_(ours.to(device=lens.device, dtype=lens.dtype))
-        engine_step.state().applied("dspark_lengths")
+        st = engine_step.state()
+        st.applied("dspark_lengths")
+        st.note_run("lens", list(bp.plan.verify_len))  # the report claims these lengths
     except Exception:  # noqa: BLE001 - SGLang's own lengths on this rank then (never seen)
         engine_step.log.exception("dpbalance_sglang: the plan's lengths could not be written")
     return lens

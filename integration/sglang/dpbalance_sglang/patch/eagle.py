@@ -5,9 +5,10 @@ ranks, within SGLang's captured step graphs.
   adaptive_unsupported_reason           AROUND: SGLang refuses --speculative-adaptive under
                                         attention DP ("adaptive tier decisions are not
                                         synchronized across DP ranks"); dpbalance's exchange is
-                                        that synchronisation, so with DPB_PLUGIN set the refusal
-                                        is lifted. SGLang's other checks still run (its own
-                                        function, asked again as if DP were off)
+                                        that synchronisation, so with the hooks registered
+                                        (DPB_PLUGIN set, `none` included) the refusal is lifted on
+                                        every process alike. SGLang's other checks still run (its
+                                        own function, asked again as if DP were off)
   AdaptiveSpeculativeParams.get_steps_for_batch
                                         AROUND: under attention DP, the depth is the plan's agreed
                                         draft depth (the same bytes on every rank; one of the
@@ -44,9 +45,11 @@ DP_REASON = "attention DP is not supported"
 
 
 def around_unsupported_reason(original, server_args):
+    # Registered only with DPB_PLUGIN set (`none` included): every process of the instance
+    # lifts the refusal alike, and get_steps_for_batch below keeps every rank on one depth
+    # whether or not its plugin runs (a rank whose refusal stood would capture other graphs).
     reason = original(server_args)
-    if reason is None or not reason.startswith(DP_REASON) or \
-            os.environ.get("DPB_PLUGIN", "none") in ("", "none"):
+    if reason is None or not reason.startswith(DP_REASON):
         return reason
     from sglang.srt.speculative import adaptive_spec_params as asp
 
@@ -78,12 +81,14 @@ def around_get_steps(original, self, batch_size):
     current = int(get_spec().speculative_num_steps)  # the state SGLang runs now, every rank's
     st = engine_step.state()
     bp = st.usable()
-    if bp is None or bp.plan.draft_depth not in self.candidate_steps:
-        return current
-    st.applied("eagle_depth")
-    if bp.plan.draft_depth != current:
-        st.applied("eagle_depth_change")
-    return int(bp.plan.draft_depth)
+    depth = current
+    if bp is not None and bp.plan.draft_depth in self.candidate_steps:
+        depth = int(bp.plan.draft_depth)
+        st.applied("eagle_depth")
+        if depth != current:
+            st.applied("eagle_depth_change")
+    st.note_run("depth", depth)  # the report claims the depth that ran
+    return depth
 
 
 def around_on_verify_complete(original, self, *args, **kwargs):

@@ -49,12 +49,7 @@ def around_get_next_batch_to_run(original, self, *args, **kwargs):
 
 def around_run_batch(original, self, batch, *args, **kwargs):
     st = engine_step.state()
-    try:
-        token = st.begin_run(batch)
-    except Exception:  # noqa: BLE001 - ours must never stop SGLang's forward
-        engine_step.log.exception("dpbalance_sglang: run_batch bookkeeping failed; this batch "
-                                  "runs without a plan")
-        return original(self, batch, *args, **kwargs)
+    token = st.begin_run(batch)  # sets the running plan first; its bookkeeping never raises
     try:
         return original(self, batch, *args, **kwargs)
     finally:
