@@ -6,10 +6,12 @@
 #include <cmath>
 #include <filesystem>
 #include <functional>
+#include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "dpbalance/cost_model.h"
@@ -299,6 +301,22 @@ absl::StatusOr<PluginFlags> ParseFlags(const std::map<std::string, std::string>&
   if (f.balancer.planner.default_k > f.balancer.planner.k_max) {
     return absl::InvalidArgumentError(absl::StrCat("flag 'default_k' (", f.balancer.planner.default_k,
                                                    ") exceeds 'k_max' (", f.balancer.planner.k_max, ")"));
+  }
+  const PlannerConfig& pc = f.balancer.planner;
+  if (!pc.DepthAllowed(pc.default_k) || !pc.DepthAllowed(pc.k_max)) {
+    std::vector<int> depths;
+    for (int d = 0; d <= kMaxDraftLen; ++d) {
+      if (pc.DepthAllowed(d)) depths.push_back(d);
+    }
+    return absl::InvalidArgumentError(absl::StrCat(
+        "flag 'depths' (", absl::StrJoin(depths, ","), ") must hold 'default_k' (", pc.default_k,
+        ") and 'k_max' (", pc.k_max, "): the engine's own depth and the deepest plan must be ones it can run"));
+  }
+  // Whatever else the flags combine into, the planner must take it: said now, at load, not when
+  // the first plan is made.
+  if (absl::Status s = pc.Validate(); !s.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the DPB_* flags and config string together are inconsistent: ", s.message()));
   }
   return f;
 }

@@ -131,6 +131,15 @@ TEST(Flags, UnknownAndMalformedFlagsAreNamed) {
   ASSERT_FALSE(f.ok());
   EXPECT_EQ(f.status().message(),
             "flag 'depths' in the config string: '1,9' is not a comma list of draft depths in 0..8");
+  // A depth set without the engine's own depth or the deepest plan is refused at load (found by
+  // flags_fuzz: `depths=6` was accepted and the planner refused it later).
+  f = ParseFlags({}, "depths=6");
+  ASSERT_FALSE(f.ok());
+  EXPECT_EQ(f.status().message(),
+            "flag 'depths' (6) must hold 'default_k' (3) and 'k_max' (7): the engine's own depth "
+            "and the deepest plan must be ones it can run");
+  f = ParseFlags({{"DPB_DEPTHS", "1,3,5"}}, "k_max=5");
+  ASSERT_TRUE(f.ok()) << f.status();
   f = ParseFlags({{"DPB_TPOT_SLO_MS", "-3"}}, "");
   ASSERT_FALSE(f.ok());
   EXPECT_NE(f.status().message().find("tpot_slo_ms"), std::string::npos) << f.status();
@@ -244,7 +253,12 @@ TEST(Flags, EveryNumericFlagTakesItsDocumentedRangeAndNothingOutside) {
     // k_max itself is tried, so it may go down to 0).
     const std::string k_max = d.flag == "k_max" ? "default_k=0;" : "k_max=8;";
     const std::string lo = d.lo == "k_max" ? "8" : d.lo, hi = d.hi == "k_max" ? "8" : d.hi;
-    auto parse = [&](const std::string& v) { return ParseFlags({}, k_max + d.flag + "=" + v); };
+    // A depth set must hold default_k and k_max: both are set to the one depth tried, after it,
+    // so a value out of range is still refused by 'depths' itself.
+    auto parse = [&](const std::string& v) {
+      if (d.flag == "depths") return ParseFlags({}, "depths=" + v + ";k_max=" + v + ";default_k=" + v);
+      return ParseFlags({}, k_max + d.flag + "=" + v);
+    };
     // Integer flags refuse a value between two integers inside the range.
     const double mid = 0.5 * (std::stod(lo) + std::stod(hi));
     const bool integer = !parse(absl::StrFormat("%.17g", std::floor(mid) + 0.5)).ok();

@@ -55,7 +55,8 @@ class SpecConfig:
             steps = int(spec.speculative_num_steps or 0)
             adaptive = bool(getattr(spec, "speculative_adaptive", False))
             depths = eagle_depths(steps, spec) if adaptive else [steps]
-            depths = [d for d in depths if d <= MAX_DEPTH] or [min(steps, MAX_DEPTH)]
+            # The plugin plans depths up to MAX_DEPTH and needs SGLang's own depth among them.
+            depths = sorted({d for d in depths if d <= MAX_DEPTH} | {min(steps, MAX_DEPTH)})
             return cls("eagle", max(depths), min(steps, MAX_DEPTH), full_width=True,
                        depths=depths, adaptive=adaptive)
         width = max(0, int(spec.speculative_num_draft_tokens or 1) - 1)
