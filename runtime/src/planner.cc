@@ -1453,13 +1453,16 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
   decide_.segments.resize(summaries.size());
   const int depth_hi = std::max(totals->depth_lo, c.k_max);
   const bool tiers = PricesTiers(c);
-  if (c.uniform_instance) SweepInstance(c, summaries, *totals, decide_.usable_ranks, plans);
-  for (int d = totals->depth_lo; d <= depth_hi && !c.uniform_instance; ++d) {
-    if (!c.DepthAllowed(d)) continue;
-    if (tiers) {
-      SweepTiers(c, d, summaries, *totals, decide_, plans);
-    } else {
-      SweepDepth(c, d, summaries, *totals, decide_, plans);
+  if (c.uniform_instance) {
+    SweepInstance(c, summaries, *totals, decide_.usable_ranks, plans);
+  } else {
+    for (int d = totals->depth_lo; d <= depth_hi; ++d) {
+      if (!c.DepthAllowed(d)) continue;
+      if (tiers) {
+        SweepTiers(c, d, summaries, *totals, decide_, plans);
+      } else {
+        SweepDepth(c, d, summaries, *totals, decide_, plans);
+      }
     }
   }
   // Step 4: a rank that sent no usable summary runs the engine's default lengths; every rank

@@ -16,6 +16,8 @@ Usage: sglang_engine_step_test.py PLUGIN_SO   (the sglang ctest venv's Python; n
 """
 import os
 import sys
+
+from script_checks import Checks
 from types import SimpleNamespace
 
 
@@ -28,12 +30,7 @@ def main():
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
     except ImportError as e:
         sys.exit(f"FAIL: {e} in {sys.executable}; not skipping")
-    failures = []
-
-    def check(ok, what):
-        print(("ok   " if ok else "FAIL ") + what)
-        if not ok:
-            failures.append(what)
+    checks = Checks()
 
     adapter = engine_step.adapter
     st = engine_step.RankState()
@@ -57,36 +54,35 @@ def main():
     # A stale plan: batch A planned, then batch B planned; A runs: dropped, nothing applied.
     a, b = batch(3), batch(2)
     pa, pb = plan(a), plan(b)
-    check(pa.exchanged and pb.exchanged, "one rank's plans are exchanged")
+    checks.check("one rank's plans are exchanged", pa.exchanged and pb.exchanged)
     token = st.begin_run(a)
-    check(st.usable() is None, "the stale batch's plan is not the running one")
+    checks.check("the stale batch's plan is not the running one", st.usable() is None)
     st.end_run(token)
-    check(st.n.stale_dropped == 1, f"stale plans counted: {st.n.stale_dropped}")
+    checks.check(f"stale plans counted: {st.n.stale_dropped}", st.n.stale_dropped == 1)
     token = st.begin_run(b)
-    check(st.usable() is pb, "the latest batch's plan is the running one")
+    checks.check("the latest batch's plan is the running one", st.usable() is pb)
     st.end_run(token)
     # SGLang's own copy, with the package's AFTER hook, keeps the plan; its report settles it.
     copied = ScheduleBatch.copy(b)
     copy_hook.after_copy(copied, b)
-    check(copied is not b and copied.dpb_plan is pb, "ScheduleBatch.copy keeps the plan")
+    checks.check("ScheduleBatch.copy keeps the plan", copied is not b and copied.dpb_plan is pb)
     result = SimpleNamespace(num_correct_drafts_per_req_cpu=[1, 2], accept_lens=None)
     st.report(copied, result)
-    check(st.n.reports == 1 and pb.plan.plan_id not in st.outstanding,
-          "the copy's report settles the latest plan")
+    checks.check("the copy's report settles the latest plan", st.n.reports == 1 and pb.seq not in st.waiting)
     # Out of order: plan C (in flight), plan D (every rank idle: reported at once), then C.
     c, d = batch(2), batch(0)
-    pc, pd = plan(c), plan(d)
+    plan(c)
+    pd = plan(d)
     st.report_plan(pd)
     st.report(c, SimpleNamespace(num_correct_drafts_per_req_cpu=[0, 3], accept_lens=None))
     stats = st.dpb.stats()
-    check(st.n.reports == 3 and not st.outstanding, f"both reported: {st.n.reports}, "
-                                                   f"outstanding {list(st.outstanding)}")
+    checks.check(f"both reported: {st.n.reports}, "
+                                                f"waiting {list(st.waiting)}", st.n.reports == 3 and not st.waiting)
     # Plan A (never run) was evicted when C and D waited; the plugin agrees.
-    check(st.n.missing_reports == 1 and stats["missing_reports"] == 1,
-          f"missing: package {st.n.missing_reports}, plugin {stats['missing_reports']}")
+    checks.check(f"missing: package {st.n.missing_reports}, plugin {stats['missing_reports']}", st.n.missing_reports == 1 and stats["missing_reports"] == 1)
     # A report for a plan that is no longer outstanding changes nothing.
     st.report(a, result)
-    check(st.n.reports == 3, "a stale batch's report is ignored")
+    checks.check("a stale batch's report is ignored", st.n.reports == 3)
     # Our bookkeeping failing at run_batch (here the attention timer) never stops SGLang's
     # forward, and the plan still applies: every peer applies it too.
     from dpbalance_sglang.patch import scheduler as sched_hooks
@@ -95,30 +91,28 @@ def main():
     e = batch(2)
     pe = plan(e)
 
-    def failing_begin(_seq):
+    def failing_begin(_active):
         raise RuntimeError("planted")
 
     st.timer.begin = failing_begin
     seen = []
     ran = sched_hooks.around_run_batch(lambda _self, bb: seen.append(st.usable()) or "ran",
                                        None, e)
-    check(ran == "ran" and seen == [pe], "a failing timer: the forward runs with its plan")
+    checks.check("a failing timer: the forward runs with its plan", ran == "ran" and seen == [pe])
     # What the report claims is what ran: a speculative batch whose lengths no hook applied
     # reports no accepted counts; one whose depth was applied reports that depth.
     st.spec = SimpleNamespace(alg="eagle", k_draft=4, full_width=True, describe=lambda: "t")
     before = st.dpb.last_step()
     st.report(e, SimpleNamespace(num_correct_drafts_per_req_cpu=[3, 3], accept_lens=None))
-    check(st.dpb.last_step()["plan_id"] == pe.plan.plan_id, "the batch was reported")
-    f_, g_ = batch(2), None
+    checks.check("the batch was reported", st.dpb.last_step()["plan_id"] == pe.plan.plan_id)
+    f_ = batch(2)
     pf = plan(f_)
     token = st.begin_run(f_)
     st.note_run("depth", 2)
     st.end_run(token)
-    check(st._lens_run(pf) == [2, 2], f"the depth that ran is what is reported: "
-                                      f"{st.ran}")
-    check(before is not None, "the plugin answers last_step")
-    print(f"{'FAILED' if failures else 'PASSED'}: {len(failures)} failed checks")
-    return 1 if failures else 0
+    checks.check("the depth that ran is what is reported", st._lens_run(st.waiting[pf.seq]) == [2, 2])
+    checks.check("the plugin answers last_step", before is not None)
+    checks.finish()
 
 
 if __name__ == "__main__":

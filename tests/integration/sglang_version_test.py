@@ -9,6 +9,8 @@ Run with the Python of the sglang ctest venv (sglang_env.sh). A missing SGLang i
 import logging
 import sys
 
+from script_checks import Checks
+
 
 def main():
     try:
@@ -18,17 +20,12 @@ def main():
         from sglang.srt.plugins.hook_registry import HookRegistry
     except ImportError as e:
         sys.exit(f"FAIL: {e} in {sys.executable}; not skipping")
-    failures = []
-
-    def check(cond, what):
-        print(("ok   " if cond else "FAIL ") + what)
-        if not cond:
-            failures.append(what)
+    checks = Checks()
 
     installed = sglang.__version__
-    check(patch.check_upstream() == "", f"SGLang {installed} as installed: accepted")
+    checks.check(f"SGLang {installed} as installed: accepted", patch.check_upstream() == "")
     for version in ("0.5.23", "0.5.24", "0.5.23.post1", "0.5.30"):
-        check(patch.check_upstream(version) == "", f"SGLang {version}: accepted")
+        checks.check(f"SGLang {version}: accepted", patch.check_upstream(version) == "")
     refusals = {
         "0.5.22": "written for SGLang >= 0.5.23, < 0.6, found SGLang 0.5.22",
         "0.6.0": "written for SGLang >= 0.5.23, < 0.6, found SGLang 0.6.0",
@@ -38,7 +35,7 @@ def main():
     }
     for version, want in refusals.items():
         got = patch.check_upstream(version)
-        check(got.startswith(want), f"SGLang {version}: refused with {got!r}")
+        checks.check(f"SGLang {version}: refused with {got!r}", got.startswith(want))
     # A hooked function whose parameters changed (as a later release could): named, refused.
     original = Scheduler.process_batch_result
 
@@ -52,7 +49,7 @@ def main():
         Scheduler.process_batch_result = original
     want = ("hook target sglang.srt.managers.scheduler.Scheduler.process_batch_result takes "
             "('self', 'batch', 'result', 'extra')")
-    check(got.startswith(want), f"a changed signature: refused with {got!r}")
+    checks.check(f"a changed signature: refused with {got!r}", got.startswith(want))
     # A hooked function that is gone: named, refused.
     from sglang.srt.speculative import adaptive_spec_params as asp
 
@@ -62,9 +59,8 @@ def main():
         got = patch.check_upstream()
     finally:
         asp.adaptive_unsupported_reason = saved
-    check(got.startswith("hook target sglang.srt.speculative.adaptive_spec_params."
-                         "adaptive_unsupported_reason cannot be resolved"),
-          f"a missing target: refused with {got!r}")
+    checks.check(f"a missing target: refused with {got!r}", got.startswith("hook target sglang.srt.speculative.adaptive_spec_params."
+                         "adaptive_unsupported_reason cannot be resolved"))
     # register_all on a refused version: one error line, nothing registered.
     records = []
     handler = logging.Handler()
@@ -79,13 +75,11 @@ def main():
         getattr(h, "__module__", "").startswith("dpbalance_sglang") for _, h, _ in
         HookRegistry._hooks[t])]
     errors = [r.getMessage() for r in records if r.levelno >= logging.ERROR]
-    check(not ok and not dpb_hooks, f"register_all on 0.5.22: {len(dpb_hooks)} hooks registered")
-    check(len(errors) == 1 and "SGLang runs as shipped" in errors[0] and "0.5.22" in errors[0],
-          f"register_all on 0.5.22: one error line: {errors}")
+    checks.check(f"register_all on 0.5.22: {len(dpb_hooks)} hooks registered", not ok and not dpb_hooks)
+    checks.check(f"register_all on 0.5.22: one error line: {errors}", len(errors) == 1 and "SGLang runs as shipped" in errors[0] and "0.5.22" in errors[0])
     # And on the installed release every hook registers (the test process applies none).
-    check(patch.register_all(), "register_all on the installed release")
-    print(f"{'FAILED' if failures else 'PASSED'}: {len(failures)} failed checks")
-    return 1 if failures else 0
+    checks.check("register_all on the installed release", patch.register_all())
+    checks.finish()
 
 
 if __name__ == "__main__":

@@ -22,10 +22,9 @@ log = logging.getLogger("sglang.srt.plugins.dpbalance")
 class AttentionTimer:
     def __init__(self):
         self._layers: set = set()      # id() of the target model's attention modules
-        self._seq: Optional[int] = None  # the planned batch whose forward is running
+        self._active = False           # a planned batch's forward is running
         self._cpu_us = 0.0
         self._events: list = []
-        self._done: dict = {}          # plan seq -> (cpu_us, events), until reported
         self._cuda = False
 
     @property
@@ -43,18 +42,19 @@ class AttentionTimer:
         device = str(getattr(model_runner, "device", "cpu"))
         self._cuda = device.startswith("cuda")
 
-    def begin(self, seq: Optional[int]) -> None:
-        self._seq, self._cpu_us, self._events = seq, 0.0, []
+    def begin(self, active: bool) -> None:
+        """A forward starts; only a planned batch's (`active`) is timed."""
+        self._active, self._cpu_us, self._events = active, 0.0, []
 
-    def end(self) -> None:
-        if self._seq is not None:
-            self._done[self._seq] = (self._cpu_us, self._events)
-            while len(self._done) > 4:  # plans never reported
-                self._done.pop(next(iter(self._done)))
-        self._seq = None
+    def end(self) -> Optional[tuple]:
+        """The forward ended: its timing (for elapsed_us, when the batch is reported), or None
+        when it was not timed."""
+        timing = (self._cpu_us, self._events) if self._active else None
+        self._active = False
+        return timing
 
     def around_layer(self, original, layer, *args, **kwargs):
-        if self._seq is None or id(layer) not in self._layers:
+        if not self._active or id(layer) not in self._layers:
             return original(layer, *args, **kwargs)
         if self._cuda:
             import torch
@@ -77,9 +77,10 @@ class AttentionTimer:
         self._cpu_us += (time.perf_counter() - t0) * 1e6
         return out
 
-    def take_us(self, seq: int) -> float:
-        """The attention microseconds of the planned batch `seq` (0: none was timed)."""
-        cpu_us, events = self._done.pop(seq, (0.0, []))
+    @staticmethod
+    def elapsed_us(timing: Optional[tuple]) -> float:
+        """The attention microseconds of a forward's timing (end()'s; 0: none was timed)."""
+        cpu_us, events = timing if timing is not None else (0.0, [])
         if not events:
             return cpu_us
         try:

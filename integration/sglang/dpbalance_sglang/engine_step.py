@@ -81,6 +81,18 @@ class BatchPlan(NamedTuple):
         return all(t >= 0 for t in self.plan.rank_tokens)
 
 
+class Waiting:
+    """A plan waiting for its report, with what its batch's forward left for that report."""
+
+    __slots__ = ("bp", "run_start", "ran", "timing")
+
+    def __init__(self, bp: BatchPlan):
+        self.bp = bp
+        self.run_start: Optional[float] = None  # time.monotonic() at its run_batch
+        self.ran = None                         # what the hooks made it run (note_run)
+        self.timing = None                      # its attention layers' timing (AttentionTimer)
+
+
 class Iteration:
     """One `get_next_batch_to_run` call: how many MLP syncs it has run, and whether its first
     is SGLang's prefill probe (see the module docstring)."""
@@ -192,11 +204,10 @@ class RankState:
         self.seq = 0                   # planning syncs so far
         self.latest: Optional[BatchPlan] = None          # the last planning sync's plan
         self.last_sync_plan: Optional[BatchPlan] = None  # the same, kept (tests, logs)
-        self.outstanding: collections.OrderedDict = collections.OrderedDict()  # plan_id -> plan
+        # Plans waiting for their report, oldest first: plan seq -> Waiting.
+        self.waiting: collections.OrderedDict = collections.OrderedDict()
         self.spec = spec_config.SpecConfig.none()
         self.timer = attention_timer.AttentionTimer()
-        self.run_starts: collections.OrderedDict = collections.OrderedDict()  # seq -> start
-        self.ran: dict = {}            # seq -> what the forward ran (note_run)
 
     # --- the plugin -------------------------------------------------------------------------
 
@@ -364,9 +375,9 @@ class RankState:
 
     def _keep(self, bp: BatchPlan) -> None:
         """Waits for bp's report; a plan more than MAX_OUTSTANDING behind is counted missing."""
-        self.outstanding[bp.plan.plan_id] = bp
-        while len(self.outstanding) > MAX_OUTSTANDING:
-            self.outstanding.popitem(last=False)
+        self.waiting[bp.seq] = Waiting(bp)
+        while len(self.waiting) > MAX_OUTSTANDING:
+            self.waiting.popitem(last=False)
             self.n.missing_reports += 1
 
     def take_latest(self) -> Optional[BatchPlan]:
@@ -398,29 +409,33 @@ class RankState:
                 log.warning("dpbalance_sglang: a batch carries plan %d of planning sync %d, the "
                             "latest is %d: dropped, SGLang's own values", carried.plan.plan_id,
                             carried.seq, self.seq)
-            if bp is not None:
-                self.run_starts[bp.seq] = time.monotonic()
-                while len(self.run_starts) > 2 * MAX_OUTSTANDING:
-                    self.run_starts.popitem(last=False)
-            self.timer.begin(bp.seq if bp is not None else None)
+            w = self.waiting.get(bp.seq) if bp is not None else None
+            if w is not None:
+                w.run_start = time.monotonic()
+            self.timer.begin(w is not None)
         except Exception:  # noqa: BLE001 - timing and counts only; the plan still applies
             log.exception("dpbalance_sglang: run_batch bookkeeping failed; the plan still runs")
         return token
 
     def end_run(self, token: contextvars.Token) -> None:
         try:
-            self.timer.end()
+            timing = self.timer.end()
+            w = self._running_waiting()
+            if w is not None:
+                w.timing = timing
         finally:
             _RUNNING.reset(token)
+
+    def _running_waiting(self) -> Optional[Waiting]:
+        bp = _RUNNING.get()
+        return self.waiting.get(bp.seq) if bp is not None else None
 
     def note_run(self, what: str, value) -> None:
         """What the hooks made the running batch's forward run (what its report then claims):
         ("depth", d) for EAGLE, ("lens", [drafts per request]) for DSpark."""
-        bp = _RUNNING.get()
-        if bp is not None:
-            self.ran[bp.seq] = (what, value)
-            while len(self.ran) > 2 * MAX_OUTSTANDING:
-                self.ran.pop(next(iter(self.ran)))
+        w = self._running_waiting()
+        if w is not None:
+            w.ran = (what, value)
 
     # --- after the batch ran ------------------------------------------------------------------
 
@@ -442,9 +457,10 @@ class RankState:
     def report_plan(self, bp: BatchPlan, batch=None, result=None) -> None:
         """Reports `bp`; with no batch (SGLang ran nothing after the sync: every rank was idle)
         a step without accepted drafts."""
-        if self.dpb is None or self.outstanding.pop(bp.plan.plan_id, None) is None:
+        w = self.waiting.pop(bp.seq, None) if self.dpb is not None else None
+        if w is None:
             return
-        lens = self._lens_run(bp)
+        lens = self._lens_run(w)
         accepted = []
         if lens is not None and batch is not None and bp.kind == "decode" and \
                 len(batch.reqs) == len(bp.rids):
@@ -454,10 +470,11 @@ class RankState:
                     accepted.append(adapter.Accepted(rid, k, max(0, min(int(a), k)),
                                                      bool(req.finished())))
         now = time.monotonic()
-        start = self.run_starts.pop(bp.seq, None)
-        later = [t for s, t in self.run_starts.items() if s > bp.seq]
-        step_us = ((later[0] if later else now) - start) * 1e6 if start is not None else 0.0
-        attention_us = self.timer.take_us(bp.seq)
+        later = [x.run_start for x in self.waiting.values()
+                 if x.bp.seq > bp.seq and x.run_start is not None]
+        step_us = ((later[0] if later else now) - w.run_start) * 1e6 \
+            if w.run_start is not None else 0.0
+        attention_us = self.timer.elapsed_us(w.timing)
         if attention_us > 0:
             self.n.attention_reports += 1
             self.n.attention_us += attention_us
@@ -467,11 +484,11 @@ class RankState:
             self.n.idle_reports += 1
         self.n.max_wait_ms = max(self.n.max_wait_ms, (now - bp.t_plan) * 1e3)
 
-    def _lens_run(self, bp: BatchPlan) -> Optional[list]:
-        """The drafts each request of bp's batch verified, as far as we know: what the hooks
+    def _lens_run(self, w: Waiting) -> Optional[list]:
+        """The drafts each request of w's batch verified, as far as we know: what the hooks
         applied (note_run); for a speculative decode batch they did not touch, None (SGLang's own
         lengths ran: its accepted counts would be read against lengths it did not verify)."""
-        ran = self.ran.pop(bp.seq, None)
+        bp, ran = w.bp, w.ran
         if ran is not None and ran[0] == "depth":
             return [int(ran[1])] * len(bp.rids)
         if ran is not None:
@@ -489,7 +506,7 @@ class RankState:
                "results": dict(self.results), "exchange_errors": n.exchange_errors,
                "max_plan_ms": n.max_plan_ms, "max_wait_ms": n.max_wait_ms,
                "attention_reports": n.attention_reports, "attention_us": n.attention_us,
-               "outstanding": len(self.outstanding), "init_error": self.init_error,
+               "outstanding": len(self.waiting), "init_error": self.init_error,
                "plugin": self.dpb is not None, "spec": self.spec.describe(),
                "timed_layers": self.timer.num_layers}
         if self.dpb is not None:

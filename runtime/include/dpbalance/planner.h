@@ -342,8 +342,8 @@ class Planner {
   absl::StatusOr<GlobalDecision> DecideDspark(absl::Span<const RankSummary> summaries) const;
   void AssignDspark(const LocalState& st, const GlobalDecision& d, absl::Span<int32_t> verify_len) const;
   // Uniform-per-rank mode: each level a knot, priced exactly. `every_level` (instance mode): a
-  // knot for every level up to the KV budget, whether or not its tokens pay, so that knot L-1
-  // is level L (LevelPoint reads it).
+  // knot for every level, whether or not its tokens pay and whatever the KV budget (up to 65535
+  // extra tokens), so that knot L-1 is level L (LevelPoint reads it).
   void SummarizeUniform(LocalState& st, int64_t kv_cap, RankSummary& s, bool every_level) const;
   // Greedy fill under the barrier with draft positions <= depth_cap; returns the expected gain.
   double FillUnder(const LocalState& st, const GlobalDecision& d, int depth_cap,
