@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include <Eigen/Dense>
+
 #include "absl/strings/str_format.h"
 
 namespace dpbalance::dspark {
@@ -46,23 +48,252 @@ double SpsTable::StepsPerSecond(int64_t tokens) const {
   return steps_per_s_[idx];
 }
 
+namespace {
+
+// One profiler step on a cost model: every one of `num_ranks` ranks runs `loads`, `tokens` query
+// tokens each, the draft at its full depth.
+double ProfiledStepUs(const CostModel& attention, const GlobalCost& global, int num_ranks,
+                      int k_max, bool per_rank_draft, const std::vector<RequestLoad>& loads,
+                      int64_t tokens) {
+  const double attn = attention.AttentionUs(attention.Aggregate(loads));
+  const double own_draft = per_rank_draft ? global.draft_per_step_us * k_max : 0.0;
+  return attn + own_draft +
+         global.StepUs(static_cast<double>(num_ranks) * static_cast<double>(tokens),
+                       per_rank_draft ? 0 : k_max);
+}
+
+// _interp_clamped: linear between probes, the end values outside them.
+double InterpClamped(absl::Span<const int64_t> xs, absl::Span<const double> ys, int64_t x) {
+  if (x <= xs.front()) return ys.front();
+  if (x >= xs.back()) return ys.back();
+  const size_t hi = static_cast<size_t>(std::upper_bound(xs.begin(), xs.end(), x) - xs.begin());
+  const size_t lo = hi - 1;
+  return ys[lo] + static_cast<double>(x - xs[lo]) / static_cast<double>(xs[hi] - xs[lo]) * (ys[hi] - ys[lo]);
+}
+
+absl::Status CheckProbes(const char* name, absl::Span<const int64_t> probes, absl::Span<const double> values) {
+  if (probes.empty() || probes.size() != values.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "dspark additive table: %d %s probes and %d values (need the same number, >= 1)",
+        probes.size(), name, values.size()));
+  }
+  for (size_t i = 0; i < probes.size(); ++i) {
+    if (i > 0 && probes[i] <= probes[i - 1]) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "dspark additive table: %s probe %d is %d, not above the one before it", name, i, probes[i]));
+    }
+    if (!std::isfinite(values[i])) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "dspark additive table: %s value %d is %g (must be finite)", name, i, values[i]));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Python's round() of m / 64, times 64: halves to even.
+int64_t MBin(int64_t m) {
+  constexpr int64_t kWidth = 64;
+  const int64_t q = m / kWidth, r = m % kWidth;
+  int64_t bin = q;
+  if (2 * r > kWidth || (2 * r == kWidth && q % 2 == 1)) bin = q + 1;
+  return bin * kWidth;
+}
+
+double Median(std::vector<double> v) {  // numpy.median: the mean of the middle two when even
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+}  // namespace
+
 absl::StatusOr<SpsTable> ProfileSps(const CostModel& attention, const GlobalCost& global,
                                     int num_ranks, int max_batch, int k_max, bool per_rank_draft) {
+  return ProfileSpsAt(attention, global, num_ranks, max_batch, k_max, per_rank_draft,
+                      kProfileContextTokens);
+}
+
+absl::StatusOr<SpsTable> ProfileSpsAt(const CostModel& attention, const GlobalCost& global,
+                                      int num_ranks, int max_batch, int k_max, bool per_rank_draft,
+                                      int64_t context_tokens) {
   const int window = k_max + 1;
   std::vector<int64_t> tokens;
   std::vector<double> rates;
   std::vector<RequestLoad> loads;
   for (int32_t bs : ProfilerBatchSizes(max_batch)) {
-    loads.assign(bs, RequestLoad{kProfileContextTokens, window});
-    const double attn = attention.AttentionUs(attention.Aggregate(loads));
-    const double own_draft = per_rank_draft ? global.draft_per_step_us * k_max : 0.0;
-    const double step_us = attn + own_draft +
-                           global.StepUs(static_cast<double>(num_ranks) * bs * window,
-                                         per_rank_draft ? 0 : k_max);
+    loads.assign(bs, RequestLoad{context_tokens, window});
     tokens.push_back(int64_t{bs} * window);
-    rates.push_back(1e6 / step_us);
+    rates.push_back(1e6 / ProfiledStepUs(attention, global, num_ranks, k_max, per_rank_draft, loads,
+                                         tokens.back()));
   }
   return SpsTable::Create(std::move(tokens), std::move(rates));
+}
+
+absl::StatusOr<AdditiveSpsTable> AdditiveSpsTable::Create(double bias_s, std::vector<int64_t> bs_probes,
+                                                          std::vector<double> alpha_s,
+                                                          std::vector<int64_t> m_probes,
+                                                          std::vector<double> theta_s) {
+  if (!(std::isfinite(bias_s) && bias_s > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("dspark additive table: bias_seconds = %g (must be finite and > 0)", bias_s));
+  }
+  if (absl::Status s = CheckProbes("bs", bs_probes, alpha_s); !s.ok()) return s;
+  if (absl::Status s = CheckProbes("m", m_probes, theta_s); !s.ok()) return s;
+  AdditiveSpsTable t;
+  t.bias_s_ = bias_s;
+  t.bs_probes_ = std::move(bs_probes);
+  t.alpha_s_ = std::move(alpha_s);
+  t.m_probes_ = std::move(m_probes);
+  t.theta_s_ = std::move(theta_s);
+  return t;
+}
+
+double AdditiveSpsTable::StepSeconds(int64_t num_requests, int64_t budget) const {
+  return bias_s_ + InterpClamped(bs_probes_, alpha_s_, num_requests) +
+         InterpClamped(m_probes_, theta_s_, num_requests + budget);
+}
+
+absl::StatusOr<AdditiveSpsTable> FitAdditive(absl::Span<const SpsCell> cells) {
+  if (cells.size() < 4) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("dspark additive fit: %d cells (needs >= 4)", cells.size()));
+  }
+  std::vector<int64_t> bs_levels, m_levels;
+  for (const SpsCell& c : cells) {
+    if (!(std::isfinite(c.step_s) && c.step_s > 0) || c.bs <= 0 || c.m < c.bs) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "dspark additive fit: cell bs %d, M %d, %g s (needs bs > 0, M >= bs, a positive time)",
+          c.bs, c.m, c.step_s));
+    }
+    bs_levels.push_back(c.bs);
+    m_levels.push_back(MBin(c.m));
+  }
+  for (std::vector<int64_t>* v : {&bs_levels, &m_levels}) {
+    std::sort(v->begin(), v->end());
+    v->erase(std::unique(v->begin(), v->end()), v->end());
+  }
+  const size_t cols = 1 + (bs_levels.size() - 1) + (m_levels.size() - 1);
+  Eigen::MatrixXd x = Eigen::MatrixXd::Zero(static_cast<Eigen::Index>(cells.size()),
+                                            static_cast<Eigen::Index>(cols));
+  Eigen::VectorXd y(static_cast<Eigen::Index>(cells.size()));
+  for (size_t i = 0; i < cells.size(); ++i) {
+    const auto row = static_cast<Eigen::Index>(i);
+    x(row, 0) = 1;
+    const size_t b = static_cast<size_t>(
+        std::lower_bound(bs_levels.begin(), bs_levels.end(), cells[i].bs) - bs_levels.begin());
+    const size_t m = static_cast<size_t>(
+        std::lower_bound(m_levels.begin(), m_levels.end(), MBin(cells[i].m)) - m_levels.begin());
+    if (b > 0) x(row, static_cast<Eigen::Index>(b)) = 1;
+    if (m > 0) x(row, static_cast<Eigen::Index>(bs_levels.size() - 1 + m)) = 1;
+    y(row) = cells[i].step_s;
+  }
+  const Eigen::VectorXd beta = x.completeOrthogonalDecomposition().solve(y);
+  std::vector<double> alpha(bs_levels.size(), 0.0), theta(m_levels.size(), 0.0);
+  for (size_t b = 1; b < bs_levels.size(); ++b) alpha[b] = beta(static_cast<Eigen::Index>(b));
+  for (size_t m = 1; m < m_levels.size(); ++m) {
+    theta[m] = beta(static_cast<Eigen::Index>(bs_levels.size() - 1 + m));
+  }
+  return AdditiveSpsTable::Create(beta(0), std::move(bs_levels), std::move(alpha),
+                                  std::move(m_levels), std::move(theta));
+}
+
+absl::StatusOr<AdditiveSpsTable> ProfileAdditiveSps(const CostModel& attention, const GlobalCost& global,
+                                                    int num_ranks, int max_batch, int k_max,
+                                                    bool per_rank_draft, int64_t context_tokens,
+                                                    absl::Span<const double> fracs) {
+  std::vector<SpsCell> cells;
+  std::vector<RequestLoad> loads;
+  for (int32_t bs : ProfilerBatchSizes(max_batch)) {
+    for (double frac : fracs) {
+      if (!(frac > 0 && frac <= 1)) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("dspark additive profile: frac %g outside (0, 1]", frac));
+      }
+      const int64_t extra = static_cast<int64_t>(frac * bs * k_max);
+      loads.assign(bs, RequestLoad{context_tokens, 1});
+      for (int64_t e = 0; e < extra; ++e) loads[static_cast<size_t>(e % bs)].query_tokens += 1;
+      const double step_us = ProfiledStepUs(attention, global, num_ranks, k_max, per_rank_draft,
+                                            loads, bs + extra);
+      cells.push_back({bs, bs + extra, step_us * 1e-6});
+    }
+  }
+  return FitAdditive(cells);
+}
+
+int64_t AdditiveBudget(int64_t num_requests, absl::Span<const Candidate> candidates,
+                       const AdditiveSpsTable& table) {
+  return VerifyTokenBudget(num_requests, candidates, [&](int64_t b, const Candidate*) {
+    return 1.0 / table.StepSeconds(num_requests, b);
+  });
+}
+
+OnlineSps::OnlineSps(SpsTable initial, OnlineSpsOptions options)
+    : initial_(std::move(initial)),
+      options_(options),
+      samples_(initial_.tokens().size()),
+      next_(initial_.tokens().size(), 0) {}
+
+std::optional<SpsTable> OnlineSps::Observe(int64_t batch_tokens, double step_s) {
+  if (step_s > 0 && step_s <= options_.max_step_s) {
+    const absl::Span<const int64_t> edges = initial_.tokens();
+    const auto it = std::upper_bound(edges.begin(), edges.end(), batch_tokens);
+    const size_t bin = it == edges.begin() ? 0 : static_cast<size_t>(it - edges.begin()) - 1;
+    std::vector<double>& ring = samples_[bin];
+    if (ring.size() < static_cast<size_t>(options_.window)) {
+      ring.push_back(step_s);
+    } else {
+      ring[next_[bin]] = step_s;
+      next_[bin] = (next_[bin] + 1) % ring.size();
+    }
+  }
+  if (++steps_ < options_.rebuild_interval) return std::nullopt;
+  steps_ = 0;
+  std::optional<SpsTable> table = Rebuild();
+  if (table) ++rebuilds_;
+  return table;
+}
+
+std::optional<SpsTable> OnlineSps::Rebuild() const {
+  const absl::Span<const int64_t> edges = initial_.tokens();
+  std::vector<double> rates(edges.size());
+  std::vector<double> weights(edges.size());
+  bool any = false;
+  for (size_t i = 0; i < edges.size(); ++i) {
+    const std::vector<double>& ring = samples_[i];
+    if (ring.size() >= static_cast<size_t>(options_.min_bin_samples)) {
+      rates[i] = 1.0 / Median(ring);
+      any = true;
+    } else {
+      rates[i] = initial_.StepsPerSecond(edges[i]);
+    }
+    weights[i] = static_cast<double>(std::max<size_t>(ring.size(), 1));
+  }
+  if (!any) return std::nullopt;
+  // Pool adjacent violators: blocks of (mean, weight, bins), merged while a block's rate rises
+  // above the one before it.
+  struct Block {
+    double mean, weight;
+    size_t bins;
+  };
+  std::vector<Block> blocks;
+  for (size_t i = 0; i < rates.size(); ++i) {
+    blocks.push_back({rates[i], weights[i], 1});
+    while (blocks.size() >= 2 && blocks.back().mean > blocks[blocks.size() - 2].mean) {
+      const Block last = blocks.back();
+      blocks.pop_back();
+      Block& prev = blocks.back();
+      prev.mean = (prev.mean * prev.weight + last.mean * last.weight) / (prev.weight + last.weight);
+      prev.weight += last.weight;
+      prev.bins += last.bins;
+    }
+  }
+  std::vector<double> out;
+  for (const Block& b : blocks) out.insert(out.end(), b.bins, b.mean);
+  for (size_t i = 1; i < out.size(); ++i) out[i] = std::min(out[i], out[i - 1] * (1 - 1e-3));
+  absl::StatusOr<SpsTable> table =
+      SpsTable::Create(std::vector<int64_t>(edges.begin(), edges.end()), std::move(out));
+  if (!table.ok()) return std::nullopt;  // a rate that underflows: keep the current table
+  return *std::move(table);
 }
 
 void OrderCandidates(absl::Span<const int32_t> caps,

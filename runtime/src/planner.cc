@@ -985,7 +985,7 @@ absl::StatusOr<Planner> Planner::Create(PlannerConfig config, CostModel model) {
   if (absl::Status s = config.Validate(); !s.ok()) return s;
   Planner planner(std::move(config), std::move(model));
   const PlannerConfig& c = planner.config_;
-  if (planner.dspark() && !c.dspark_context_sps) {
+  if (planner.dspark() && !c.dspark_context_sps && !c.dspark_additive) {
     absl::StatusOr<dspark::SpsTable> table =
         c.dspark_sps_tokens.empty()
             ? dspark::ProfileSps(planner.model_, c.global, c.num_ranks,
@@ -996,6 +996,21 @@ absl::StatusOr<Planner> Planner::Create(PlannerConfig config, CostModel model) {
     planner.sps_ = *std::move(table);
   }
   return planner;
+}
+
+absl::Status Planner::SetDsparkRankTable(int rank_idx, dspark::SpsTable table) {
+  if (!sps_) {
+    return absl::FailedPreconditionError(
+        "planner: a rank's SPS table needs a DSpark mode priced by the table (not the additive "
+        "table or dspark_context_sps)");
+  }
+  if (rank_idx < 0 || rank_idx >= config_.num_ranks) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "planner: rank_idx = %d outside 0..%d", rank_idx, config_.num_ranks - 1));
+  }
+  rank_sps_.resize(static_cast<size_t>(config_.num_ranks));
+  rank_sps_[static_cast<size_t>(rank_idx)] = std::move(table);
+  return absl::OkStatus();
 }
 
 int32_t Planner::Floor(const PlanRequest& r) const {
@@ -1853,8 +1868,13 @@ void Planner::SummarizeDspark(LocalState& st, RankSummary& s) const {
   dspark::OrderCandidates(caps, [&](int32_t i, int32_t j) {
     return st.batch[i].no_lagged_survival ? 1.0 : st.batch[i].acceptance.Accept(j);
   }, candidates);
-  if (sps_) {
+  const size_t rank = s.rank_idx;
+  if (rank < rank_sps_.size() && rank_sps_[rank]) {
+    st.dspark_budget = dspark::SpsBudget(n, candidates, *rank_sps_[rank]);
+  } else if (sps_) {
     st.dspark_budget = dspark::SpsBudget(n, candidates, *sps_);
+  } else if (c.dspark_additive) {
+    st.dspark_budget = dspark::AdditiveBudget(n, candidates, *c.dspark_additive);
   } else {
     std::vector<RequestLoad> loads;
     for (const PlanRequest& p : st.batch) loads.push_back({p.ctx_tokens, 1});

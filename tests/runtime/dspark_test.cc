@@ -1,6 +1,8 @@
 #include "dpbalance/dspark.h"
 
 #include <algorithm>
+#include <cmath>
+#include <optional>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -146,6 +148,196 @@ TEST(Dspark, TierAndFillFollowSglang) {
   EXPECT_EQ(FillBudget(24, 4, 8), 20);
   EXPECT_EQ(FillBudget(24, 2, 8), 14);  // 2 x 8 = 16 tokens at most
   EXPECT_EQ(FillBudget(24, 0, 8), 0);
+}
+
+// SpsAdditiveCostTable.step_time read literally (dspark_sps_table.py at 692c5f7d:
+// bias + _interp_clamped(bs) + _interp_clamped(bs + budget)), on hand-worked values.
+TEST(AdditiveSpsTable, IsBiasPlusTwoClampedLinearInterpolations) {
+  const AdditiveSpsTable t = *AdditiveSpsTable::Create(0.010, {1, 4, 8}, {0.0, 0.003, 0.005},
+                                                       {0, 64, 128}, {0.0, 0.002, 0.010});
+  EXPECT_DOUBLE_EQ(t.StepSeconds(1, 0), 0.010 + 0.0 + 0.002 * 1 / 64);
+  EXPECT_DOUBLE_EQ(t.StepSeconds(2, 30), 0.010 + 0.001 + 0.001);        // alpha 1/3, theta 32/64
+  EXPECT_DOUBLE_EQ(t.StepSeconds(6, 90), 0.010 + 0.004 + 0.002 + 0.008 * 32 / 64);
+  EXPECT_DOUBLE_EQ(t.StepSeconds(20, 500), 0.010 + 0.005 + 0.010);      // past both: end values
+  EXPECT_DOUBLE_EQ(t.StepSeconds(0, 0), 0.010);                        // below both: first values
+  absl::StatusOr<AdditiveSpsTable> bad = AdditiveSpsTable::Create(0, {1}, {0.0}, {0}, {0.0});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("bias_seconds = 0"), std::string::npos) << bad.status();
+  bad = AdditiveSpsTable::Create(0.01, {1, 1}, {0.0, 0.0}, {0}, {0.0});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("bs probe 1 is 1"), std::string::npos) << bad.status();
+  EXPECT_FALSE(AdditiveSpsTable::Create(0.01, {1}, {0.0, 1.0}, {0}, {0.0}).ok());
+}
+
+// The budget on the additive table: the first b maximising (n + best b survivals) / T(n, b),
+// by brute force over every b.
+TEST(AdditiveSpsTable, BudgetEqualsBruteForce) {
+  std::mt19937_64 rng(11);
+  std::uniform_real_distribution<double> u(0, 1);
+  for (int trial = 0; trial < 200; ++trial) {
+    const AdditiveSpsTable t = *AdditiveSpsTable::Create(
+        0.005 + 0.01 * u(rng), {1, 8, 32}, {0.0, 0.004 * u(rng), 0.01 * u(rng)}, {0, 64, 256},
+        {0.0, 0.003 * u(rng), 0.02 * u(rng)});
+    const int n = 1 + static_cast<int>(rng() % 16);
+    const RandomRank r = MakeRank(rng, n);
+    std::vector<Candidate> cands;
+    OrderCandidates(r.caps, [&](int32_t i, int32_t j) { return r.survival[i][j - 1]; }, cands);
+    int64_t best_b = 0;
+    double best = -1;
+    for (size_t b = 0; b <= cands.size(); ++b) {
+      double tau = n;
+      for (size_t c = 0; c < b; ++c) tau += cands[c].survival;
+      const double theta = tau / t.StepSeconds(n, static_cast<int64_t>(b));
+      if (theta > best) best = theta, best_b = static_cast<int64_t>(b);
+    }
+    EXPECT_EQ(AdditiveBudget(n, cands, t), best_b) << "trial " << trial;
+  }
+}
+
+// ols_resid_backfit read literally: numpy lstsq on [1 | onehot(bs)[1:] | onehot(mbin(M))[1:]],
+// mbin = round(M / 64) x 64 with Python's ties to even. Brute force: the normal equations solved
+// by Gaussian elimination on a full-rank design, and the bins worked by hand.
+TEST(AdditiveSpsTable, FitIsTheProfilersLeastSquares) {
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<double> u(0, 1);
+  std::vector<SpsCell> cells;
+  for (int64_t bs : {1, 4, 16}) {
+    for (int64_t m : {bs, bs + 40, bs + 100, bs + 200}) cells.push_back({bs, m, 0.01 + 0.01 * u(rng)});
+  }
+  const AdditiveSpsTable t = *FitAdditive(cells);
+  // The levels: bs 1, 4, 16; bins of M (1, 41, 101, 201, 4, 44, 104, 204, 16, 56, 116, 216):
+  // 0, 64, 128, 192 (216 / 64 = 3.4 rounds to 3).
+  EXPECT_EQ(std::vector<int64_t>(t.bs_probes().begin(), t.bs_probes().end()),
+            (std::vector<int64_t>{1, 4, 16}));
+  EXPECT_EQ(std::vector<int64_t>(t.m_probes().begin(), t.m_probes().end()),
+            (std::vector<int64_t>{0, 64, 128, 192}));
+  auto bin = [&](int64_t m) {
+    const std::vector<int64_t> levels = {0, 64, 128, 192};
+    const double q = static_cast<double>(m) / 64;
+    const double r = std::nearbyint(q);  // round half to even (the default rounding mode)
+    return static_cast<size_t>(std::find(levels.begin(), levels.end(), static_cast<int64_t>(r) * 64) -
+                               levels.begin());
+  };
+  // Normal equations X'X beta = X'y, 1 + 2 + 3 columns.
+  const size_t k = 6;
+  std::vector<std::vector<double>> a(k, std::vector<double>(k + 1, 0.0));
+  for (const SpsCell& c : cells) {
+    std::vector<double> x(k, 0.0);
+    x[0] = 1;
+    if (c.bs == 4) x[1] = 1;
+    if (c.bs == 16) x[2] = 1;
+    if (const size_t b = bin(c.m); b > 0) x[2 + b] = 1;
+    for (size_t i = 0; i < k; ++i) {
+      for (size_t j = 0; j < k; ++j) a[i][j] += x[i] * x[j];
+      a[i][k] += x[i] * c.step_s;
+    }
+  }
+  for (size_t col = 0; col < k; ++col) {  // Gauss-Jordan with partial pivoting
+    size_t piv = col;
+    for (size_t r = col; r < k; ++r) {
+      if (std::abs(a[r][col]) > std::abs(a[piv][col])) piv = r;
+    }
+    std::swap(a[col], a[piv]);
+    for (size_t r = 0; r < k; ++r) {
+      if (r == col) continue;
+      const double f = a[r][col] / a[col][col];
+      for (size_t j = col; j <= k; ++j) a[r][j] -= f * a[col][j];
+    }
+  }
+  std::vector<double> beta(k);
+  for (size_t i = 0; i < k; ++i) beta[i] = a[i][k] / a[i][i];
+  EXPECT_NEAR(t.bias_s(), beta[0], 1e-12);
+  EXPECT_EQ(t.alpha_s()[0], 0.0);
+  EXPECT_NEAR(t.alpha_s()[1], beta[1], 1e-12);
+  EXPECT_NEAR(t.alpha_s()[2], beta[2], 1e-12);
+  EXPECT_EQ(t.theta_s()[0], 0.0);
+  for (size_t m = 1; m < 4; ++m) EXPECT_NEAR(t.theta_s()[m], beta[2 + m], 1e-12) << m;
+  // Ties go to even: 32 -> 0, 96 -> 128, 160 -> 128.
+  const AdditiveSpsTable ties = *FitAdditive(std::vector<SpsCell>{
+      {1, 32, 0.01}, {1, 96, 0.02}, {2, 160, 0.02}, {2, 33, 0.011}});
+  EXPECT_EQ(std::vector<int64_t>(ties.m_probes().begin(), ties.m_probes().end()),
+            (std::vector<int64_t>{0, 64, 128}));
+  EXPECT_FALSE(FitAdditive(std::vector<SpsCell>{{1, 1, 0.01}, {2, 2, 0.01}, {4, 4, 0.01}}).ok());
+  absl::StatusOr<AdditiveSpsTable> negative = FitAdditive(std::vector<SpsCell>{
+      {1, 1, 0.001}, {1, 200, 0.01}, {8, 8, 0.01}, {8, 200, 0.1}});  // bias -0.019
+  ASSERT_FALSE(negative.ok());  // the fit's bias comes out negative: the profiler raises
+  EXPECT_NE(negative.status().message().find("bias_seconds"), std::string::npos) << negative.status();
+}
+
+// OnlineSpsProfiler read literally (dspark_sps_online.py at 692c5f7d), re-derived here the slow
+// way: per bin the last 128 samples, 1 / median where >= 32, the initial table's value
+// elsewhere, then the non-increasing fit by repeated passes (merge the first violating pair of
+// blocks until none is left) and the 0.999 step.
+std::vector<double> BruteRebuild(const SpsTable& initial,
+                                 const std::vector<std::vector<double>>& all_samples) {
+  const size_t n = initial.tokens().size();
+  std::vector<std::vector<double>> blocks;  // {mean, weight, bins}
+  for (size_t i = 0; i < n; ++i) {
+    std::vector<double> last(all_samples[i].end() - std::min<size_t>(all_samples[i].size(), 128),
+                             all_samples[i].end());
+    double rate = initial.StepsPerSecond(initial.tokens()[i]);
+    if (last.size() >= 32) {
+      std::sort(last.begin(), last.end());
+      const size_t m = last.size();
+      rate = 1 / (m % 2 ? last[m / 2] : 0.5 * (last[m / 2 - 1] + last[m / 2]));
+    }
+    blocks.push_back({rate, static_cast<double>(std::max<size_t>(last.size(), 1)), 1});
+  }
+  for (bool merged = true; merged;) {
+    merged = false;
+    for (size_t i = 0; i + 1 < blocks.size(); ++i) {
+      if (blocks[i + 1][0] > blocks[i][0]) {
+        const double w = blocks[i][1] + blocks[i + 1][1];
+        blocks[i] = {(blocks[i][0] * blocks[i][1] + blocks[i + 1][0] * blocks[i + 1][1]) / w, w,
+                     blocks[i][2] + blocks[i + 1][2]};
+        blocks.erase(blocks.begin() + static_cast<long>(i) + 1);
+        merged = true;
+        break;
+      }
+    }
+  }
+  std::vector<double> out;
+  for (const auto& b : blocks) out.insert(out.end(), static_cast<size_t>(b[2]), b[0]);
+  for (size_t i = 1; i < out.size(); ++i) out[i] = std::min(out[i], out[i - 1] * 0.999);
+  return out;
+}
+
+TEST(OnlineSps, RebuildsEveryThousandStepsAsSglangDoes) {
+  const SpsTable initial = *SpsTable::Create({8, 16, 32, 64, 128}, {90.0, 80.0, 60.0, 40.0, 20.0});
+  std::mt19937_64 rng(3);
+  std::uniform_real_distribution<double> u(0, 1);
+  for (int trial = 0; trial < 20; ++trial) {
+    OnlineSps online(initial);
+    std::vector<std::vector<double>> seen(5);
+    for (int round = 0; round < 3; ++round) {
+      for (int step = 0; step < 1000; ++step) {
+        // Mostly the middle bins, rarely the ends (which stay below 32 samples); times that do
+        // not fall with tokens everywhere (PAVA has work); a few intervals that are not steps.
+        const int64_t tokens = u(rng) < 0.02 ? 4 + static_cast<int64_t>(rng() % 4)
+                               : u(rng) < 0.01 ? 200 : 16 + static_cast<int64_t>(rng() % 48);
+        const double dt = u(rng) < 0.01 ? 1.5 : 0.008 + 0.02 * u(rng) + 0.0002 * static_cast<double>(tokens);
+        const std::optional<SpsTable> table = online.Observe(tokens, dt);
+        if (dt <= 1.0) {
+          const size_t bin = tokens < 16 ? 0 : tokens < 32 ? 1 : tokens < 64 ? 2 : tokens < 128 ? 3 : 4;
+          seen[bin].push_back(dt);
+        }
+        ASSERT_EQ(table.has_value(), step == 999) << "trial " << trial << " step " << step;
+        if (!table) continue;
+        const std::vector<double> want = BruteRebuild(initial, seen);
+        ASSERT_EQ(table->steps_per_s().size(), want.size());
+        for (size_t i = 0; i < want.size(); ++i) {
+          EXPECT_NEAR(table->steps_per_s()[i], want[i], 1e-9 * want[i]) << "trial " << trial << " bin " << i;
+          if (i > 0) EXPECT_LT(table->steps_per_s()[i], table->steps_per_s()[i - 1]);
+        }
+      }
+    }
+    EXPECT_EQ(online.rebuilds(), 3);
+  }
+  // No bin with 32 samples (intervals over 1 s are not steps): no table, the current one stays.
+  OnlineSps sparse(initial);
+  for (int step = 0; step < 999; ++step) ASSERT_FALSE(sparse.Observe(8, step % 40 == 0 ? 0.01 : 2.0));
+  EXPECT_FALSE(sparse.Observe(8, 0.01));
+  EXPECT_EQ(sparse.rebuilds(), 0);
 }
 
 TEST(PadToTier, FreeSlotsGetDummyRowsOfAtMostTheWindow) {

@@ -26,6 +26,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "absl/functional/function_ref.h"
@@ -86,6 +87,92 @@ class SpsTable {
 // plugin's DSpark mode its own calibrated model.
 absl::StatusOr<SpsTable> ProfileSps(const CostModel& attention, const GlobalCost& global,
                                     int num_ranks, int max_batch, int k_max, bool per_rank_draft);
+
+// ProfileSps with the profiler's `--input-len` set near the workload, as SGLang advises: every
+// request at `context_tokens` (ProfileSps uses kProfileContextTokens).
+absl::StatusOr<SpsTable> ProfileSpsAt(const CostModel& attention, const GlobalCost& global,
+                                      int num_ranks, int max_batch, int k_max, bool per_rank_draft,
+                                      int64_t context_tokens);
+
+// SpsAdditiveCostTable (sgl-project/sglang dspark_components/dspark_sps_table.py at 692c5f7d,
+// dspark_sps.py at 45b76f55; scripts/studies/sglang_dspark_tables_spec.md): a step of `bs`
+// requests verifying M = bs + budget tokens takes bias + alpha(bs) + theta(M) seconds, alpha and
+// theta read by linear interpolation between their probes and held at the end values outside
+// them. The budget maximises tau(b) / T(bs, b).
+class AdditiveSpsTable {
+ public:
+  // Probes strictly ascending, each the same length as its values (>= 1), every value finite,
+  // bias > 0 (the loader's checks).
+  static absl::StatusOr<AdditiveSpsTable> Create(double bias_s, std::vector<int64_t> bs_probes,
+                                                 std::vector<double> alpha_s,
+                                                 std::vector<int64_t> m_probes,
+                                                 std::vector<double> theta_s);
+  double StepSeconds(int64_t num_requests, int64_t budget) const;
+  double bias_s() const { return bias_s_; }
+  absl::Span<const int64_t> bs_probes() const { return bs_probes_; }
+  absl::Span<const double> alpha_s() const { return alpha_s_; }
+  absl::Span<const int64_t> m_probes() const { return m_probes_; }
+  absl::Span<const double> theta_s() const { return theta_s_; }
+
+ private:
+  AdditiveSpsTable() = default;
+  double bias_s_ = 0;
+  std::vector<int64_t> bs_probes_, m_probes_;
+  std::vector<double> alpha_s_, theta_s_;
+};
+
+// One profiler round with a forced budget: `bs` requests verifying `m` tokens took `step_s`.
+struct SpsCell {
+  int64_t bs;
+  int64_t m;
+  double step_s;
+};
+
+// The profiler's additive fit (dspark_sps_profiler.py `ols_resid_backfit`, mbin_w = 64): least
+// squares of step_s on an intercept, one indicator per bs but the smallest and one per M bin
+// (round(M / 64) x 64, ties to even) but the smallest; the smallest levels read 0. Minimum-norm
+// where the columns are dependent (numpy lstsq). Needs >= 4 cells and a positive bias.
+absl::StatusOr<AdditiveSpsTable> FitAdditive(absl::Span<const SpsCell> cells);
+
+// The profiler's `--fracs` sweep taken from a cost model, as ProfileSpsAt: per batch size, per
+// frac, the budget int(frac x bs x k_max) spread as the top-k allocator spreads equal
+// confidences (position by position over the requests), then FitAdditive. SGLang has no default
+// fracs; the replay passes {0.25, 0.5, 0.75, 1}.
+absl::StatusOr<AdditiveSpsTable> ProfileAdditiveSps(const CostModel& attention, const GlobalCost& global,
+                                                    int num_ranks, int max_batch, int k_max,
+                                                    bool per_rank_draft, int64_t context_tokens,
+                                                    absl::Span<const double> fracs);
+int64_t AdditiveBudget(int64_t num_requests, absl::Span<const Candidate> candidates,
+                       const AdditiveSpsTable& table);
+
+// OnlineSpsProfiler (dspark_sps_online.py at 692c5f7d; removed from SGLang by 00c3cffa): each
+// step's time goes to the bin of the rank's bs + budget (the floor probe of the initial table's
+// tokens), the last `window` kept; every `rebuild_interval` steps a bin with >= `min_bin_samples`
+// gets 1 / median, the others the initial table's value, then pool-adjacent-violators makes the
+// rates non-increasing (count-weighted) and each is held <= 0.999 x the one before. Rank-local.
+struct OnlineSpsOptions {
+  int rebuild_interval = 1000;  // SGLANG_DSPARK_SPS_ONLINE_REBUILD_INTERVAL
+  int min_bin_samples = 32;     // SGLANG_DSPARK_SPS_ONLINE_MIN_BIN_SAMPLES
+  int window = 128;             // samples kept per bin
+  double max_step_s = 1.0;      // a longer interval is not a step
+};
+class OnlineSps {
+ public:
+  OnlineSps(SpsTable initial, OnlineSpsOptions options = {});
+  // One step of `step_s` seconds at `batch_tokens` = bs + budget. Returns the rebuilt table when
+  // a rebuild is due and some bin qualifies (the caller swaps it in), else nullopt.
+  std::optional<SpsTable> Observe(int64_t batch_tokens, double step_s);
+  int rebuilds() const { return rebuilds_; }
+
+ private:
+  std::optional<SpsTable> Rebuild() const;
+  SpsTable initial_;
+  OnlineSpsOptions options_;
+  std::vector<std::vector<double>> samples_;  // per bin, a ring of the last `window`
+  std::vector<size_t> next_;                  // per bin, the ring's next slot
+  int steps_ = 0;
+  int rebuilds_ = 0;
+};
 
 // The candidates of a rank's batch, in the top-k allocator's order: survival descending, ties to
 // the lower position, then the lower request. `survival(i, j)` for request i's position j in

@@ -150,6 +150,9 @@ struct PlannerConfig {
   // DSpark modes: price the budget with this planner's own context-aware model instead of the
   // table (a sensitivity setting; not SGLang's behaviour).
   bool dspark_context_sps = false;
+  // DSpark modes: price the budget with SGLang's additive table (dspark::AdditiveSpsTable)
+  // instead of the steps-per-second table. Not in Hash (each rank prices its own batch).
+  std::optional<dspark::AdditiveSpsTable> dspark_additive;
 
   absl::Status Validate() const;
   // Hash over everything that must agree across ranks. The cost model is not in it: each rank
@@ -235,6 +238,11 @@ class Planner {
  public:
   static absl::StatusOr<Planner> Create(PlannerConfig config, CostModel model);
 
+  // DSpark modes: from now on rank `rank_idx` prices its budget with `table` (a table SGLang's
+  // online profiler rebuilt from that rank's measured steps: dspark::OnlineSps). Not for the
+  // additive table or dspark_context_sps.
+  absl::Status SetDsparkRankTable(int rank_idx, dspark::SpsTable table);
+
   // Phase 1. Builds this rank's summary from its batch. Keeps the batch's frontier for Assign.
   // `kv_free_tokens`: tokens of KV capacity left for extra verify tokens (< 0: unlimited).
   absl::Status Summarize(int rank_idx, absl::Span<const PlanRequest> batch, int64_t kv_free_tokens,
@@ -260,6 +268,8 @@ class Planner {
                                          absl::Span<const int64_t> kv_free_tokens,
                                          std::vector<std::vector<int32_t>>* verify_len);
 
+  // The last PlanAll's summaries, one per rank.
+  absl::Span<const RankSummary> last_summaries() const { return all_summaries_; }
   const PlannerConfig& config() const { return config_; }
   const CostModel& model() const { return model_; }
   // The planner's model from now on, simulating its grid as config().grid_simulation says (when
@@ -367,6 +377,7 @@ class Planner {
   double RankDraftUs() const;
 
   std::optional<dspark::SpsTable> sps_;   // DSpark modes, unless dspark_context_sps
+  std::vector<std::optional<dspark::SpsTable>> rank_sps_;  // SetDsparkRankTable's, per rank
   LocalState local_;
   std::vector<LocalState> all_local_;     // PlanAll: one per rank
   std::vector<RankSummary> all_summaries_;
