@@ -8,6 +8,7 @@
 #include <random>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "dpbalance/acceptance.h"
 #include "dpbalance/calibration.h"
@@ -18,6 +19,9 @@
 
 namespace dpbalance::replay {
 namespace {
+
+// The additive table's --fracs sweep: SGLang gives no default; a quarter to the whole window.
+constexpr double kAdditiveFracs[] = {0.25, 0.5, 0.75, 1.0};
 
 // A request in flight on a rank: its KV context, what it still has to emit, and its true
 // acceptance (which the planner never sees, except in kOracle or with plan_on_true_acceptance).
@@ -131,6 +135,7 @@ class Simulation {
   // (true acceptance); see the definition.
   std::pair<double, double> StepBound(int depth);
   absl::Status Progress(double step_us);
+  absl::Status ObserveSps(double step_us);
   // Drops the requests whose end the engine has now learned of (N steps after it, with lag).
   void Retire();
 
@@ -148,6 +153,8 @@ class Simulation {
   // One online model for the instance (every rank is the same hardware): it learns from every
   // rank's measured attention each step, as each rank's own Balancer does in an engine.
   std::optional<OnlineCostModel> online_;
+  // DsparkTable::kOnline: each rank's OnlineSpsProfiler (rank-local, as in SGLang).
+  std::vector<dspark::OnlineSps> online_sps_;
 
   std::mt19937_64 rng_;
   std::normal_distribution<double> shift_;  // per-request acceptance shift
@@ -246,15 +253,33 @@ absl::StatusOr<Simulation> Simulation::Create(const SimConfig& cfg, const TruthM
     // A dense draft cannot run DSpark's compact verify in CUDA graphs under DP attention (SGLang
     // refuses at start): no tiers then, each rank runs its own budget.
     if (!truth.per_rank_draft) pc.token_tiers = cfg.token_tiers;
-    pc.dspark_context_sps = cfg.dspark_context_sps;
-    if (!cfg.dspark_context_sps) {
-      // Profiled on the truth, the hardware the replay stands for (the profiler takes a median:
-      // no noise).
-      absl::StatusOr<dspark::SpsTable> table = dspark::ProfileSps(
-          truth.attention, truth.global, num_ranks, cfg.max_batch_per_rank, cfg.k_max, truth.per_rank_draft);
-      if (!table.ok()) return table.status();
-      pc.dspark_sps_tokens.assign(table->tokens().begin(), table->tokens().end());
-      pc.dspark_sps_steps_per_s.assign(table->steps_per_s().begin(), table->steps_per_s().end());
+    // Every table is profiled on the truth, the hardware the replay stands for (the profiler
+    // takes a median: no noise).
+    const int64_t context = cfg.dspark_table == DsparkTable::kProfiled ? dspark::kProfileContextTokens
+                                                                       : cfg.dspark_profile_context;
+    switch (cfg.dspark_table) {
+      case DsparkTable::kContext:
+        pc.dspark_context_sps = true;
+        break;
+      case DsparkTable::kAdditive: {
+        absl::StatusOr<dspark::AdditiveSpsTable> table = dspark::ProfileAdditiveSps(
+            truth.attention, truth.global, num_ranks, cfg.max_batch_per_rank, cfg.k_max,
+            truth.per_rank_draft, context, kAdditiveFracs);
+        if (!table.ok()) return table.status();
+        pc.dspark_additive = *std::move(table);
+        break;
+      }
+      case DsparkTable::kProfiled:
+      case DsparkTable::kWorkload:
+      case DsparkTable::kOnline: {
+        absl::StatusOr<dspark::SpsTable> table = dspark::ProfileSpsAt(
+            truth.attention, truth.global, num_ranks, cfg.max_batch_per_rank, cfg.k_max,
+            truth.per_rank_draft, context);
+        if (!table.ok()) return table.status();
+        pc.dspark_sps_tokens.assign(table->tokens().begin(), table->tokens().end());
+        pc.dspark_sps_steps_per_s.assign(table->steps_per_s().begin(), table->steps_per_s().end());
+        break;
+      }
     }
   }
   absl::StatusOr<Planner> planner = Planner::Create(
@@ -291,6 +316,28 @@ Simulation::Simulation(const SimConfig& cfg, const TruthModel& truth,
       quiet_(planned_ ? cfg.quiet : QuietConfig{}) {
   // Not the oracle: its planner holds planner_model, priced as planner_grid_simulation says.
   if (cfg.planner_online && cfg.verify != VerifyMode::kOracle) online_.emplace(planner_.model());
+  if (dspark_ && cfg.dspark_table == DsparkTable::kOnline) {
+    const PlannerConfig& pc = planner_.config();
+    const dspark::SpsTable initial =
+        *dspark::SpsTable::Create(pc.dspark_sps_tokens, pc.dspark_sps_steps_per_s);
+    online_sps_.assign(static_cast<size_t>(num_ranks_), dspark::OnlineSps(initial));
+  }
+}
+
+// OnlineSpsProfiler: each rank that planned this step records its step time at its own bs +
+// budget, and swaps in the table its profiler rebuilds.
+absl::Status Simulation::ObserveSps(double step_us) {
+  if (online_sps_.empty() || !planned_now_) return absl::OkStatus();
+  const absl::Span<const RankSummary> summaries = planner_.last_summaries();
+  for (int r = 0; r < num_ranks_; ++r) {
+    if (ranks_[r].empty() || static_cast<size_t>(r) >= summaries.size()) continue;
+    std::optional<dspark::SpsTable> table =
+        online_sps_[static_cast<size_t>(r)].Observe(summaries[r].base_tokens, step_us * 1e-6);
+    if (table) {
+      if (absl::Status s = planner_.SetDsparkRankTable(r, *std::move(table)); !s.ok()) return s;
+    }
+  }
+  return absl::OkStatus();
 }
 
 // The rank's load as the router sees it; E's aggregates price every request at the typical q.
@@ -706,6 +753,7 @@ absl::StatusOr<RunResult> Simulation::Run() {
       totals_.bound_time_us += step_us;
     }
     now_us_ += step_us;
+    if (absl::Status s = ObserveSps(step_us); !s.ok()) return s;
     if (absl::Status s = Progress(step_us); !s.ok()) return s;
     Retire();
     ++res_.steps;
@@ -713,6 +761,7 @@ absl::StatusOr<RunResult> Simulation::Run() {
   }
   if (res_.steps == 0) return absl::FailedPreconditionError("replay ran no decode step");
   totals_.Finish(res_, now_us_, tpots_);
+  for (const dspark::OnlineSps& o : online_sps_) res_.dspark_table_rebuilds += o.rebuilds();
   return res_;
 }
 
@@ -729,6 +778,26 @@ std::string VerifyModeName(VerifyMode m) {
     case VerifyMode::kDsparkFill: return "dspark_fill";
   }
   return "?";
+}
+
+std::string DsparkTableName(DsparkTable t) {
+  switch (t) {
+    case DsparkTable::kProfiled: return "profiled";
+    case DsparkTable::kWorkload: return "workload";
+    case DsparkTable::kAdditive: return "additive";
+    case DsparkTable::kOnline: return "online";
+    case DsparkTable::kContext: return "context";
+  }
+  return "?";
+}
+
+absl::StatusOr<DsparkTable> ParseDsparkTable(const std::string& name) {
+  for (DsparkTable t : {DsparkTable::kProfiled, DsparkTable::kWorkload, DsparkTable::kAdditive,
+                        DsparkTable::kOnline, DsparkTable::kContext}) {
+    if (name == DsparkTableName(t)) return t;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "DSpark table '", name, "' is not one of profiled, workload, additive, online, context"));
 }
 
 int64_t AgreedTier(absl::Span<const int32_t> tiers, int64_t max_tokens) {

@@ -23,8 +23,8 @@
 //   expected tokens per second from a steps-per-second table profiled on the truth as SGLang's
 //   profiler does (uniform DP load, short contexts, a floor step function), the ranks agree on the
 //   largest rank's tier, and with tier fill (kDsparkFill) every rank fills the tier with its best
-//   drafts. `dspark_context_sps` prices the budget with the planner's own context-aware model
-//   instead (a sensitivity row). A dense draft (TruthModel::per_rank_draft) runs unpadded.
+//   drafts. `dspark_table` says which of SGLang's tables prices the budget (or the planner's own
+//   context-aware model, a sensitivity row). A dense draft (TruthModel::per_rank_draft) runs unpadded.
 // - Lag (`stale_steps` N): the engine plans step t while steps t-N..t-1 still run (overlap or
 //   async scheduling), one model for every row. It knows the batch it scheduled and the verify
 //   lengths it gave each request in the pending steps; each request's context and remaining
@@ -48,6 +48,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "dpbalance/cost_model.h"
+#include "dpbalance/dspark.h"
 #include "dpbalance/lag.h"
 #include "dpbalance/planner.h"
 #include "dpbalance/quiet.h"
@@ -58,6 +59,18 @@ namespace dpbalance::replay {
 
 enum class VerifyMode { kStatic, kLocal, kGoodput, kFill, kOracle, kDspark, kDsparkFill };
 std::string VerifyModeName(VerifyMode m);  // "off" for static
+
+// How a DSpark row prices its verify budget, each a way SGLang ships (sgl-project/sglang;
+// dpbalance/dspark.h) but kContext:
+//   kProfiled  the SPS table dspark_sps_profiler measures at its defaults (16-token prompts)
+//   kWorkload  the same profiled at the trace's decode contexts (--input-len near the workload)
+//   kAdditive  SpsAdditiveCostTable fitted by the profiler's --fracs sweep, at the workload
+//   kOnline    OnlineSpsProfiler: each rank refits its table from its measured steps, starting
+//              from kWorkload's
+//   kContext   the planner's own context-aware model (a sensitivity row, not SGLang's)
+enum class DsparkTable { kProfiled, kWorkload, kAdditive, kOnline, kContext };
+std::string DsparkTableName(DsparkTable t);
+absl::StatusOr<DsparkTable> ParseDsparkTable(const std::string& name);
 
 struct TruthModel {
   CostModel attention = CostModel::PublishedV2();  // per-rank attention time
@@ -100,7 +113,11 @@ struct SimConfig {
   std::vector<int32_t> token_tiers;       // ascending, > 0; empty: the largest rank's tokens
   int stale_steps = 0;                    // lag: plan step t while steps t-N..t-1 run
   uint32_t lag_predict = kPredictAll;     // planner rows under lag: LagPredict bits
-  bool dspark_context_sps = false;        // DSpark rows: price with planner_model, not the table
+  // DSpark rows: how DSpark's budget is priced (DsparkTable) and the context the profiled
+  // tables are measured at (the profiler's --input-len plus half its output; kWorkload, kAdditive
+  // and kOnline's starting table).
+  DsparkTable dspark_table = DsparkTable::kProfiled;
+  int64_t dspark_profile_context = dspark::kProfileContextTokens;
   // Padded runs with one draft depth: each step's bound on expected tokens per second (StepBound
   // in simulator.cc), reported as step_bound_over_expected. Costs a truth evaluation per rank, tier
   // and depth each step.
@@ -146,6 +163,7 @@ struct RunResult {
                                        // instance plan, as in static and local runs)
   double planner_model_error = 0;      // online model: mean |predicted - truth| / truth per rank-step
   double padding_fraction = 0;         // padded runs: spare tier tokens / all tokens run
+  int64_t dspark_table_rebuilds = 0;   // DsparkTable::kOnline: tables rebuilt, all ranks
   // Lag diagnostics (0 without lag, except tokens_over_plan):
   double tokens_over_plan = 0;         // planner rows: emitted tokens / planned expected - 1
   double wasted_token_fraction = 0;    // query tokens run for finished requests or past what a

@@ -4,6 +4,7 @@
 
 #include "dpbalance/acceptance.h"
 #include "gtest/gtest.h"
+#include "dpbalance/dspark.h"
 #include "simulator.h"
 #include "trace.h"
 
@@ -401,9 +402,39 @@ TEST(Dspark, TierFillRunsTheTierWithRealDrafts) {
   EXPECT_EQ(fill.step_over_plan, 0);
   // The sensitivity row prices with the planner's model instead of the profiled table and plans
   // differently.
-  c.dspark_context_sps = true;
+  c.dspark_table = DsparkTable::kContext;
   const RunResult context = *Simulate(c, TruthModel{}, trace);
   EXPECT_NE(context.tokens, fill.tokens);
+}
+
+// SGLang's other DSpark tables in the replay: the table profiled at the workload's context is the
+// default table when that context is the profiler's own; the additive table and a table profiled
+// at longer contexts plan differently; the online profiler rebuilds each rank's table every 1000
+// of its steps and from then on plans differently from the table it started with.
+TEST(Dspark, EveryTableSglangShipsRunsAndTheOnlineOneRebuilds) {
+  const auto trace = Slice(4000);
+  SimConfig c = Small();
+  c.static_k = 1;
+  c.token_tiers = SglangDefaultTiers(c.max_batch_per_rank, c.k_max);
+  c.verify = VerifyMode::kDspark;
+  const RunResult profiled = *Simulate(c, TruthModel{}, trace);
+  c.dspark_table = DsparkTable::kWorkload;
+  c.dspark_profile_context = dspark::kProfileContextTokens;
+  const RunResult same = *Simulate(c, TruthModel{}, trace);
+  EXPECT_EQ(same.tokens, profiled.tokens);
+  EXPECT_EQ(same.sim_time_s, profiled.sim_time_s);
+  c.dspark_profile_context = 20000;
+  const RunResult workload = *Simulate(c, TruthModel{}, trace);
+  EXPECT_NE(workload.sim_time_s, profiled.sim_time_s);
+  c.dspark_table = DsparkTable::kAdditive;
+  const RunResult additive = *Simulate(c, TruthModel{}, trace);
+  EXPECT_NE(additive.sim_time_s, workload.sim_time_s);
+  EXPECT_EQ(additive.dspark_table_rebuilds, 0);
+  c.dspark_table = DsparkTable::kOnline;
+  const RunResult online = *Simulate(c, TruthModel{}, trace);
+  ASSERT_GT(profiled.steps, 1000);
+  EXPECT_GE(online.dspark_table_rebuilds, c.num_ranks);  // every rank, at least once
+  EXPECT_NE(online.sim_time_s, workload.sim_time_s);
 }
 
 // The dspark row pads every rank to the agreed tier. Its verify lengths do not depend on the
