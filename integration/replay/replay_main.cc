@@ -61,7 +61,8 @@ ABSL_FLAG(std::string, dspark_sps, "profiled",
           "profiled at the trace's decode contexts), 'additive' (SpsAdditiveCostTable fitted by "
           "the profiler's --fracs sweep, at the trace's contexts), 'online' (OnlineSpsProfiler: "
           "each rank refits the table from its measured steps every 1000, starting from "
-          "'workload') or 'context' (the planner's own context-aware model: a sensitivity run)");
+          "'workload', after two warm-up passes over the trace: a server has run long before it "
+          "is measured) or 'context' (the planner's own context-aware model: a sensitivity run)");
 ABSL_FLAG(std::string, tiers, "sglang",
           "token tiers of the rows that run with them (dspark, the 'tiers' rows, --padded): "
           "'sglang' (SGLang's default CUDA-graph batch sizes with speculative decoding, up to "
@@ -908,7 +909,10 @@ nlohmann::json RowJson(const Row& row, const std::string& eval_cost, const SimCo
   j["seed"] = base.seed;
   j["draft"] = row.draft;
   if (!row.dspark_table.empty()) j["dspark_table"] = row.dspark_table;
-  if (row.dspark_table == "online") j["dspark_table_rebuilds"] = r.dspark_table_rebuilds;
+  if (row.dspark_table == "online") {
+    j["dspark_table_rebuilds"] = r.dspark_table_rebuilds;
+    j["dspark_warmup_rebuilds"] = r.dspark_warmup_rebuilds;
+  }
   if (!row.planner_model.empty()) j["planner_model"] = row.planner_model;
   j["headline"] = row.headline;
   j["k"] = row.k;

@@ -107,6 +107,8 @@ class Simulation {
   static absl::StatusOr<Simulation> Create(const SimConfig& cfg, const TruthModel& truth,
                                            absl::Span<const TraceRequest> trace);
   absl::StatusOr<RunResult> Run();
+  // kOnline: carries `warm`'s profilers (and each rank's last rebuilt table) into this run.
+  absl::Status AdoptOnlineSps(const Simulation& warm);
 
  private:
   enum class Admission {
@@ -322,6 +324,17 @@ Simulation::Simulation(const SimConfig& cfg, const TruthModel& truth,
         *dspark::SpsTable::Create(pc.dspark_sps_tokens, pc.dspark_sps_steps_per_s);
     online_sps_.assign(static_cast<size_t>(num_ranks_), dspark::OnlineSps(initial));
   }
+}
+
+absl::Status Simulation::AdoptOnlineSps(const Simulation& warm) {
+  online_sps_ = warm.online_sps_;
+  for (size_t r = 0; r < online_sps_.size(); ++r) {
+    res_.dspark_warmup_rebuilds += online_sps_[r].rebuilds();
+    if (const std::optional<dspark::SpsTable>& table = online_sps_[r].current()) {
+      if (absl::Status s = planner_.SetDsparkRankTable(static_cast<int>(r), *table); !s.ok()) return s;
+    }
+  }
+  return absl::OkStatus();
 }
 
 // OnlineSpsProfiler: each rank that planned this step records its step time at its own bs +
@@ -762,6 +775,7 @@ absl::StatusOr<RunResult> Simulation::Run() {
   if (res_.steps == 0) return absl::FailedPreconditionError("replay ran no decode step");
   totals_.Finish(res_, now_us_, tpots_);
   for (const dspark::OnlineSps& o : online_sps_) res_.dspark_table_rebuilds += o.rebuilds();
+  res_.dspark_table_rebuilds -= res_.dspark_warmup_rebuilds;
   return res_;
 }
 
@@ -832,6 +846,23 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
   const auto wall0 = std::chrono::steady_clock::now();
   absl::StatusOr<Simulation> simulation = Simulation::Create(cfg, truth, trace);
   if (!simulation.ok()) return simulation.status();
+  const bool dspark = cfg.verify == VerifyMode::kDspark || cfg.verify == VerifyMode::kDsparkFill;
+  if (dspark && cfg.dspark_table == DsparkTable::kOnline) {
+    // Warm-up passes: the same trace and seed, each carrying the profilers of the pass before.
+    std::optional<Simulation> previous;
+    for (int pass = 0; pass < cfg.dspark_online_warmup; ++pass) {
+      absl::StatusOr<Simulation> warm = Simulation::Create(cfg, truth, trace);
+      if (!warm.ok()) return warm.status();
+      if (previous) {
+        if (absl::Status s = warm->AdoptOnlineSps(*previous); !s.ok()) return s;
+      }
+      if (absl::StatusOr<RunResult> r = warm->Run(); !r.ok()) return r.status();
+      previous.emplace(*std::move(warm));
+    }
+    if (previous) {
+      if (absl::Status s = simulation->AdoptOnlineSps(*previous); !s.ok()) return s;
+    }
+  }
   absl::StatusOr<RunResult> res = simulation->Run();
   if (!res.ok()) return res.status();
   res->wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count();

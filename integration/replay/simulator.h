@@ -118,6 +118,9 @@ struct SimConfig {
   // and kOnline's starting table).
   DsparkTable dspark_table = DsparkTable::kProfiled;
   int64_t dspark_profile_context = dspark::kProfileContextTokens;
+  // kOnline: passes over the trace before the measured run, each rank's profiler carried into it
+  // (a server has run long before it is measured; one pass is under the profiler's 1000 steps).
+  int dspark_online_warmup = 2;
   // Padded runs with one draft depth: each step's bound on expected tokens per second (StepBound
   // in simulator.cc), reported as step_bound_over_expected. Costs a truth evaluation per rank, tier
   // and depth each step.
@@ -163,7 +166,9 @@ struct RunResult {
                                        // instance plan, as in static and local runs)
   double planner_model_error = 0;      // online model: mean |predicted - truth| / truth per rank-step
   double padding_fraction = 0;         // padded runs: spare tier tokens / all tokens run
-  int64_t dspark_table_rebuilds = 0;   // DsparkTable::kOnline: tables rebuilt, all ranks
+  int64_t dspark_table_rebuilds = 0;   // DsparkTable::kOnline: tables rebuilt, all ranks, in
+                                       // the measured run (its warm-up not counted)
+  int64_t dspark_warmup_rebuilds = 0;  // the same in its warm-up passes
   // Lag diagnostics (0 without lag, except tokens_over_plan):
   double tokens_over_plan = 0;         // planner rows: emitted tokens / planned expected - 1
   double wasted_token_fraction = 0;    // query tokens run for finished requests or past what a

@@ -249,7 +249,10 @@ std::optional<SpsTable> OnlineSps::Observe(int64_t batch_tokens, double step_s) 
   if (++steps_ < options_.rebuild_interval) return std::nullopt;
   steps_ = 0;
   std::optional<SpsTable> table = Rebuild();
-  if (table) ++rebuilds_;
+  if (table) {
+    ++rebuilds_;
+    current_ = table;
+  }
   return table;
 }
 

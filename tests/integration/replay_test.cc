@@ -434,6 +434,11 @@ TEST(Dspark, EveryTableSglangShipsRunsAndTheOnlineOneRebuilds) {
   const RunResult online = *Simulate(c, TruthModel{}, trace);
   ASSERT_GT(profiled.steps, 1000);
   EXPECT_GE(online.dspark_table_rebuilds, c.num_ranks);  // every rank, at least once
+  EXPECT_GE(online.dspark_warmup_rebuilds, 2 * c.num_ranks);  // two warm-up passes
+  c.dspark_online_warmup = 0;
+  const RunResult cold = *Simulate(c, TruthModel{}, trace);
+  EXPECT_EQ(cold.dspark_warmup_rebuilds, 0);
+  EXPECT_NE(cold.sim_time_s, online.sim_time_s);
   EXPECT_NE(online.sim_time_s, workload.sim_time_s);
 }
 

@@ -163,9 +163,12 @@ class OnlineSps {
   // a rebuild is due and some bin qualifies (the caller swaps it in), else nullopt.
   std::optional<SpsTable> Observe(int64_t batch_tokens, double step_s);
   int rebuilds() const { return rebuilds_; }
+  // The last table a rebuild gave (nullopt: none yet; the initial one is in use).
+  const std::optional<SpsTable>& current() const { return current_; }
 
  private:
   std::optional<SpsTable> Rebuild() const;
+  std::optional<SpsTable> current_;
   SpsTable initial_;
   OnlineSpsOptions options_;
   std::vector<std::vector<double>> samples_;  // per bin, a ring of the last `window`
