@@ -153,7 +153,8 @@ class Simulation {
   Router router_;
   Planner planner_;
   // One online model for the instance (every rank is the same hardware): it learns from every
-  // rank's measured attention each step, as each rank's own Balancer does in an engine.
+  // rank's measured attention each step (each rank's own Balancer in an engine learns from its
+  // own), forgetting per step as that one does (its options scaled by the rank count).
   std::optional<OnlineCostModel> online_;
   // DsparkTable::kOnline: each rank's OnlineSpsProfiler (rank-local, as in SGLang).
   std::vector<dspark::OnlineSps> online_sps_;
@@ -317,7 +318,18 @@ Simulation::Simulation(const SimConfig& cfg, const TruthModel& truth,
       padded_(cfg.padded || (dspark_ && !truth.per_rank_draft)),
       quiet_(planned_ ? cfg.quiet : QuietConfig{}) {
   // Not the oracle: its planner holds planner_model, priced as planner_grid_simulation says.
-  if (cfg.planner_online && cfg.verify != VerifyMode::kOracle) online_.emplace(planner_.model());
+  if (cfg.planner_online && cfg.verify != VerifyMode::kOracle) {
+    // Every rank's attention each step: num_ranks observations a step where each rank's Balancer
+    // in an engine makes one (its own). Its memory, level rate and refit cadence are per step:
+    // scaled so that this model forgets as fast, in steps, as each rank's does.
+    OnlineCostModel::Options o;
+    const double r = static_cast<double>(num_ranks_);
+    o.shape_forgetting = std::pow(o.shape_forgetting, 1.0 / r);
+    o.level_rate = 1.0 - std::pow(1.0 - o.level_rate, 1.0 / r);
+    o.refit_every = o.refit_every * num_ranks_;
+    o.trust_rows = o.trust_rows * num_ranks_;
+    online_.emplace(planner_.model(), o);
+  }
   if (dspark_ && cfg.dspark_table == DsparkTable::kOnline) {
     const PlannerConfig& pc = planner_.config();
     const dspark::SpsTable initial =
