@@ -661,6 +661,10 @@ std::vector<RowSpec> AllComparisonRows(std::optional<int> fixed_k) {
       // No TPOT SLO here, like DSpark: near this engine's step time the SLO's floors feed on
       // themselves (docs/results.md section 8); the step guard stays.
       {"D z1.2 + goodput (tiers)", RS::kDualPath, 1.2, 1, VerifyMode::kGoodput, fixed_k, false, true,
+       true, true},
+      // The ceiling of per-step planning on this engine: the same with the truth's model and
+      // true acceptance (an oracle: never a headline).
+      {"D z1.2 oracle (tiers)", RS::kDualPath, 1.2, 1, VerifyMode::kOracle, fixed_k, false, true,
        true, true}};
   rows.insert(rows.end(), dspark_section.begin(), dspark_section.end());
   return rows;
@@ -1104,6 +1108,12 @@ void PrintDsparkSummary(const std::vector<Row>& rows) {
               g.goodput_tok_per_s / e.goodput_tok_per_s, g.goodput_tok_per_s, e.goodput_tok_per_s,
               g.tpot_p99_ms / e.tpot_p99_ms, 1 - g.balance_efficiency, 1 - e.balance_efficiency,
               Knowledge(*ours).c_str());
+  if (const Row* oracle = FindRow(rows, "D z1.2 oracle (tiers)")) {
+    std::printf("  ceiling (the same planner with the truth's model and true acceptance): x%.4f the "
+                "engines' best;\n    ours reaches %.4f of it\n",
+                oracle->result.goodput_tok_per_s / e.goodput_tok_per_s,
+                g.goodput_tok_per_s / oracle->result.goodput_tok_per_s);
+  }
   std::printf("  padding: %.4f of the tokens run (ours) vs %.4f (%s)\n", g.padding_fraction,
               e.padding_fraction, best->name.c_str());
 }

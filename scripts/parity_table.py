@@ -1,0 +1,57 @@
+#!/usr/bin/env python3
+"""The headline table of docs/results.md section 0 (issue #49): ours against the engines' best,
+every row planned with production knowledge, from scripts/replay_seeds.py's --json-out files.
+
+Per setup: our planner on SGLang DSpark's engine ("D z1.2 + goodput (tiers)") over the engines'
+best (the best, by mean goodput over the seeds, of every DSpark row and static_best on the same
+tiers) and over the best of SGLang's shipped tables alone (the ctx-SPS row, our context-aware
+model inside DSpark's rule, left out); TPOT p99 over the engines' best row's; our planner without
+tiers over D z1.2 at its best static k; the ceiling, the same planner with the truth's model and
+true acceptance on the same tiers ("D z1.2 oracle (tiers)"), over the engines' best. Means ±
+standard deviations over the seeds.
+
+Usage: scripts/parity_table.py LABEL=SEEDS_JSON [LABEL=SEEDS_JSON ...]
+"""
+import json
+import statistics
+import sys
+
+OURS_TIERS = "D z1.2 + goodput (tiers)"
+OURS = "D z1.2 + goodput"
+STATIC = "D z1.2"
+STATIC_TIERS = "D z1.2 static_best tiers"
+CONTEXT = "D z1.2 dspark_fill ctx-SPS"
+ORACLE_TIERS = "D z1.2 oracle (tiers)"
+
+
+def ratio(rows, num, den, key="goodput"):
+    xs = [a / b for a, b in zip(rows[num][key], rows[den][key])]
+    return statistics.mean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def main():
+    print("| trace, truth (planner model) | ours / the engines' best (its row) | ours / SGLang's "
+          "shipped tables' best | TPOT p99, ours / best row | ours / static_best (tiers) | "
+          "untiered: ours / best static k | ceiling: oracle (tiers) / the engines' best |")
+    print("|---|---|---|---|---|---|---|")
+    for arg in sys.argv[1:]:
+        label, path = arg.split("=", 1)
+        with open(path) as f:
+            data = json.load(f)
+        rows = data["rows"]
+        engine = [n for n in rows if "dspark" in n or n == STATIC_TIERS]
+        best = max(engine, key=lambda n: rows[n]["goodput_mean"])
+        shipped = max((n for n in engine if n != CONTEXT), key=lambda n: rows[n]["goodput_mean"])
+        g, gs = ratio(rows, OURS_TIERS, best)
+        s, ss = ratio(rows, OURS_TIERS, shipped)
+        st, sts = ratio(rows, OURS_TIERS, STATIC_TIERS)
+        u, us = ratio(rows, OURS, STATIC)
+        c, cs = ratio(rows, ORACLE_TIERS, best)
+        # replay_seeds keeps TPOT p99's mean over the seeds only: the ratio of the means.
+        tp = rows[OURS_TIERS]["tpot_p99_mean"] / rows[best]["tpot_p99_mean"]
+        print(f"| {label} | {g:.3f}x ± {gs:.3f} ({best}) | {s:.3f}x ± {ss:.3f} ({shipped}) | "
+              f"{tp:.2f}x | {st:.3f}x ± {sts:.3f} | {u:.3f}x ± {us:.3f} | {c:.3f}x ± {cs:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
