@@ -13,18 +13,53 @@ cmake --preset release >/dev/null
 cmake --build --preset release
 B=build/release
 mkdir -p docs/generated
+# Section 0's parity figures (issue #49): every row with production knowledge, three seeds, lag 1
+# on the three truths and V2 with 10% log-normal noise; the H200 truth is half B's fit, our
+# planner starts from half A's (scripts/studies/h200_split_fits.sh). Then the same seed-1 runs planned with the truth (what
+# knowledge is worth) and the sensitivity to the FFN constants and the draft cost.
+scripts/studies/h200_split_fits.sh $B
+HALF=(--truth docs/generated/model_packed_half_b.json --truth_layers 61
+      --planner_model online:docs/generated/model_packed_half_a.json)
+for c in "mooncake" "azure --trace integration/replay/data/azure_conv_2023.csv" "h200truth ${HALF[*]}" \
+         "mooncake_noise --noise 0.1"; do
+  set -- $c
+  n=$1
+  shift
+  python3 scripts/replay_seeds.py $B/integration/dpbalance-replay 3 /tmp/dpb-parity-$n \
+    --json-out docs/generated/parity_$n.json --stale_steps 1 "$@" | tee docs/generated/parity_$n.txt
+  [ $n = h200truth ] && cp /tmp/dpb-parity-$n/seed_1.json docs/generated/parity_${n}_seed1.json
+  $B/integration/dpbalance-replay --stale_steps 1 "$@" --planner_model truth \
+    > docs/generated/parity_${n}_truth.txt
+done
+python3 scripts/parity_table.py "Mooncake, V2=docs/generated/parity_mooncake.json" \
+  "Azure, V2=docs/generated/parity_azure.json" \
+  "Mooncake, H200 packed half B x 61=docs/generated/parity_h200truth.json" \
+  "Mooncake, V2 with 10% noise=docs/generated/parity_mooncake_noise.json" | tee docs/generated/parity_table.md
+for s in "ffn05 --ffn_fixed_ms 10 --ffn_per_token_ms 0.001" "ffn2 --ffn_fixed_ms 40 --ffn_per_token_ms 0.004" \
+         "draft05 --draft_ms 0.75" "draft2 --draft_ms 3"; do
+  set -- $s
+  n=$1
+  shift
+  $B/integration/dpbalance-replay --stale_steps 1 "$@" \
+    > docs/generated/parity_sens_$n.txt
+done
+# Everything below predates issue #49 and plans with the truth's own model (--planner_model truth,
+# the default then; oracle knowledge of the cost model): R adds it, a later --planner_model wins.
+R="$(mktemp -d)/dpbalance-replay"
+printf '#!/bin/sh\nexec %s --planner_model=truth "$@"\n' "$PWD/$B/integration/dpbalance-replay" > "$R"
+chmod +x "$R"
 H200=(--truth docs/generated/model_packed.json --truth_layers 61)
 # The default comparison (lag 1), seed 1, as the tables show it; then seeds 1-3 at lag 1 and lag 0
 # (scripts/replay_seeds.py: every row's mean and range, the ratios each against its baseline).
-$B/integration/dpbalance-replay --json docs/generated/replay_mooncake.json | tee docs/generated/replay_mooncake.txt
-$B/integration/dpbalance-replay --trace integration/replay/data/azure_conv_2023.csv \
+$R --json docs/generated/replay_mooncake.json | tee docs/generated/replay_mooncake.txt
+$R --trace integration/replay/data/azure_conv_2023.csv \
   --json docs/generated/replay_azure.json | tee docs/generated/replay_azure.txt
 for lag in 1 0; do
   for c in "mooncake" "azure --trace integration/replay/data/azure_conv_2023.csv" "h200truth ${H200[*]}"; do
     set -- $c
     n=$1
     shift
-    python3 scripts/replay_seeds.py $B/integration/dpbalance-replay 3 /tmp/dpb-seeds-$n-$lag \
+    python3 scripts/replay_seeds.py $R 3 /tmp/dpb-seeds-$n-$lag \
       --json-out docs/generated/seeds_${n}_lag$lag.json --stale_steps $lag "$@" \
       | tee docs/generated/seeds_${n}_lag$lag.txt
   done
@@ -33,7 +68,7 @@ done
 # larger than the seeds' spread (results.md section 8)?
 for d in "" "--value_deferral=true"; do
   n=$([ -z "$d" ] && echo seeds_mooncake_lag1_s10 || echo seeds_mooncake_lag1_defer_s10)
-  python3 scripts/replay_seeds.py $B/integration/dpbalance-replay 10 /tmp/dpb-$n --stale_steps 1 $d \
+  python3 scripts/replay_seeds.py $R 10 /tmp/dpb-$n --stale_steps 1 $d \
     | tee docs/generated/$n.txt
 done
 # The shift acceptance model (DPB_ACCEPTANCE=shift) on the three truths, seeds 1-3, lag 1: does a
@@ -42,7 +77,7 @@ for c in "mooncake" "azure --trace integration/replay/data/azure_conv_2023.csv" 
   set -- $c
   n=$1
   shift
-  python3 scripts/replay_seeds.py $B/integration/dpbalance-replay 3 /tmp/dpb-seeds-$n-shift \
+  python3 scripts/replay_seeds.py $R 3 /tmp/dpb-seeds-$n-shift \
     --stale_steps 1 --acceptance shift "$@" | tee docs/generated/seeds_${n}_lag1_shift.txt
 done
 # Every row with the oracle's knowledge of acceptance (--acceptance truth: ours and DSpark's rows
@@ -54,11 +89,11 @@ for c in "mooncake_lag1_truthacc_s10 10" \
   set -- $c
   n=$1 seeds=$2
   shift 2
-  python3 scripts/replay_seeds.py $B/integration/dpbalance-replay $seeds /tmp/dpb-seeds-$n \
+  python3 scripts/replay_seeds.py $R $seeds /tmp/dpb-seeds-$n \
     --stale_steps 1 --acceptance truth "$@" | tee docs/generated/seeds_$n.txt
 done
 # What one step of lag costs the planner rows, split by what they predict (lag.h).
-python3 scripts/lag_study.py $B/integration/dpbalance-replay 3 | tee docs/generated/lag_study.txt
+python3 scripts/lag_study.py $R 3 | tee docs/generated/lag_study.txt
 # The step bound on the V2 truth (Mooncake and Azure, DSpark's engine: tiers, block draft): each
 # row's expected tokens per second against the bound on its own steps, seeds 1-3.
 : > docs/generated/step_bound.txt
@@ -67,14 +102,14 @@ for t in integration/replay/data/mooncake_conversation.jsonl integration/replay/
            "oracle --k 2 --tpot_slo_ms=off" "oracle --k 2 --tpot_slo_ms=off --step_slack=-1"; do
     for seed in 1 2 3; do
       echo "== $(basename $t) --verify $v --seed $seed" | tee -a docs/generated/step_bound.txt
-      $B/integration/dpbalance-replay --trace $t --compare=false --routing D --padded=true --draft block \
+      $R --trace $t --compare=false --routing D --padded=true --draft block \
         --step_bound=true --seed $seed --verify $v --json /tmp/dpb-bound.json > /dev/null
       python3 -c "import json; r = json.load(open('/tmp/dpb-bound.json'))['runs'][0]; print('goodput %.1f expected %.1f bound/expected %.4f tpot99 %.2f' % (r['goodput_tok_per_s'], r['expected_tok_per_s'], r['step_bound_over_expected'], r['tpot_p99_ms']))" \
         | tee -a docs/generated/step_bound.txt
     done
   done
 done
-$B/integration/dpbalance-replay --eval_cost v1 --compare=false --routing D --k 1 \
+$R --eval_cost v1 --compare=false --routing D --k 1 \
   --json docs/generated/replay_mooncake_eval_v1.json > /dev/null
 if [ "$PART" = all ]; then
 for v in gqa packed; do
@@ -100,27 +135,27 @@ $B/integration/dpbalance-calibrate --gemm integration/calibrate/data/projection_
   | tee docs/generated/calibrate_gemm.txt
 fi
 # Truth from the real H200 kernel: the packed-attention fit, 61 attention layers per step.
-$B/integration/dpbalance-replay --truth docs/generated/model_packed.json --truth_layers 61 \
+$R --truth docs/generated/model_packed.json --truth_layers 61 \
   --json docs/generated/replay_h200truth.json | tee docs/generated/replay_h200truth.txt
 # The gqa (head-major) fit as the truth (results.md 3d; about 16 minutes).
-$B/integration/dpbalance-replay --truth docs/generated/model_gqa.json --truth_layers 61 \
+$R --truth docs/generated/model_gqa.json --truth_layers 61 \
   --json docs/generated/replay_h200truth_gqa.json | tee docs/generated/replay_h200truth_gqa.txt
-$B/integration/dpbalance-replay --truth docs/generated/model_packed.json --truth_layers 61 \
+$R --truth docs/generated/model_packed.json --truth_layers 61 \
   --planner_model online --json docs/generated/replay_h200truth_online.json \
   | tee docs/generated/replay_h200truth_online.txt
-$B/integration/dpbalance-replay --truth docs/generated/model_packed.json --truth_layers 61 \
+$R --truth docs/generated/model_packed.json --truth_layers 61 \
   --planner_model v2 --json docs/generated/replay_h200truth_v2planner.json \
   | tee docs/generated/replay_h200truth_v2planner.txt
 # Online planners that know the kernel: from the offline packed fit, and from V2 with the
 # packed grid's makespans seeded (what an engine without a calibration run can set).
 for start in docs/generated/model_packed.json v2+fa2-packed-h200; do
   n=$(echo $start | sed 's|docs/generated/model_packed.json|packedfit|; s|v2+fa2-packed-h200|v2grid|')
-  $B/integration/dpbalance-replay --truth docs/generated/model_packed.json --truth_layers 61 \
+  $R --truth docs/generated/model_packed.json --truth_layers 61 \
     --compare=false --verify goodput --k 5 --tpot_slo_ms=off --planner_model online:$start \
     --json docs/generated/replay_h200truth_online_$n.json | tee docs/generated/replay_h200truth_online_$n.txt
 done
 # The same with the previous truth, the packed fit without the kernel grid (sums and maxima).
-$B/integration/dpbalance-replay --truth docs/generated/model_packed_nogrid.json --truth_layers 61 \
+$R --truth docs/generated/model_packed_nogrid.json --truth_layers 61 \
   --json docs/generated/replay_h200truth_nogrid.json | tee docs/generated/replay_h200truth_nogrid.txt
 if [ "$PART" = all ]; then
 $B/tests/runtime/calibration_test --gtest_filter='Online*' | tee docs/generated/online_calibration.txt
@@ -156,19 +191,19 @@ $PY scripts/plot_results.py docs/generated/replay_h200truth.json docs/results_h2
 # These two studies ran at lag 0, the replay's default before issue #30 (--stale_steps 0 gives
 # the same outputs byte for byte, as checked on the default comparison's unpadded rows);
 # results.md says so beside them.
-$PY scripts/routing_seeds.py $B/integration/dpbalance-replay 20 --stale_steps 0 | tee docs/generated/routing_seeds.txt
-$PY scripts/routing_seeds.py $B/integration/dpbalance-replay 20 --stale_steps 0 \
+$PY scripts/routing_seeds.py $R 20 --stale_steps 0 | tee docs/generated/routing_seeds.txt
+$PY scripts/routing_seeds.py $R 20 --stale_steps 0 \
   --trace integration/replay/data/azure_conv_2023.csv | tee docs/generated/routing_seeds_azure.txt
 # The planner's TPOT guard (step slack) against the goodput target, over five seeds.
-$PY scripts/guard_frontier.py $B/integration/dpbalance-replay 5 --stale_steps 0 | tee docs/generated/guard_frontier.txt
-$PY scripts/guard_frontier.py $B/integration/dpbalance-replay 5 --stale_steps 0 \
+$PY scripts/guard_frontier.py $R 5 --stale_steps 0 | tee docs/generated/guard_frontier.txt
+$PY scripts/guard_frontier.py $R 5 --stale_steps 0 \
   --trace integration/replay/data/azure_conv_2023.csv | tee docs/generated/guard_frontier_azure.txt
 # What the Python adapter adds to a step (docs/results.md section 5).
 [ "$PART" = all ] && $PY bench/python_adapter_bench.py $B/plugin/libdpbalance.so | tee docs/generated/python_adapter_bench.txt
 [ "$PART" = all ] && $PY bench/engine_plan_bench.py $B/plugin/libdpbalance.so 2>/dev/null \
   | grep -v '^dpbalance' | tee docs/generated/engine_plan_bench.txt
 # A dense draft that each rank runs to its own depth (docs/results.md section 1).
-$B/integration/dpbalance-replay --draft per_rank --json docs/generated/replay_mooncake_per_rank_draft.json \
+$R --draft per_rank --json docs/generated/replay_mooncake_per_rank_draft.json \
   | tee docs/generated/replay_mooncake_per_rank_draft.txt
 # One verify length per rank (--granularity rank; docs/results.md section 3c): goodput and
 # oracle on the three truths, at each truth's best static k, with the default (auto) TPOT SLO.
@@ -180,15 +215,15 @@ for c in "mooncake 1" "azure 1 --trace integration/replay/data/azure_conv_2023.c
   shift 2
   for v in goodput oracle; do
     echo "== $n --verify $v --k $k --granularity rank" | tee -a docs/generated/granularity_rank.txt
-    $B/integration/dpbalance-replay "$@" --compare=false --verify $v --k $k --granularity rank \
+    $R "$@" --compare=false --verify $v --k $k --granularity rank \
       --json docs/generated/granularity_rank_${n}_$v.json | tee -a docs/generated/granularity_rank.txt
   done
 done
 # The per-request TPOT floor trade-off (docs/results.md section 2).
 for t in integration/replay/data/mooncake_conversation.jsonl integration/replay/data/azure_conv_2023.csv; do
   n=$(basename $t | cut -d_ -f1)
-  $B/integration/dpbalance-replay --trace $t --compare=false --routing D --k 1 \
+  $R --trace $t --compare=false --routing D --k 1 \
     --json docs/generated/floor_${n}_static.json > /dev/null
-  $B/integration/dpbalance-replay --trace $t --compare=false --routing D --k 1 --verify goodput \
+  $R --trace $t --compare=false --routing D --k 1 --verify goodput \
     --floor_at_default=true --json docs/generated/floor_${n}_goodput.json > /dev/null
 done
