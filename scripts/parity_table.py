@@ -11,6 +11,8 @@ true acceptance on the same tiers ("D z1.2 oracle (tiers)"), over the engines' b
 standard deviations over the seeds.
 
 Usage: scripts/parity_table.py LABEL=SEEDS_JSON [LABEL=SEEDS_JSON ...]
+       scripts/parity_table.py --confidence REPLAY_JSON...   one comparison each (a --json file),
+           by the draft-confidence signal's quality: its AUC, DSpark's rows, ours, the ratio
 """
 import json
 import statistics
@@ -29,7 +31,31 @@ def ratio(rows, num, den, key="goodput"):
     return statistics.mean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
 
 
+def confidence(paths):
+    """One line per run: the signal's noise and AUC, every DSpark row's goodput, ours (tiers) and
+    ours over the engines' best."""
+    print("| confidence noise (AUC) | static_best | dspark | dspark_fill | dspark_fill ctx-SPS | "
+          "ours (tiers) | ours / the engines' best (its row) |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for path in paths:
+        with open(path) as f:
+            runs = {r["name"]: r for r in json.load(f)["runs"]}
+        g = {n: r["goodput_tok_per_s"] for n, r in runs.items()}
+        ours = runs[OURS_TIERS]
+        sigma = ours.get("confidence_sigma")
+        label = "none (the estimators')" if sigma is None else \
+            f"{sigma:g} ({runs['D z1.2 dspark_fill'].get('confidence_auc', 0):.3f})"
+        engine = [n for n in runs if "dspark" in n or n == STATIC_TIERS]
+        best = max(engine, key=lambda n: g[n])
+        print(f"| {label} | {g[STATIC_TIERS]:,.0f} | {g['D z1.2 dspark']:,.0f} | "
+              f"{g['D z1.2 dspark_fill']:,.0f} | {g[CONTEXT]:,.0f} | {g[OURS_TIERS]:,.0f} | "
+              f"{g[OURS_TIERS] / g[best]:.3f}x ({best.replace('D z1.2 ', '')}) |")
+
+
 def main():
+    if sys.argv[1:2] == ["--confidence"]:
+        confidence(sys.argv[2:])
+        return
     print("| trace, truth (planner model) | ours / the engines' best (its row) | ours / SGLang's "
           "shipped tables' best | TPOT p99, ours / best row | ours / static_best (tiers) | "
           "untiered: ours / best static k | ceiling: oracle (tiers) / the engines' best |")

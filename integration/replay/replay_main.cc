@@ -151,6 +151,14 @@ ABSL_FLAG(std::string, acceptance, "beta",
           "(one logit shift per request, its prior width learnt online; the plugin's "
           "DPB_ACCEPTANCE); or 'truth': every row that plans, ours and DSpark's alike, reads "
           "each request's true acceptance (the oracle's knowledge for every row)");
+ABSL_FLAG(double, step_acceptance_sigma, 0,
+          "acceptance that varies step to step: each request-step's rates shifted by one logit "
+          "offset N(0, this) (0: i.i.d. per request)");
+ABSL_FLAG(double, confidence_sigma, -1,
+          "the draft's confidence signal DSpark reads (fresh for its top-k, two steps back for its "
+          "budget): the step's true rates with N(0, this) logit noise per request-step (0: "
+          "perfect, large: useless; < 0: none, DSpark reads the estimators' acceptance). The JSON "
+          "gives its AUC against the first draft's acceptance (confidence_auc)");
 ABSL_FLAG(uint64_t, seed, 1, "random seed");
 ABSL_FLAG(int, max_requests, 0, "use only the first N trace requests (0: all)");
 ABSL_FLAG(int, threads, 0, "worker threads for the comparison (0: all cores)");
@@ -427,6 +435,14 @@ absl::Status CheckFlags() {
   if (absl::StatusOr<DsparkTable> t = ParseDsparkTable(absl::GetFlag(FLAGS_dspark_sps)); !t.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("--dspark_sps: ", t.status().message()));
   }
+  if (const double s = absl::GetFlag(FLAGS_step_acceptance_sigma); !(s >= 0 && s <= 10)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--step_acceptance_sigma = %g must be in 0..10 (a logit std-dev)", s));
+  }
+  if (const double s = absl::GetFlag(FLAGS_confidence_sigma); !(s >= -1 && s <= 100)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--confidence_sigma = %g must be in -1..100 (< 0: no signal)", s));
+  }
   if (absl::StatusOr<uint32_t> p = ParseLagPredict(absl::GetFlag(FLAGS_lag_predict)); !p.ok()) {
     return p.status();
   }
@@ -527,6 +543,8 @@ absl::StatusOr<SimConfig> BaseConfigFromFlags(const TruthModel& truth) {
   base.value_deferral = absl::GetFlag(FLAGS_value_deferral);
   base.floor_at_default = absl::GetFlag(FLAGS_floor_at_default);
   base.seed = absl::GetFlag(FLAGS_seed);
+  base.step_acceptance_sigma = absl::GetFlag(FLAGS_step_acceptance_sigma);
+  base.confidence_sigma = absl::GetFlag(FLAGS_confidence_sigma);
   base.stale_steps = absl::GetFlag(FLAGS_stale_steps);
   absl::StatusOr<uint32_t> lag_predict = ParseLagPredict(absl::GetFlag(FLAGS_lag_predict));
   if (!lag_predict.ok()) return lag_predict.status();
@@ -929,6 +947,11 @@ nlohmann::json RowJson(const Row& row, const std::string& eval_cost, const SimCo
     j["acceptance"] = "truth";
   } else if (base.acceptance_model != AcceptanceModel::kBeta) {
     j["acceptance"] = std::string(AcceptanceModelName(base.acceptance_model));
+  }
+  if (base.step_acceptance_sigma > 0) j["step_acceptance_sigma"] = base.step_acceptance_sigma;
+  if (base.confidence_sigma >= 0) {
+    j["confidence_sigma"] = base.confidence_sigma;
+    j["confidence_auc"] = r.confidence_auc;
   }
   j["tpot_slo_ms"] = row.tpot_slo_ms;
   j["eval_cost"] = eval_cost;

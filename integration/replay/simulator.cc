@@ -33,6 +33,12 @@ struct InflightRequest {
   double start_us;
   std::array<double, kMaxDraftLen> rates;  // true conditional acceptance
   AcceptanceCurve truth_curve;
+  // SimConfig::step_acceptance_sigma: this step's logit offset on `rates`; confidence_sigma:
+  // the draft confidence's logit offset at this step and the two before (newest first), and how
+  // many steps have drawn one.
+  double step_shift = 0;
+  std::array<double, 3> confidence_offset{};
+  int64_t confidence_steps = 0;
   int64_t steps_planned = 0;   // decode steps it has been planned for before this one
   int64_t finished_step = -1;  // the step it emitted its last token in (-1: running); with lag
                                // it stays in the batch until the engine learns of it
@@ -49,6 +55,27 @@ struct InflightRequest {
 // Limit on --stale_steps: the engine keeps N old batches (a planner that far behind plans
 // requests that have long left).
 constexpr int kMaxStaleSteps = 64;
+
+// Mann-Whitney AUC of the scores against the labels (ties count a half; 0.5 with one class).
+double Auc(std::vector<std::pair<float, bool>> samples) {
+  std::sort(samples.begin(), samples.end());
+  double positives = 0, rank_sum = 0;
+  for (size_t i = 0; i < samples.size();) {
+    size_t j = i;
+    while (j < samples.size() && samples[j].first == samples[i].first) ++j;
+    const double mid_rank = 0.5 * static_cast<double>(i + 1 + j);  // ranks i+1..j
+    for (size_t t = i; t < j; ++t) {
+      if (samples[t].second) {
+        positives += 1;
+        rank_sum += mid_rank;
+      }
+    }
+    i = j;
+  }
+  const double negatives = static_cast<double>(samples.size()) - positives;
+  if (positives == 0 || negatives == 0) return 0.5;
+  return (rank_sum - positives * (positives + 1) / 2) / (positives * negatives);
+}
 
 double Percentile(std::vector<double> v, double p) {
   if (v.empty()) return 0;
@@ -137,6 +164,14 @@ class Simulation {
   // (true acceptance); see the definition.
   std::pair<double, double> StepBound(int depth);
   absl::Status Progress(double step_us);
+  // Draws each request's step acceptance offset and draft confidence for the step about to run.
+  void DrawStepSignals();
+  // Our rows with a confidence signal: each rank's planned tokens, its floors first, spent again
+  // by this step's draft confidence (DSpark's top-k within the plan's budget: what the engine
+  // does when the plan hands it each rank's budget instead of lengths), no deeper than `depth`.
+  void SpendOnConfidence(int depth);
+  // The draft's confidence curve `lag` steps back (0: this step's).
+  AcceptanceCurve ConfidenceCurve(const InflightRequest& a, int lag) const;
   absl::Status ObserveSps(double step_us);
   // Drops the requests whose end the engine has now learned of (N steps after it, with lag).
   void Retire();
@@ -194,6 +229,7 @@ class Simulation {
   std::deque<std::vector<Observation>> pending_;  // the last N steps' outcomes, not yet seen
   std::vector<int32_t> pending_scratch_;
   std::vector<double> tpots_;
+  std::vector<std::pair<float, bool>> confidence_samples_;  // (first draft's confidence, accepted)
   size_t next_ = 0;
   int64_t active_ = 0;  // requests the engine believes in flight (finished ones until it learns)
   int64_t step_ = 0;
@@ -449,8 +485,57 @@ const InflightRequest::Seen& Simulation::Observe(InflightRequest& a, std::vector
 
 // Sets every request's verify length in verify_ from what the engine knows (the lag model in
 // simulator.h): the default length, the planner's, or DSpark's.
+double Logit(double p) {
+  p = std::clamp(p, 1e-6, 1 - 1e-6);
+  return std::log(p / (1 - p));
+}
+double Sigmoid(double x) { return 1 / (1 + std::exp(-x)); }
+
+void Simulation::DrawStepSignals() {
+  if (cfg_.step_acceptance_sigma <= 0 && cfg_.confidence_sigma < 0) return;
+  for (auto& rank : ranks_) {
+    for (InflightRequest& a : rank) {
+      if (cfg_.step_acceptance_sigma > 0) a.step_shift = cfg_.step_acceptance_sigma * noise_(rng_);
+      if (cfg_.confidence_sigma >= 0) {
+        a.confidence_offset = {a.step_shift + cfg_.confidence_sigma * noise_(rng_),
+                               a.confidence_offset[0], a.confidence_offset[1]};
+        ++a.confidence_steps;
+      }
+    }
+  }
+}
+
+AcceptanceCurve Simulation::ConfidenceCurve(const InflightRequest& a, int lag) const {
+  std::array<double, kMaxDraftLen> c;
+  for (int j = 0; j < kMaxDraftLen; ++j) c[j] = Sigmoid(Logit(a.rates[j]) + a.confidence_offset[lag]);
+  return *AcceptanceCurve::FromConditional(c);
+}
+
+void Simulation::SpendOnConfidence(int depth) {
+  std::vector<int32_t> caps;
+  std::vector<AcceptanceCurve> fresh;
+  std::vector<dspark::Candidate> candidates;
+  for (int r = 0; r < num_ranks_; ++r) {
+    const size_t n = ranks_[r].size();
+    caps.resize(n);
+    fresh.resize(n);
+    int64_t budget = 0;
+    for (size_t i = 0; i < n; ++i) {
+      caps[i] = std::min(batches_[r][i].k_cap, depth);
+      fresh[i] = ConfidenceCurve(ranks_[r][i], 0);
+      budget += verify_[r][i];
+    }
+    // A floor's positions come first (survival above any real one, falling along the request).
+    dspark::OrderCandidates(caps, [&](int32_t i, int32_t j) {
+      return j <= batches_[r][i].k_min ? 3.0 - 0.1 * j : fresh[i].Accept(j);
+    }, candidates);
+    dspark::AssignTopK(candidates, budget, absl::MakeSpan(verify_[r]));
+  }
+}
+
 absl::StatusOr<int> Simulation::Plan() {
   planned_tier_ = 0;
+  DrawStepSignals();
   planned_now_ = planned_ && !quiet_.SkipStep();
   if (planned_ && !planned_now_) ++totals_.quiet_steps;
   for (int r = 0; r < num_ranks_; ++r) {
@@ -472,6 +557,15 @@ absl::StatusOr<int> Simulation::Plan() {
         // not cap it; that only helps it). Its budget reads survivals two decode steps back.
         batches_[r][i].k_cap = sure_cap;
         batches_[r][i].no_lagged_survival = a.steps_planned < dspark::kConfidenceLagSteps;
+        if (cfg_.confidence_sigma >= 0) {  // the draft's own signal: fresh for the top-k
+          batches_[r][i].acceptance = ConfidenceCurve(a, 0);
+          batches_[r][i].has_lagged_acceptance = a.confidence_steps > dspark::kConfidenceLagSteps;
+          if (batches_[r][i].has_lagged_acceptance) {
+            batches_[r][i].lagged_acceptance = ConfidenceCurve(a, dspark::kConfidenceLagSteps);
+          } else {
+            batches_[r][i].no_lagged_survival = true;
+          }
+        }
       }
     }
   }
@@ -484,6 +578,9 @@ absl::StatusOr<int> Simulation::Plan() {
     planned_tokens_ = d->expected_tokens;
     planned_tier_ = d->padded_rank_tokens;
     depth = d->draft_depth;
+    if (!dspark_ && cfg_.confidence_sigma >= 0 && cfg_.verify != VerifyMode::kOracle) {
+      SpendOnConfidence(d->draft_depth);
+    }
     if (dspark_) {  // the draft proposes its block; the truth charges the deepest length (MTP)
       depth = 0;
       for (const auto& lens : verify_) {
@@ -704,7 +801,15 @@ absl::Status Simulation::Progress(double step_us) {
       totals_.k_count += 1;
       if (a.finished_step >= 0) continue;  // its work this step is wasted
       int m = 0;
-      while (m < k && unif_(rng_) < a.rates[m]) ++m;
+      if (cfg_.step_acceptance_sigma > 0) {
+        while (m < k && unif_(rng_) < Sigmoid(Logit(a.rates[m]) + a.step_shift)) ++m;
+      } else {
+        while (m < k && unif_(rng_) < a.rates[m]) ++m;
+      }
+      if (cfg_.confidence_sigma >= 0 && k >= 1) {
+        confidence_samples_.emplace_back(
+            static_cast<float>(Sigmoid(Logit(a.rates[0]) + a.confidence_offset[0])), m >= 1);
+      }
       const int64_t emitted = std::min<int64_t>(m + 1, a.remaining);
       pending_.back().push_back({r, a.id, k, m, step_us, emitted, false});
       a.ctx += emitted;
@@ -786,6 +891,7 @@ absl::StatusOr<RunResult> Simulation::Run() {
   }
   if (res_.steps == 0) return absl::FailedPreconditionError("replay ran no decode step");
   totals_.Finish(res_, now_us_, tpots_);
+  if (!confidence_samples_.empty()) res_.confidence_auc = Auc(std::move(confidence_samples_));
   for (const dspark::OnlineSps& o : online_sps_) res_.dspark_table_rebuilds += o.rebuilds();
   res_.dspark_table_rebuilds -= res_.dspark_warmup_rebuilds;
   return res_;

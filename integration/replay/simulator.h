@@ -141,6 +141,17 @@ struct SimConfig {
   // (`--planner_model truth`, the default) and the truth has no kernel grid (the oracle also
   // prices a grid's every head).
   bool plan_on_true_acceptance = false;
+  // Acceptance that varies step to step: each request-step's conditional rates are its own
+  // shifted by one logit offset drawn N(0, step_acceptance_sigma) (0: i.i.d. per request, as
+  // before). And the draft's confidence signal DSpark reads (confidence_sigma >= 0): the step's
+  // true rates, logit-offset by N(0, confidence_sigma) noise per request-step (0: perfect; large:
+  // useless; < 0: no signal, DSpark reads the estimators' acceptance as every row does). DSpark's
+  // top-k reads this step's, its budget the one two decode steps back. Our planner rows plan
+  // without it (the plan is made before the step's draft runs) and then spend each rank's
+  // planned tokens by it, floors first, as DSpark's top-k would with the plan's budget.
+  // RunResult::confidence_auc says how good it was.
+  double step_acceptance_sigma = 0;
+  double confidence_sigma = -1;
   uint64_t seed = 1;
 };
 
@@ -169,6 +180,9 @@ struct RunResult {
   int64_t dspark_table_rebuilds = 0;   // DsparkTable::kOnline: tables rebuilt, all ranks, in
                                        // the measured run (its warm-up not counted)
   int64_t dspark_warmup_rebuilds = 0;  // the same in its warm-up passes
+  // confidence_sigma >= 0: the AUC of the first draft's confidence against whether it was
+  // accepted, over every request-step that verified one (0.5: useless, 1: perfect).
+  double confidence_auc = 0;
   // Lag diagnostics (0 without lag, except tokens_over_plan):
   double tokens_over_plan = 0;         // planner rows: emitted tokens / planned expected - 1
   double wasted_token_fraction = 0;    // query tokens run for finished requests or past what a

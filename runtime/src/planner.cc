@@ -1866,7 +1866,9 @@ void Planner::SummarizeDspark(LocalState& st, RankSummary& s) const {
   for (size_t i = 0; i < st.batch.size(); ++i) caps[i] = st.batch[i].k_cap;
   std::vector<dspark::Candidate> candidates;
   dspark::OrderCandidates(caps, [&](int32_t i, int32_t j) {
-    return st.batch[i].no_lagged_survival ? 1.0 : st.batch[i].acceptance.Accept(j);
+    const PlanRequest& p = st.batch[i];
+    if (p.no_lagged_survival) return 1.0;
+    return p.has_lagged_acceptance ? p.lagged_acceptance.Accept(j) : p.acceptance.Accept(j);
   }, candidates);
   const size_t rank = s.rank_idx;
   if (rank < rank_sps_.size() && rank_sps_[rank]) {

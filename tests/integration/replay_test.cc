@@ -104,6 +104,15 @@ SimConfig Small() {
   return c;
 }
 
+// SGLang DSpark's engine on Small(): its tiers, default length 1, the dspark row.
+SimConfig DsparkEngine() {
+  SimConfig c = Small();
+  c.static_k = 1;
+  c.token_tiers = SglangDefaultTiers(c.max_batch_per_rank, c.k_max);
+  c.verify = VerifyMode::kDspark;
+  return c;
+}
+
 TEST(Simulator, DeterministicForASeedAndConsistent) {
   const auto trace = Slice(600);
   SimConfig c = Small();
@@ -410,10 +419,7 @@ TEST(Tiers, TheAgreedTierHoldsTheLargestRank) {
 // its own (step_over_plan 0).
 TEST(Dspark, TierFillRunsTheTierWithRealDrafts) {
   const auto trace = Slice(1500);
-  SimConfig c = Small();
-  c.static_k = 1;
-  c.token_tiers = SglangDefaultTiers(c.max_batch_per_rank, c.k_max);
-  c.verify = VerifyMode::kDspark;
+  SimConfig c = DsparkEngine();
   const RunResult plain = *Simulate(c, TruthModel{}, trace);
   c.verify = VerifyMode::kDsparkFill;
   const RunResult fill = *Simulate(c, TruthModel{}, trace);
@@ -434,10 +440,7 @@ TEST(Dspark, TierFillRunsTheTierWithRealDrafts) {
 // of its steps and from then on plans differently from the table it started with.
 TEST(Dspark, EveryTableSglangShipsRunsAndTheOnlineOneRebuilds) {
   const auto trace = Slice(4000);
-  SimConfig c = Small();
-  c.static_k = 1;
-  c.token_tiers = SglangDefaultTiers(c.max_batch_per_rank, c.k_max);
-  c.verify = VerifyMode::kDspark;
+  SimConfig c = DsparkEngine();
   const RunResult profiled = *Simulate(c, TruthModel{}, trace);
   c.dspark_table = DsparkTable::kWorkload;
   c.dspark_profile_context = dspark::kProfileContextTokens;
@@ -461,6 +464,40 @@ TEST(Dspark, EveryTableSglangShipsRunsAndTheOnlineOneRebuilds) {
   EXPECT_EQ(cold.dspark_warmup_rebuilds, 0);
   EXPECT_NE(cold.sim_time_s, online.sim_time_s);
   EXPECT_NE(online.sim_time_s, workload.sim_time_s);
+}
+
+// A draft-confidence signal of stated quality (issue #49): with acceptance varying step to step,
+// DSpark reads the draft's confidence fresh for its top-k and two steps back for its budget. The
+// measured AUC falls as the signal's noise grows; a perfect signal lifts DSpark over the
+// estimators' acceptance, a useless one sinks it.
+TEST(Dspark, AConfidenceSignalOfKnownQualityDrivesDsparksTopK) {
+  const auto trace = Slice(1500);
+  SimConfig c = DsparkEngine();
+  c.verify = VerifyMode::kDsparkFill;
+  c.step_acceptance_sigma = 0.7;
+  const RunResult none = *Simulate(c, TruthModel{}, trace);
+  EXPECT_EQ(none.confidence_auc, 0);  // no signal, nothing measured
+  c.confidence_sigma = 0;
+  const RunResult perfect = *Simulate(c, TruthModel{}, trace);
+  c.confidence_sigma = 1;
+  const RunResult noisy = *Simulate(c, TruthModel{}, trace);
+  c.confidence_sigma = 5;
+  const RunResult useless = *Simulate(c, TruthModel{}, trace);
+  EXPECT_GT(perfect.confidence_auc, noisy.confidence_auc);
+  EXPECT_GT(noisy.confidence_auc, useless.confidence_auc);
+  EXPECT_GT(perfect.confidence_auc, 0.65);
+  EXPECT_LT(useless.confidence_auc, 0.6);
+  EXPECT_GT(perfect.goodput_tok_per_s, none.goodput_tok_per_s);
+  EXPECT_LT(useless.goodput_tok_per_s, none.goodput_tok_per_s);
+  // Our tiered planner spends each rank's planned tokens by the same fresh signal: a good one
+  // lifts it too.
+  c.verify = VerifyMode::kGoodput;
+  c.padded = true;
+  c.confidence_sigma = -1;
+  const RunResult ours_none = *Simulate(c, TruthModel{}, trace);
+  c.confidence_sigma = 0;
+  const RunResult ours_perfect = *Simulate(c, TruthModel{}, trace);
+  EXPECT_GT(ours_perfect.goodput_tok_per_s, ours_none.goodput_tok_per_s);
 }
 
 // The dspark row pads every rank to the agreed tier. Its verify lengths do not depend on the
@@ -492,10 +529,7 @@ TEST(Dspark, PaddingToCoarserTiersCostsTime) {
 // DSpark on the same tiers.
 TEST(Tiers, PaddedPlannerFillsTheTierAndBeatsDspark) {
   const auto trace = Slice(1500);
-  SimConfig c = Small();
-  c.static_k = 1;
-  c.token_tiers = SglangDefaultTiers(c.max_batch_per_rank, c.k_max);
-  c.verify = VerifyMode::kDspark;
+  SimConfig c = DsparkEngine();
   const RunResult dspark = *Simulate(c, TruthModel{}, trace);
   c.verify = VerifyMode::kGoodput;
   c.padded = true;

@@ -1,5 +1,4 @@
 #include "dpbalance/planner.h"
-#include "dpbalance/dspark.h"
 
 #include <cmath>
 #include <cstring>
@@ -1404,6 +1403,57 @@ TEST(PlannerProperties, TierSweepFindsTheBestFillOrPadOfEveryRank) {
 // its best survivals up to min(tier, n x W) (fewer only where no candidate is left), without it its
 // own budget; every rank's total (RankTokens) is the tier, and a request on top of its budget
 // changes nothing.
+// DSpark's two confidences (SGLang's relay): the budget is sized on the draft's confidences two
+// steps back, the top-k spends it on this step's. A batch whose lagged curve is B plans B's
+// budget whatever its fresh curve, and spends it in the fresh curve's order.
+TEST(PlannerDspark, TheBudgetReadsTheLaggedConfidencesAndTheTopKTheFreshOnes) {
+  std::mt19937_64 rng(31);
+  std::uniform_real_distribution<double> u(0.05, 0.95);
+  for (int trial = 0; trial < 50; ++trial) {
+    PlannerConfig c;
+    c.num_ranks = 1;
+    c.k_max = 7;
+    c.mode = PlanMode::kDspark;
+    c.global = RandomGlobal(rng);
+    Planner p = *Planner::Create(c, CostModel::PublishedV2());
+    const int n = 1 + static_cast<int>(rng() % 12);
+    auto curve = [&] {
+      std::array<double, kMaxDraftLen> a;
+      for (double& x : a) x = u(rng);
+      return *AcceptanceCurve::FromConditional(a);
+    };
+    std::vector<PlanRequest> fresh_lagged(n), lagged_only(n);
+    for (int i = 0; i < n; ++i) {
+      PlanRequest r;
+      r.ctx_tokens = 100 + static_cast<int64_t>(rng() % 20000);
+      r.k_cap = static_cast<int32_t>(rng() % 8);
+      const AcceptanceCurve fresh = curve(), lagged = curve();
+      fresh_lagged[i] = r;
+      fresh_lagged[i].acceptance = fresh;
+      fresh_lagged[i].has_lagged_acceptance = true;
+      fresh_lagged[i].lagged_acceptance = lagged;
+      lagged_only[i] = r;
+      lagged_only[i].acceptance = lagged;  // no lagged curve: the budget reads this one
+    }
+    RankSummary with_fresh, plain;
+    ASSERT_TRUE(p.Summarize(0, lagged_only, -1, &plain).ok());
+    ASSERT_TRUE(p.Summarize(0, fresh_lagged, -1, &with_fresh).ok());
+    EXPECT_EQ(with_fresh.base_tokens, plain.base_tokens) << "trial " << trial;  // the same budget
+    // The allocation: the first `budget` candidates in the fresh curve's order.
+    const GlobalDecision d = *p.Decide(std::vector<RankSummary>{with_fresh});
+    std::vector<int32_t> got(n);
+    ASSERT_TRUE(p.Assign(d, absl::MakeSpan(got)).ok());
+    std::vector<int32_t> caps(n);
+    for (int i = 0; i < n; ++i) caps[i] = fresh_lagged[i].k_cap;
+    std::vector<dspark::Candidate> cands;
+    dspark::OrderCandidates(caps, [&](int32_t i, int32_t j) { return fresh_lagged[i].acceptance.Accept(j); },
+                            cands);
+    std::vector<int32_t> want(n);
+    dspark::AssignTopK(cands, static_cast<int64_t>(with_fresh.base_tokens) - n, absl::MakeSpan(want));
+    EXPECT_EQ(got, want) << "trial " << trial;
+  }
+}
+
 TEST(PlannerDspark, EveryRankRunsTheAgreedTierAndFillsItWithItsBestDrafts) {
   const std::vector<int32_t> tiers = {8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128};
   std::mt19937_64 rng(23);

@@ -175,6 +175,11 @@ struct PlanRequest {
   // DSpark modes: the request has no survivals from the draft two decode steps back (it is in its
   // first decode steps), so DSpark's budget counts survival 1 at each of its positions.
   bool no_lagged_survival = false;
+  // DSpark modes: the draft's confidences two decode steps back, which DSpark's budget reads
+  // (SGLang's confidence relay) while its top-k reads this step's (`acceptance`). Unset: the
+  // budget reads `acceptance` too.
+  bool has_lagged_acceptance = false;
+  AcceptanceCurve lagged_acceptance;
 };
 
 // Per-request value weights of PlannerConfig::value_deferral for one rank's batch. Each request
