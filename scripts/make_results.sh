@@ -43,6 +43,14 @@ for s in "ffn05 --ffn_fixed_ms 10 --ffn_per_token_ms 0.001" "ffn2 --ffn_fixed_ms
   $B/integration/dpbalance-replay --stale_steps 1 "$@" \
     > docs/generated/parity_sens_$n.txt
 done
+# The draft-confidence signal (issue #49): acceptance varying step to step (logit sd 0.7), and
+# DSpark reading the draft's confidence at noise 5 (useless) .. 0 (perfect), or none (-1).
+for c in -1 5 1 0.3 0; do
+  $B/integration/dpbalance-replay --stale_steps 1 --step_acceptance_sigma 0.7 --confidence_sigma $c \
+    --json /tmp/dpb-confidence-$c.json > docs/generated/parity_confidence_$c.txt
+done
+python3 scripts/parity_table.py --confidence /tmp/dpb-confidence-{-1,5,1,0.3,0}.json \
+  | tee docs/generated/parity_confidence.md
 # Everything below predates issue #49 and plans with the truth's own model (--planner_model truth,
 # the default then; oracle knowledge of the cost model): R adds it, a later --planner_model wins.
 R="$(mktemp -d)/dpbalance-replay"
