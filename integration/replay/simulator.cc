@@ -354,7 +354,12 @@ Simulation::Simulation(const SimConfig& cfg, const TruthModel& truth,
       padded_(cfg.padded || (dspark_ && !truth.per_rank_draft)),
       quiet_(planned_ ? cfg.quiet : QuietConfig{}) {
   // Not the oracle: its planner holds planner_model, priced as planner_grid_simulation says.
-  if (cfg.planner_online && cfg.verify != VerifyMode::kOracle) {
+  // Only where a row plans with the model: static rows and DSpark's table-priced rows never read
+  // it (refitting for them only costs time).
+  const bool plans_with_model =
+      planned_ && cfg.verify != VerifyMode::kOracle &&
+      !(dspark_ && cfg.dspark_table != DsparkTable::kContext);
+  if (cfg.planner_online && plans_with_model) {
     // Every rank's attention each step: num_ranks observations a step where each rank's Balancer
     // in an engine makes one (its own). Its memory, level rate and refit cadence are per step:
     // scaled so that this model forgets as fast, in steps, as each rank's does.
