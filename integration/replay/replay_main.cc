@@ -256,7 +256,6 @@ cli::ExitCode ModelSpecExitCode(const std::string& spec) {
   return names_file ? cli::kBadData : cli::kUsageError;
 }
 
-bool IsDspark(VerifyMode v) { return v == VerifyMode::kDspark || v == VerifyMode::kDsparkFill; }
 
 // --planner_model with 'auto' resolved: the knowledge the planner has in production. Where the
 // truth is a published form it starts from that form (every engine can have it) and refits

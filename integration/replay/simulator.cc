@@ -33,12 +33,14 @@ struct InflightRequest {
   double start_us;
   std::array<double, kMaxDraftLen> rates;  // true conditional acceptance
   AcceptanceCurve truth_curve;
-  // SimConfig::step_acceptance_sigma: this step's logit offset on `rates`; confidence_sigma:
-  // the draft confidence's logit offset at this step and the two before (newest first), and how
-  // many steps have drawn one.
+  // SimConfig::step_acceptance_sigma: this step's logit offset on `rates` and the rates it
+  // gives (what the step's accept draws use); confidence_sigma: the draft confidence's logit
+  // offset at this step and the two before (newest first), and how many steps have drawn one.
   double step_shift = 0;
+  std::array<double, kMaxDraftLen> step_rates;
   std::array<double, 3> confidence_offset{};
   int64_t confidence_steps = 0;
+  AcceptanceCurve confidence;  // this step's confidence curve (offset 0), drawn with it
   int64_t steps_planned = 0;   // decode steps it has been planned for before this one
   int64_t finished_step = -1;  // the step it emitted its last token in (-1: running); with lag
                                // it stays in the batch until the engine learns of it
@@ -261,7 +263,7 @@ absl::StatusOr<Simulation> Simulation::Create(const SimConfig& cfg, const TruthM
   absl::StatusOr<Router> router = Router::Create(cfg.routing, num_ranks, cfg.planner_model);
   if (!router.ok()) return router.status();
 
-  const bool dspark = cfg.verify == VerifyMode::kDspark || cfg.verify == VerifyMode::kDsparkFill;
+  const bool dspark = IsDspark(cfg.verify);
   PlannerConfig pc;
   pc.num_ranks = num_ranks;
   pc.k_max = cfg.k_max;
@@ -334,7 +336,7 @@ Simulation::Simulation(const SimConfig& cfg, const TruthModel& truth,
       trace_(trace),
       num_ranks_(cfg.num_ranks),
       planned_(cfg.verify != VerifyMode::kStatic),
-      dspark_(cfg.verify == VerifyMode::kDspark || cfg.verify == VerifyMode::kDsparkFill),
+      dspark_(IsDspark(cfg.verify)),
       router_(std::move(router)),
       planner_(std::move(planner)),
       rng_(cfg.seed),
@@ -488,22 +490,18 @@ const InflightRequest::Seen& Simulation::Observe(InflightRequest& a, std::vector
   return a.seen.front();
 }
 
-// Sets every request's verify length in verify_ from what the engine knows (the lag model in
-// simulator.h): the default length, the planner's, or DSpark's.
-double Logit(double p) {
-  p = std::clamp(p, 1e-6, 1 - 1e-6);
-  return std::log(p / (1 - p));
-}
-double Sigmoid(double x) { return 1 / (1 + std::exp(-x)); }
-
 void Simulation::DrawStepSignals() {
   if (cfg_.step_acceptance_sigma <= 0 && cfg_.confidence_sigma < 0) return;
   for (auto& rank : ranks_) {
     for (InflightRequest& a : rank) {
-      if (cfg_.step_acceptance_sigma > 0) a.step_shift = cfg_.step_acceptance_sigma * noise_(rng_);
+      if (cfg_.step_acceptance_sigma > 0) {
+        a.step_shift = cfg_.step_acceptance_sigma * noise_(rng_);
+        a.step_rates = ShiftedProfile(a.rates, a.step_shift);
+      }
       if (cfg_.confidence_sigma >= 0) {
         a.confidence_offset = {a.step_shift + cfg_.confidence_sigma * noise_(rng_),
                                a.confidence_offset[0], a.confidence_offset[1]};
+        a.confidence = ConfidenceCurve(a, 0);
         ++a.confidence_steps;
       }
     }
@@ -511,33 +509,30 @@ void Simulation::DrawStepSignals() {
 }
 
 AcceptanceCurve Simulation::ConfidenceCurve(const InflightRequest& a, int lag) const {
-  std::array<double, kMaxDraftLen> c;
-  for (int j = 0; j < kMaxDraftLen; ++j) c[j] = Sigmoid(Logit(a.rates[j]) + a.confidence_offset[lag]);
-  return *AcceptanceCurve::FromConditional(c);
+  return *AcceptanceCurve::FromConditional(ShiftedProfile(a.rates, a.confidence_offset[lag]));
 }
 
 void Simulation::SpendOnConfidence(int depth) {
   std::vector<int32_t> caps;
-  std::vector<AcceptanceCurve> fresh;
   std::vector<dspark::Candidate> candidates;
   for (int r = 0; r < num_ranks_; ++r) {
     const size_t n = ranks_[r].size();
     caps.resize(n);
-    fresh.resize(n);
     int64_t budget = 0;
     for (size_t i = 0; i < n; ++i) {
       caps[i] = std::min(batches_[r][i].k_cap, depth);
-      fresh[i] = ConfidenceCurve(ranks_[r][i], 0);
       budget += verify_[r][i];
     }
     // A floor's positions come first (survival above any real one, falling along the request).
     dspark::OrderCandidates(caps, [&](int32_t i, int32_t j) {
-      return j <= batches_[r][i].k_min ? 3.0 - 0.1 * j : fresh[i].Accept(j);
+      return j <= batches_[r][i].k_min ? 3.0 - 0.1 * j : ranks_[r][i].confidence.Accept(j);
     }, candidates);
     dspark::AssignTopK(candidates, budget, absl::MakeSpan(verify_[r]));
   }
 }
 
+// Sets every request's verify length in verify_ from what the engine knows (the lag model in
+// simulator.h): the default length, the planner's, or DSpark's.
 absl::StatusOr<int> Simulation::Plan() {
   planned_tier_ = 0;
   DrawStepSignals();
@@ -563,7 +558,7 @@ absl::StatusOr<int> Simulation::Plan() {
         batches_[r][i].k_cap = sure_cap;
         batches_[r][i].no_lagged_survival = a.steps_planned < dspark::kConfidenceLagSteps;
         if (cfg_.confidence_sigma >= 0) {  // the draft's own signal: fresh for the top-k
-          batches_[r][i].acceptance = ConfidenceCurve(a, 0);
+          batches_[r][i].acceptance = a.confidence;
           batches_[r][i].has_lagged_acceptance = a.confidence_steps > dspark::kConfidenceLagSteps;
           if (batches_[r][i].has_lagged_acceptance) {
             batches_[r][i].lagged_acceptance = ConfidenceCurve(a, dspark::kConfidenceLagSteps);
@@ -805,15 +800,12 @@ absl::Status Simulation::Progress(double step_us) {
       totals_.k_sum += k;
       totals_.k_count += 1;
       if (a.finished_step >= 0) continue;  // its work this step is wasted
+      const std::array<double, kMaxDraftLen>& rates =
+          cfg_.step_acceptance_sigma > 0 ? a.step_rates : a.rates;
       int m = 0;
-      if (cfg_.step_acceptance_sigma > 0) {
-        while (m < k && unif_(rng_) < Sigmoid(Logit(a.rates[m]) + a.step_shift)) ++m;
-      } else {
-        while (m < k && unif_(rng_) < a.rates[m]) ++m;
-      }
+      while (m < k && unif_(rng_) < rates[m]) ++m;
       if (cfg_.confidence_sigma >= 0 && k >= 1) {
-        confidence_samples_.emplace_back(
-            static_cast<float>(Sigmoid(Logit(a.rates[0]) + a.confidence_offset[0])), m >= 1);
+        confidence_samples_.emplace_back(static_cast<float>(a.confidence.Accept(1)), m >= 1);
       }
       const int64_t emitted = std::min<int64_t>(m + 1, a.remaining);
       pending_.back().push_back({r, a.id, k, m, step_us, emitted, false});
@@ -917,6 +909,8 @@ std::string VerifyModeName(VerifyMode m) {
   return "?";
 }
 
+bool IsDspark(VerifyMode m) { return m == VerifyMode::kDspark || m == VerifyMode::kDsparkFill; }
+
 std::string DsparkTableName(DsparkTable t) {
   switch (t) {
     case DsparkTable::kProfiled: return "profiled";
@@ -969,8 +963,7 @@ absl::StatusOr<RunResult> Simulate(const SimConfig& cfg, const TruthModel& truth
   const auto wall0 = std::chrono::steady_clock::now();
   absl::StatusOr<Simulation> simulation = Simulation::Create(cfg, truth, trace);
   if (!simulation.ok()) return simulation.status();
-  const bool dspark = cfg.verify == VerifyMode::kDspark || cfg.verify == VerifyMode::kDsparkFill;
-  if (dspark && cfg.dspark_table == DsparkTable::kOnline) {
+  if (IsDspark(cfg.verify) && cfg.dspark_table == DsparkTable::kOnline) {
     // Warm-up passes: the same trace and seed, each carrying the profilers of the pass before.
     std::optional<Simulation> previous;
     for (int pass = 0; pass < cfg.dspark_online_warmup; ++pass) {

@@ -59,6 +59,7 @@ namespace dpbalance::replay {
 
 enum class VerifyMode { kStatic, kLocal, kGoodput, kFill, kOracle, kDspark, kDsparkFill };
 std::string VerifyModeName(VerifyMode m);  // "off" for static
+bool IsDspark(VerifyMode m);               // kDspark or kDsparkFill: SGLang DSpark's planner
 
 // How a DSpark row prices its verify budget, each a way SGLang ships (sgl-project/sglang;
 // dpbalance/dspark.h) but kContext:
