@@ -266,6 +266,18 @@ std::string PlannerModelSpec() {
   return absl::GetFlag(FLAGS_truth) == "v1" ? "online:v1" : "online:v2";
 }
 
+// The model the planner starts from (PlannerModelSpec without its online[:START] prefix: START,
+// V2 when none is given) and whether it refits online.
+struct PlannerModelStart {
+  std::string spec;
+  bool online = false;
+};
+PlannerModelStart PlannerStart() {
+  const std::string spec = PlannerModelSpec();
+  if (spec.rfind("online", 0) != 0) return {spec, false};
+  return {spec.size() > 7 && spec[6] == ':' ? spec.substr(7) : "v2", true};
+}
+
 // What a row plans with: "" where no cost model plans it (static rows; DSpark rows priced by
 // one of SGLang's tables, profiled on the truth as SGLang's profiler measures the hardware);
 // "truth (oracle)" for the oracle rows; else the resolved --planner_model ("truth" when it is the
@@ -278,13 +290,13 @@ std::string PlannerModelOf(VerifyMode verify, DsparkTable table) {
 }
 
 // The context SGLang's profiler runs at when told the workload: --input-len the trace's median
-// prompt, then its 572 new tokens (dspark::kProfileContextTokens at the default 16).
+// prompt, then half its new tokens (as dspark::kProfileContextTokens at its default input).
 int64_t WorkloadProfileContext(const std::vector<TraceRequest>& trace) {
   if (trace.empty()) return dspark::kProfileContextTokens;
   std::vector<int64_t> inputs;
   for (const TraceRequest& r : trace) inputs.push_back(r.input_tokens);
   std::nth_element(inputs.begin(), inputs.begin() + static_cast<long>(inputs.size() / 2), inputs.end());
-  return inputs[inputs.size() / 2] + (dspark::kProfileContextTokens - 16);
+  return inputs[inputs.size() / 2] + dspark::kProfileOutputTokens / 2;
 }
 
 // --tpot_slo_ms: nullopt for 'auto', else the SLO in ms (0: none).
@@ -564,15 +576,12 @@ absl::StatusOr<SimConfig> BaseConfigFromFlags(const TruthModel& truth) {
     }
     base.planner_grid_simulation = *named;
   }
-  std::string planner_model = PlannerModelSpec();
-  if (planner_model.rfind("online", 0) == 0) {  // online[:START]
-    base.planner_online = true;
-    planner_model = planner_model.size() > 7 && planner_model[6] == ':' ? planner_model.substr(7) : "v2";
-  }
-  if (planner_model == "truth") {
+  const PlannerModelStart start = PlannerStart();
+  base.planner_online = start.online;
+  if (start.spec == "truth") {
     base.planner_model = truth.attention;
   } else {
-    absl::StatusOr<CostModel> m = ModelByName(planner_model, "--planner_model");
+    absl::StatusOr<CostModel> m = ModelByName(start.spec, "--planner_model");
     if (!m.ok()) return m.status();
     base.planner_model = *m;
   }
@@ -591,11 +600,7 @@ absl::StatusOr<Instance> InstanceFromFlags(cli::ExitCode& exit_code) {
   exit_code = ModelSpecExitCode(absl::GetFlag(FLAGS_truth));
   absl::StatusOr<TruthModel> truth = TruthFromFlags();
   if (!truth.ok()) return truth.status();
-  std::string planner_model = PlannerModelSpec();
-  if (const size_t colon = planner_model.find(':'); planner_model.rfind("online", 0) == 0) {
-    planner_model = colon == std::string::npos ? "v2" : planner_model.substr(colon + 1);
-  }
-  exit_code = ModelSpecExitCode(planner_model);
+  exit_code = ModelSpecExitCode(PlannerStart().spec);
   absl::StatusOr<SimConfig> base = BaseConfigFromFlags(*truth);
   if (!base.ok()) return base.status();
   TruthModel dspark_truth = BlockDraft(*truth);
@@ -1062,7 +1067,8 @@ const Row* FindRow(const std::vector<Row>& rows, const std::string& name) {
   return nullptr;
 }
 
-// What a row planned with, for a summary line: "" for a headline row's model, else a warning.
+// What a row planned with, for a summary line: its model, and for a row that is not a headline,
+// a warning saying so.
 std::string Knowledge(const Row& row) {
   if (row.headline) return absl::StrCat("planned with ", row.planner_model.empty() ? "no model" : row.planner_model);
   return absl::StrCat("planned with ", row.planner_model,

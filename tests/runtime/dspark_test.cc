@@ -327,7 +327,9 @@ TEST(OnlineSps, RebuildsEveryThousandStepsAsSglangDoes) {
         ASSERT_EQ(table->steps_per_s().size(), want.size());
         for (size_t i = 0; i < want.size(); ++i) {
           EXPECT_NEAR(table->steps_per_s()[i], want[i], 1e-9 * want[i]) << "trial " << trial << " bin " << i;
-          if (i > 0) EXPECT_LT(table->steps_per_s()[i], table->steps_per_s()[i - 1]);
+          if (i > 0) {
+            EXPECT_LT(table->steps_per_s()[i], table->steps_per_s()[i - 1]);
+          }
         }
       }
     }

@@ -46,7 +46,9 @@ inline constexpr int kConfidenceLagSteps = 2;
 // dspark_sps_profiler's inputs: prompts of 16 tokens (`--input-len`) and 572 new tokens per
 // request, every step committing exactly one (SGLANG_SIMULATE_ACC_LEN=1.0), so contexts run from
 // 17 to about 590 tokens; the table's median step sits near the middle of that.
-inline constexpr int64_t kProfileContextTokens = 16 + 572 / 2;
+inline constexpr int64_t kProfileInputTokens = 16;
+inline constexpr int64_t kProfileOutputTokens = 572;
+inline constexpr int64_t kProfileContextTokens = kProfileInputTokens + kProfileOutputTokens / 2;
 
 // One draft position a rank may verify.
 struct Candidate {
