@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "absl/strings/str_format.h"
+#include "dpbalance/median.h"
 
 namespace dpbalance {
 namespace {
@@ -17,15 +18,6 @@ constexpr size_t kLevelRows = 3;
 constexpr int64_t kWarmup = 50;
 // Standard deviations per median absolute deviation, for normally distributed values.
 constexpr double kMadToSigma = 1.4826;
-
-// The median of `v` (not empty); of an even count, the mean of the middle two.
-double Median(std::vector<double> v) {
-  const size_t mid = v.size() / 2;
-  std::nth_element(v.begin(), v.begin() + mid, v.end());
-  const double upper = v[mid];
-  if (v.size() % 2 == 1) return upper;
-  return 0.5 * (upper + *std::max_element(v.begin(), v.begin() + mid));
-}
 
 }  // namespace
 

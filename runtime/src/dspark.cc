@@ -6,6 +6,7 @@
 #include <Eigen/Dense>
 
 #include "absl/strings/str_format.h"
+#include "dpbalance/median.h"
 
 namespace dpbalance::dspark {
 
@@ -97,12 +98,6 @@ int64_t MBin(int64_t m) {
   int64_t bin = q;
   if (2 * r > kWidth || (2 * r == kWidth && q % 2 == 1)) bin = q + 1;
   return bin * kWidth;
-}
-
-double Median(std::vector<double> v) {  // numpy.median: the mean of the middle two when even
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 }  // namespace
