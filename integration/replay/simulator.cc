@@ -559,8 +559,7 @@ absl::StatusOr<int> Simulation::Plan() {
         batches_[r][i].no_lagged_survival = a.steps_planned < dspark::kConfidenceLagSteps;
         if (cfg_.confidence_sigma >= 0) {  // the draft's own signal: fresh for the top-k
           batches_[r][i].acceptance = a.confidence;
-          batches_[r][i].has_lagged_acceptance = a.confidence_steps > dspark::kConfidenceLagSteps;
-          if (batches_[r][i].has_lagged_acceptance) {
+          if (a.confidence_steps > dspark::kConfidenceLagSteps) {
             batches_[r][i].lagged_acceptance = ConfidenceCurve(a, dspark::kConfidenceLagSteps);
           } else {
             batches_[r][i].no_lagged_survival = true;

@@ -1868,7 +1868,7 @@ void Planner::SummarizeDspark(LocalState& st, RankSummary& s) const {
   dspark::OrderCandidates(caps, [&](int32_t i, int32_t j) {
     const PlanRequest& p = st.batch[i];
     if (p.no_lagged_survival) return 1.0;
-    return p.has_lagged_acceptance ? p.lagged_acceptance.Accept(j) : p.acceptance.Accept(j);
+    return (p.lagged_acceptance ? *p.lagged_acceptance : p.acceptance).Accept(j);
   }, candidates);
   const size_t rank = s.rank_idx;
   if (rank < rank_sps_.size() && rank_sps_[rank]) {

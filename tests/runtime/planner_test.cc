@@ -1430,7 +1430,6 @@ TEST(PlannerDspark, TheBudgetReadsTheLaggedConfidencesAndTheTopKTheFreshOnes) {
       const AcceptanceCurve fresh = curve(), lagged = curve();
       fresh_lagged[i] = r;
       fresh_lagged[i].acceptance = fresh;
-      fresh_lagged[i].has_lagged_acceptance = true;
       fresh_lagged[i].lagged_acceptance = lagged;
       lagged_only[i] = r;
       lagged_only[i].acceptance = lagged;  // no lagged curve: the budget reads this one

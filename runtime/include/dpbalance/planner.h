@@ -178,8 +178,7 @@ struct PlanRequest {
   // DSpark modes: the draft's confidences two decode steps back, which DSpark's budget reads
   // (SGLang's confidence relay) while its top-k reads this step's (`acceptance`). Unset: the
   // budget reads `acceptance` too.
-  bool has_lagged_acceptance = false;
-  AcceptanceCurve lagged_acceptance;
+  std::optional<AcceptanceCurve> lagged_acceptance;
 };
 
 // Per-request value weights of PlannerConfig::value_deferral for one rank's batch. Each request
