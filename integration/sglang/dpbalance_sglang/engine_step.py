@@ -354,9 +354,11 @@ class RankState:
         t0 = time.monotonic()
         try:
             res = self.dpb.plan(reqs, kind=kind, extra_tokens=extra)
-        except (TypeError, ValueError) as e:  # this rank's batch cannot be marshalled: it sends
-            log.error("dpbalance_sglang: DP rank %d: %s; SGLang's own lengths this step",  # a
-                      self.dpb.dp_rank, e)  # zero record, so no rank has an agreement this step
+        except (TypeError, ValueError) as e:
+            # This rank's batch cannot be marshalled: it sends a zero record, so no rank has an
+            # agreement this step.
+            log.error("dpbalance_sglang: DP rank %d: %s; SGLang's own lengths this step",
+                      self.dpb.dp_rank, e)
             return None
         # The exchange went through on this rank: every peer now holds the same agreement, so
         # nothing below may lose this plan (an error in the bookkeeping is logged and the plan
