@@ -30,7 +30,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PY="" MODEL="" DRAFT="" SETUP="" STEPS="1 3" SPS="" DP=2 PROMPTS=256 IN_LEN=1024 OUT_LEN=256
-JSON="$ROOT/out/gpu_sglang.json"
+JSON="$ROOT/build/out/gpu_sglang.json"
 while [ $# -gt 0 ]; do
   case "$1" in
     --python) PY="${2:?}"; shift 2 ;;

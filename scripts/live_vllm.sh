@@ -54,7 +54,7 @@
 # Exit status: 0 done, 1 a run failed or hung, 2 bad flag, 3 the install failed.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-JSON="$ROOT/out/live_vllm.json"
+JSON="$ROOT/build/out/live_vllm.json"
 QUICK=0
 KEEP=""
 INSTALL_ONLY=0

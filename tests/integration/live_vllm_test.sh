@@ -14,7 +14,7 @@
 #   tests/integration/live_vllm_test.sh [OUT_JSON]
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
-JSON="${1:-$ROOT/out/live_vllm.json}"
+JSON="${1:-$ROOT/build/out/live_vllm.json}"
 MIN_STEPS="${LIVE_VLLM_MIN_STEPS:-150}"
 LOG="$(mktemp)"
 trap 'rm -f "$LOG"' EXIT
