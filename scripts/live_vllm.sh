@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# dpbalance inside a real vLLM instance on this machine's CPUs, against the best static draft
-# length and a DSpark-like planner (docs/live_vllm.md). Data parallel 2 (--dp), a Qwen2-MoE with
-# random weights shaped so that attention is a large share of the forward, ngram speculative
-# decoding, a request stream whose classes differ in sampling and prompts (--workload mixed) or
-# the greedy stream (--workload greedy). Per workload and replicate, each arm a fresh vLLM
-# instance serving the same stream:
+# The live benchmark: dpbalance in real vLLM DP instances on the CPUs against vLLM as shipped.
+# dpbalance against the best static draft length and a DSpark-like planner (docs/live_vllm.md).
+# Data parallel 2 (--dp), a Qwen2-MoE with random weights shaped so that attention is a large
+# share of the forward, ngram speculative decoding, a request stream whose classes differ in
+# sampling and prompts (--workload mixed) or the greedy stream (--workload greedy). Per workload
+# and replicate, each arm a fresh vLLM instance serving the same stream:
 #   static k (vLLM as shipped, num_speculative_tokens = k, for each k of --ks; the best is
 #   static_best), dspark (DPB_MODE=dspark_fill), dpbalance (DPB_MODE=goodput, DPB_DEFAULT_K =
 #   static_best's k), ab (dpbalance with DPB_AB_EPOCH: balanced and static_best's length in
@@ -18,7 +18,7 @@
 #                        [--seed S] [--dp N] [--ks "1 3 5 7"] [--slo p99|off] [--no-ab]
 #                        [--min-plan-gain F] [--value-deferral] [--anchor-k K] [--nospec-each]
 #                        [--guard-overhead-us US] [--no-guard-measured] [--quiet-after N]
-#                        [--keep-logs DIR] [--quick]
+#                        [--zero-config] [--keep-logs DIR] [--quick]
 #   scripts/live_vllm.sh --install-only   (the venv and the plugin package, nothing run;
 #                                          scripts/serve_vllm.sh and the README's quickstart)
 #
@@ -36,7 +36,7 @@
 # no-speculation arm runs in every replicate (with the static arms), not only before replicate
 # 1's, and the summary pairs dpbalance with it (goodput_ratio_vs_nospec). --guard-overhead-us US:
 # the plugin arms count US microseconds of their own per step (the exchange and its adapter,
-# which scripts/live_steps.py measures on a kept run) against the TPOT guard
+# which scripts/studies/live_steps.py measures on a kept run) against the TPOT guard
 # (DPB_GUARD_OVERHEAD_US; the prediction the same). The plugin arms also count their own time
 # as they measure it (DPB_GUARD_MEASURED=1, the vLLM package's default: each rank's median plan
 # call, exchange included, rides its record and the guard charges the largest; US adds to it),
@@ -44,7 +44,10 @@
 # --guard-measured); --no-guard-measured runs them with DPB_GUARD_MEASURED=0 (--guard-measured,
 # the default, is accepted for the commands in docs/live_vllm.md). --quiet-after N: the plugin
 # arms' DPB_QUIET_AFTER (default 8, the vLLM package's; 0: every step exchanges), and the
-# prediction's --quiet-after the same. LIVE_VLLM_ARGS adds
+# prediction's --quiet-after the same. --zero-config: the plugin arms are `dpbalance` with the
+# harness's fitted step-term flags (DPB_FFN_*, online fit off) and `auto` with no step-term flag
+# (learnt online), no DSpark or A/B arm; the summary's `zero_config` compares them (goodput,
+# wall goodput, TPOT p99, each with its interval; the learnt terms against the fit). LIVE_VLLM_ARGS adds
 # live_bench.py run-arm flags to every arm.
 #
 # The virtual environment lives outside the work tree, in $DPBALANCE_VLLM_VENV (default
@@ -74,6 +77,7 @@ ANCHOR_K=                      # the plugin arms' anchor (empty: replicate 1's b
 GUARD_OVERHEAD=                # the plugin arms' DPB_GUARD_OVERHEAD_US (empty: the plugin's default, 0)
 GUARD_MEASURED=1               # the plugin arms' DPB_GUARD_MEASURED (--no-guard-measured: 0)
 QUIET_AFTER=8                  # the plugin arms' DPB_QUIET_AFTER (the package's default)
+ZERO_CONFIG=0                  # 1: plugin arms dpbalance (fitted step flags) and auto (none)
 ARGS=("$@")
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -98,6 +102,7 @@ while [ $# -gt 0 ]; do
     --guard-measured) GUARD_MEASURED=1; shift ;;
     --no-guard-measured) GUARD_MEASURED=0; shift ;;
     --quiet-after) QUIET_AFTER="${2:?--quiet-after needs a step count}"; shift 2 ;;
+    --zero-config) ZERO_CONFIG=1; AB=0; shift ;;
     -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) echo "live_vllm.sh: unknown flag '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -260,12 +265,14 @@ nospec_arm() {  # WORKLOAD REPLICATE: in replicates after the first only with --
 plugin_arms() {  # WORKLOAD REPLICATE ORDER(fwd|rev)
   local w=$1 rep=$2 order=$3 arm
   local arms=(dspark dpbalance)
+  [ "$ZERO_CONFIG" = 1 ] && arms=(dpbalance auto)
   [ "$AB" = 1 ] && arms+=(ab)
   [ "$order" = rev ] && arms=($(printf '%s\n' "${arms[@]}" | tac))
   for arm in "${arms[@]}"; do
     case "$arm" in
       dspark) run_arm "$w" "$rep" dspark dspark "$K_SPEC" "${PLUGIN_ENV[@]}" DPB_MODE=dspark_fill ;;
       dpbalance) run_arm "$w" "$rep" dpbalance dpbalance "$K_SPEC" "${PLUGIN_ENV[@]}" DPB_MODE=goodput "${SLO_ENV[@]}" ;;
+      auto) run_arm "$w" "$rep" auto dpbalance_auto "$K_SPEC" "${AUTO_ENV[@]}" DPB_MODE=goodput "${SLO_ENV[@]}" ;;
       ab) run_arm "$w" "$rep" ab ab "$K_SPEC" "${PLUGIN_ENV[@]}" DPB_MODE=goodput "${SLO_ENV[@]}" DPB_AB_EPOCH="$EPOCH" ;;
     esac
   done
@@ -316,6 +323,16 @@ for W in ${WORKLOADS//,/ }; do
   PLUGIN_ENV+=(DPB_GUARD_MEASURED="$GUARD_MEASURED")
   [ "$GUARD_MEASURED" = 1 ] && PRED_EXTRA+=(--guard-measured)
   PLUGIN_ENV+=(DPB_QUIET_AFTER="$QUIET_AFTER")
+  # --zero-config: the arm `auto` runs without any step-term flag (no DPB_FFN_*, DPB_DRAFT_US or
+  # DPB_STEP_OVERHEAD_US: the plugin learns them online from its prior, the flags' defaults; the
+  # vLLM package's draft_us=0 for ngram stays, as for any user), and `dpbalance` with the
+  # harness's fitted flags and the online fit off (DPB_LEARN_STEP_TERMS=0), so the pair says
+  # what the fit from static arms is worth against learning online.
+  AUTO_ENV=()
+  for e in "${PLUGIN_ENV[@]}"; do
+    case "$e" in DPB_FFN_*|DPB_DRAFT_US=*|DPB_STEP_OVERHEAD_US=*) ;; *) AUTO_ENV+=("$e") ;; esac
+  done
+  [ "$ZERO_CONFIG" = 1 ] && PLUGIN_ENV+=(DPB_LEARN_STEP_TERMS=0)
   PRED_EXTRA+=(--quiet-after "$QUIET_AFTER")
   # The H200 rows plan with the plugin's margin for the H200 model unless one was given.
   [ -n "$MIN_GAIN" ] && PRED_EXTRA+=(--h200-min-plan-gain "$MIN_GAIN")

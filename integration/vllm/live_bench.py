@@ -578,6 +578,10 @@ def summarize_arm(log_dir, dp, warmup):
         "env": env, "load_before": client.get("load_before"),
         "load_after": client.get("load_after"), "uptime_before": client.get("uptime_before"),
         "plugin_stats": finals,
+        # The step-term flags the arm ran with (the harness's fit, or none: learnt online).
+        "cost_flags": {k: float(env[k]) for k in COST_FLAGS if k in env},
+        "query_tokens_per_step": statistics.mean(sum(sum(r.get("q") or []) for r in st)
+                                                 for st in steps) if steps else None,
     }
 
 
@@ -841,6 +845,56 @@ def pooled(estimates):
     return v, 1.96 / math.sqrt(sum(w))
 
 
+COST_FLAGS = ("DPB_FFN_FIXED_US", "DPB_FFN_PER_TOKEN_US", "DPB_STEP_OVERHEAD_US", "DPB_DRAFT_US")
+
+
+def learnt_terms(run):
+    """Rank 0's step terms from an arm's final record (every rank prices with the same ones)."""
+    for f in run.get("plugin_stats") or []:
+        if f and f.get("step_terms"):
+            return f["step_terms"]
+    return None
+
+
+def zero_config_summary(auto, dpb, sb):
+    """The zero-config arm (no DPB_* cost flag: the step terms learnt online) against the arm
+    with the harness's fitted flags, paired per replicate; and its learnt terms against that
+    fit (the fitted arm's flags), per replicate: each term's ratio and the whole non-attention
+    step at the fitted arm's mean instance tokens per step."""
+    out = {}
+    for key, name in (("goodput_tok_per_s", "goodput_ratio"),
+                      ("wall_goodput_tok_per_s", "wall_goodput_ratio"),
+                      ("tpot_p99_ms", "tpot_p99_ratio")):
+        v = paired(auto, dpb, key)
+        out.update({name: v["mean"], name + "_ci95_low": v["low"], name + "_ci95_high": v["high"],
+                    name + "_per_replicate": v["per_replicate"]})
+    v = paired(auto, sb, "goodput_tok_per_s")
+    out.update(goodput_ratio_vs_static_best=v["mean"], goodput_ratio_vs_static_best_ci95_low=v["low"],
+               goodput_ratio_vs_static_best_ci95_high=v["high"])
+    by_rep = {r["replicate"]: r for r in dpb}
+    per = []
+    for r in auto:
+        t, f = learnt_terms(r), by_rep.get(r["replicate"], {}).get("cost_flags") or {}
+        if not t or "DPB_FFN_FIXED_US" not in f:
+            continue
+        fixed, slope = f["DPB_FFN_FIXED_US"], f.get("DPB_FFN_PER_TOKEN_US", 0.0)
+        tokens = by_rep[r["replicate"]].get("query_tokens_per_step") or 0.0
+        per.append({"replicate": r["replicate"], "learnt": t, "fitted_ffn_fixed_us": fixed,
+                    "fitted_ffn_per_token_us": slope, "tokens": tokens,
+                    "ffn_fixed_ratio": t["ffn_fixed_us"] / fixed if fixed else None,
+                    "ffn_per_token_ratio": t["ffn_per_token_us"] / slope if slope else None,
+                    "step_other_ratio": (t["ffn_fixed_us"] + t["ffn_per_token_us"] * tokens) /
+                                        (fixed + slope * tokens) if fixed + slope * tokens else None})
+    out["learnt_vs_fitted"] = per
+    for k in ("ffn_fixed_ratio", "ffn_per_token_ratio", "step_other_ratio"):
+        vals = [p[k] for p in per if p[k] is not None]
+        if vals:
+            m, h = mean_ci(vals)
+            out[k] = m
+            out[k + "_ci95"] = h
+    return out
+
+
 def workload_summary(runs, ab, predicted):
     """The JSON's `summary` entry of one workload and DP size (see docs/live_vllm.md)."""
     static = {}
@@ -848,12 +902,13 @@ def workload_summary(runs, ab, predicted):
         if r["mode"] == "static":
             static.setdefault(r["k"], []).append(r)
     dpb = [r for r in runs if r["mode"] == "dpbalance"]
+    auto = [r for r in runs if r["mode"] == "dpbalance_auto"]
     ds = [r for r in runs if r["mode"] == "dspark"]
     nospec = [r for r in runs if r["mode"] == "nospec"]
     arms = {}
     for name, group in [("no speculation", nospec)] + \
             [(f"static k={k}", v) for k, v in sorted(static.items())] + \
-            [("dspark", ds), ("dpbalance", dpb)]:
+            [("dspark", ds), ("dpbalance", dpb), ("dpbalance, step terms learnt", auto)]:
         if not group:
             continue
         g, gh = mean_ci([r["goodput_tok_per_s"] for r in group])
@@ -901,6 +956,8 @@ def workload_summary(runs, ab, predicted):
     if ds:
         v = paired(ds, sb, "goodput_tok_per_s")
         out.update(dspark_goodput_ratio=v["mean"], dspark_goodput_ratio_ci95=v["ci95"])
+    if auto and dpb:
+        out["zero_config"] = zero_config_summary(auto, dpb, sb)
     if dpb and nospec:
         # No speculation is a static setting too (num_speculative_tokens unset); the issue's
         # static_best is over k >= 1, so this ratio stands beside it, paired per replicate
@@ -1303,7 +1360,7 @@ def main(argv=None):
     r.add_argument("--max-batched", type=int, default=8192)
     r.add_argument("--timeout", type=float, default=900)
     r.add_argument("--mode", default="static",
-                   choices=("static", "nospec", "dspark", "dpbalance", "ab"),
+                   choices=("static", "nospec", "dspark", "dpbalance", "dpbalance_auto", "ab"),
                    help="what the arm is, recorded for the summary (the DPB_* environment "
                         "decides what runs)")
     r.add_argument("--replicate", type=int, default=1)

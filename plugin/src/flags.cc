@@ -132,6 +132,7 @@ void AddBalancerFlags(FlagTable& t) {
       {"timeout_ms", Int(1, 600000, [](PluginFlags& f, int x) { f.balancer.timeout = absl::Milliseconds(x); })},
       {"max_failures", Int(1, 1000000, [](PluginFlags& f, int x) { f.balancer.max_consecutive_failures = x; })},
       {"ab_epoch", Int(0, 100000000, [](PluginFlags& f, int x) { f.balancer.ab_epoch_steps = x; })},
+      {"learn_step_terms", Int(0, 1, [](PluginFlags& f, int x) { f.balancer.learn_step_terms = x; })},
       {"quiet_after", Int(0, QuietConfig::kMaxAfter, [](PluginFlags& f, int x) { f.balancer.quiet.after = x; })},
       {"quiet_max", Int(1, QuietConfig::kMaxSpan, [](PluginFlags& f, int x) { f.balancer.quiet.max_steps = x; })},
       {"log_every", Int(0, 100000000, [](PluginFlags& f, int x) { f.balancer.log_every_steps = x; })},

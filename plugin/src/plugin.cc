@@ -12,6 +12,7 @@
 #include "dpbalance/log.h"
 #include "dpbalance/nccl_allgather.h"
 #include "dpbalance/plugin/dpbalance_inspect_v1.h"
+#include "dpbalance/plugin/dpbalance_inspect_v2.h"
 #include "dpbalance/plugin/dpbalance_plugin_v1.h"
 #include "dpbalance/plugin/dpbalance_plugin_v2.h"
 #include "dpbalance/summary.h"
@@ -577,11 +578,34 @@ dpbResult_t LastStep(void* context, dpbStepInfo_v1_t* out) {
   return dpbSuccess;
 }
 
+// --- dpbalance_inspect_v2.h ---------------------------------------------------------------
+
+dpbResult_t StepTerms(void* context, dpbStepTerms_v1_t* out) {
+  auto* ctx = static_cast<Context*>(context);
+  if (ctx == nullptr || out == nullptr) return dpbInvalidArgument;
+  const BalancerStats s = ctx->balancer->Stats();
+  std::memset(out, 0, sizeof(*out));
+  out->ffn_fixed_us = s.step_terms.ffn_fixed_us;
+  out->ffn_per_token_us = s.step_terms.ffn_per_token_us;
+  out->draft_us = s.step_terms.draft_per_step_us;
+  out->step_overhead_us = s.step_terms.step_overhead_us;
+  out->online = s.step_terms_online ? 1 : 0;
+  out->per_token_learnt = s.step_terms_per_token_learnt ? 1 : 0;
+  out->draft_learnt = s.step_terms_draft_learnt ? 1 : 0;
+  out->rows = s.step_terms_rows;
+  out->fits = s.step_terms_fits;
+  out->resets = s.step_terms_resets;
+  return dpbSuccess;
+}
+
 }  // namespace
 }  // namespace dpbalance::plugin
 
 extern "C" __attribute__((visibility("default"))) const dpbalanceInspect_v1_t dpbalanceInspect_v1 = {
     "dpbalance", dpbalance::plugin::CheckFlags, dpbalance::plugin::LastStep};
+
+extern "C" __attribute__((visibility("default"))) const dpbalanceInspect_v2_t dpbalanceInspect_v2 = {
+    "dpbalance", dpbalance::plugin::CheckFlags, dpbalance::plugin::LastStep, dpbalance::plugin::StepTerms};
 
 extern "C" __attribute__((visibility("default"))) const dpbalancePlugin_v1_t dpbalancePlugin_v1 = {
     "dpbalance", dpbalance::plugin::Init, dpbalance::plugin::Plan, dpbalance::plugin::Report,

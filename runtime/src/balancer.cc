@@ -11,6 +11,8 @@
 #include "absl/strings/str_format.h"
 #include "dpbalance/calibration.h"
 #include "dpbalance/log.h"
+#include "dpbalance/median.h"
+#include "dpbalance/step_terms.h"
 #include "hash.h"
 
 namespace dpbalance {
@@ -50,6 +52,7 @@ uint64_t BalancerConfig::Hash() const {
   h.Value(ab_epoch_steps);
   h.Value(online_calibration);
   h.Value(lag_predict);
+  h.Value(learn_step_terms);
   if (quiet.after > 0) {  // hashed only when on: configs without it keep their hashes
     h.Value(quiet.after);
     h.Value(quiet.max_steps);
@@ -109,6 +112,9 @@ Balancer::Balancer(BalancerConfig config, int rank, std::unique_ptr<AllGather> c
   if (config_.attn_tp_size > 1) leaders_.resize(config_.planner.num_ranks);
   // The refit learns the weights of the terms the planner prices: from the planner's copy.
   if (config_.online_calibration) online_ = std::make_unique<OnlineCostModel>(planner_.model());
+  if (config_.learn_step_terms) {
+    step_terms_ = std::make_unique<OnlineStepTerms>(config_.planner.global, config_.planner.agreed_draft_depth);
+  }
 }
 
 Balancer::~Balancer() {
@@ -248,7 +254,7 @@ void Balancer::ReadIdleRows() {
     r.config_hash = planner_.config_hash();
     r.rank_idx = static_cast<uint16_t>(p / tp);
     r.step_idx = UINT32_MAX;
-    r.prev_attention_us = r.prev_step_us = r.prev_accepted_tokens = -1.f;
+    r.prev_attention_us = r.prev_step_us = r.prev_accepted_tokens = r.prev_cycle_us = -1.f;
     if (p % tp == 0) idle_rows_[p / tp] = true;  // the DP rank's record is its member 0's
   }
 }
@@ -318,6 +324,7 @@ int64_t Balancer::OwnTokens(const StepInput& in, absl::Span<const int32_t> lens)
 void Balancer::FillTotals(const GlobalDecision* decision, bool balanced, const StepInput& in,
                           absl::Span<const int32_t> own_len, bool fell_back_alone,
                           StepTotals* totals) {
+  RememberStepRun(step_ - 1, decision, balanced);
   if (totals == nullptr) return;
   const absl::Span<const RankSummary> recs = DpRecords();
   totals->known = true;
@@ -425,6 +432,8 @@ PlanOutcome Balancer::Abstain(const absl::Status& why) {
 
 PlanOutcome Balancer::PlanStep(const StepInput& in, absl::Span<int32_t> verify_len,
                                absl::Status local, StepTotals* totals) {
+  // The engine cycle starts here (BeginStep gives this plan the index step_).
+  step_starts_[step_ % step_starts_.size()] = StepStart{step_, config_.clock ? config_.clock() : absl::Now()};
   if (quiet_.SkipStep()) return QuietStep(in, verify_len, local, totals);  // untimed: no exchange
   const absl::Time start = absl::Now();
   PlanOutcome out = PlanStepUntimed(in, verify_len, std::move(local), totals);
@@ -650,6 +659,89 @@ void Balancer::StampOwnSummary(const absl::Status& local, uint64_t step, const S
   own_summary_.prev_attention_us = static_cast<float>(measured.fresh ? measured.attention_us : -1);
   own_summary_.prev_step_us = static_cast<float>(measured.fresh ? measured.step_us : -1);
   own_summary_.prev_accepted_tokens = static_cast<float>(measured.fresh ? measured.tokens : -1);
+  own_summary_.prev_cycle_us = static_cast<float>(measured.fresh ? CycleUs(measured.step) : -1);
+  own_summary_.step_terms_digest = step_terms_ ? step_terms_->Digest() : 0;
+}
+
+double Balancer::CycleUs(uint64_t step) const {
+  if (step == UINT64_MAX) return -1;
+  const StepStart& a = step_starts_[step % step_starts_.size()];
+  const StepStart& b = step_starts_[(step + 1) % step_starts_.size()];
+  if (a.step != step || b.step != step + 1) return -1;
+  return absl::ToDoubleMicroseconds(b.at - a.at);
+}
+
+void Balancer::LearnStepTerms(const Measured& measured) {
+  if (!step_terms_) return;
+  // The terms decide the agreed draft depth: every rank must price with the same ones. A rank
+  // whose fit went its own way (a row the others did not see) shows in its digest; every rank
+  // sees the same digests, so all reset to the prior together.
+  const uint32_t mine = step_terms_->Digest();
+  for (const RankSummary& r : gathered_) {
+    if (r.magic == kSummaryMagic && r.step_terms_digest != 0 && r.step_terms_digest != mine) {
+      step_terms_->Reset();
+      planner_.set_global(step_terms_->terms());
+      if (step_terms_->resets() == 1 || step_terms_->resets() % 100 == 0) {  // rate-limited
+        Logger()->warn("rank {}: the ranks' step terms differ (digest {:08x} here, {:08x} from rank {}): "
+                       "every rank starts their fit again from the flags' values ({} resets)", rank_, mine,
+                       r.step_terms_digest, r.rank_idx, step_terms_->resets());
+      }
+      return;
+    }
+  }
+  if (!measured.fresh) return;
+  const StepRun& run = step_runs_[measured.step % step_runs_.size()];
+  if (measured.step == UINT64_MAX || run.step != measured.step || !run.row) return;
+  // The row, from the records alone (the same bytes on every rank): the median cycle, the
+  // slowest attention and the largest plugin time among the ranks that ran the step.
+  const absl::Span<const RankSummary> recs = DpRecords();
+  std::vector<double> cycles;
+  cycles.reserve(recs.size());
+  double max_attn = 0, plugin_us = 0;
+  for (size_t i = 0; i < recs.size(); ++i) {
+    if (idle_rows_[i]) continue;
+    const RankSummary& r = recs[i];
+    if (!(r.prev_attention_us >= 0) || !(r.prev_cycle_us > 0)) return;
+    cycles.push_back(r.prev_cycle_us);
+    max_attn = std::max<double>(max_attn, r.prev_attention_us);
+    plugin_us = std::max<double>(plugin_us, r.own_us);
+  }
+  if (cycles.empty()) return;
+  const double other = Median(std::move(cycles)) - max_attn - plugin_us;
+  if (step_terms_->Observe(StepTermsRow{run.ffn_tokens, run.draft_depth, other, plugin_us})) {
+    planner_.set_global(step_terms_->terms());
+  }
+}
+
+void Balancer::RememberStepRun(uint64_t step, const GlobalDecision* decision, bool balanced) {
+  if (!step_terms_) return;
+  const absl::Span<const RankSummary> recs = DpRecords();
+  step_run_tokens_.resize(recs.size());
+  planner_.RankTokens(recs, decision ? *decision : GlobalDecision{}, balanced && decision != nullptr,
+                      absl::MakeSpan(step_run_tokens_));
+  StepRun run{step, 0, 0, true};
+  int64_t sum = 0, max_tokens = 0;
+  for (size_t i = 0; i < recs.size(); ++i) {
+    // A rank with prefill beside its verify ran work whose time the terms do not model alike.
+    if (step_run_tokens_[i] < 0 || recs[i].extra_tokens > 0 || (recs[i].flags & kSummaryExtend)) run.row = false;
+    sum += std::max<int64_t>(step_run_tokens_[i], 0);
+    max_tokens = std::max(max_tokens, step_run_tokens_[i]);
+  }
+  const PlannerConfig& c = planner_.config();
+  if (c.global.padded_tokens) {
+    int64_t tier = max_tokens;
+    for (int32_t t : c.token_tiers) {
+      if (t >= max_tokens) {
+        tier = t;
+        break;
+      }
+    }
+    run.ffn_tokens = static_cast<double>(c.num_ranks) * static_cast<double>(tier);
+  } else {
+    run.ffn_tokens = static_cast<double>(sum);
+  }
+  run.draft_depth = !c.agreed_draft_depth ? 0 : balanced && decision ? decision->draft_depth : c.default_k;
+  step_runs_[step % step_runs_.size()] = run;
 }
 
 bool Balancer::AgreeOnStep(uint64_t step, const Measured& measured) {
@@ -660,6 +752,7 @@ bool Balancer::AgreeOnStep(uint64_t step, const Measured& measured) {
   const bool arm_on = ArmOn(agreed_step);
   // The instance's measured step (every rank's latest report) against its plan.
   if (measured.fresh && measured.planned) AccountPreviousStep(recs, measured.arm_on, measured.barrier_us);
+  LearnStepTerms(measured);
   const int64_t epoch = config_.ab_epoch_steps > 0 ? agreed_step / config_.ab_epoch_steps : 0;
   if (epoch != epoch_) {
     arm_on_.EndEpoch();
@@ -773,6 +866,7 @@ absl::Status Balancer::Report(uint64_t step, double attention_us, double step_us
     if (p.step == step && step != UINT64_MAX) plan = &p;
   }
   measured_ = Measured{};
+  measured_.step = step;
   measured_.fresh = true;  // the next record says "unknown" rather than repeating older times
   last_report_ = ReportedStep{};
   last_report_.step = step;
@@ -861,6 +955,16 @@ BalancerStats Balancer::Stats() const {
   s.own_us = own_us_;
   s.quiet_steps = quiet_.quiet_steps();
   s.quiet_spans = quiet_.spans();
+  s.step_terms = planner_.config().global;
+  s.step_terms_online = step_terms_ != nullptr;
+  if (step_terms_) {
+    s.step_terms_rows = step_terms_->rows();
+    s.step_terms_fits = step_terms_->fits();
+    s.step_terms_resets = step_terms_->resets();
+    s.step_terms_per_token_learnt = step_terms_->learnt_per_token();
+    s.step_terms_draft_learnt = step_terms_->learnt_draft();
+    s.step_terms_sigma_us = step_terms_->residual_sigma_us();
+  }
   return s;
 }
 
@@ -868,10 +972,14 @@ void Balancer::MaybeLog() {
   const BalancerStats s = Stats();
   Logger()->info(
       "rank {} step {}: bubble {:.4f} ({:.0f} us/rank), goodput {:.0f} tok/s, {:.1f} tok/step, "
-      "model error {:.3f}, barrier/plan {:.3f}, balanced {}/{} (kept default {}), fallbacks {}{}",
+      "model error {:.3f}, barrier/plan {:.3f}, balanced {}/{} (kept default {}), fallbacks {}{}; "
+      "step terms{} ffn_fixed_us={:.0f} ffn_per_token_us={:.2f} draft_us={:.0f} step_overhead_us={:.0f} "
+      "({} rows, {} fits, {} resets)",
       rank_, s.steps, s.bubble_fraction, s.bubble_us, s.goodput_tok_per_s, s.tokens_per_step,
       s.predicted_error, s.barrier_over_plan, s.balanced_steps, s.steps, s.kept_default_steps,
-      s.fallbacks, s.enabled ? "" : " (disabled)");
+      s.fallbacks, s.enabled ? "" : " (disabled)", s.step_terms_online ? " (learnt online)" : " (flags)",
+      s.step_terms.ffn_fixed_us, s.step_terms.ffn_per_token_us, s.step_terms.draft_per_step_us,
+      s.step_terms.step_overhead_us, s.step_terms_rows, s.step_terms_fits, s.step_terms_resets);
   if (config_.metrics_file.empty()) return;
   std::ofstream f(config_.metrics_file, std::ios::app);
   if (!f) {  // writable at init (the flag checks it): it went away since; say so once
@@ -888,13 +996,17 @@ void Balancer::MaybeLog() {
       "\"balanced_steps\":%d,\"kept_default_steps\":%d,\"fallbacks\":%d,"
       "\"enabled\":%s,\"ab\":{\"on\":{\"epochs\":%d,\"bubble\":%.6f,\"bubble_ci95\":%.6f,"
       "\"goodput\":%.3f,\"goodput_ci95\":%.3f},\"off\":{\"epochs\":%d,\"bubble\":%.6f,"
-      "\"bubble_ci95\":%.6f,\"goodput\":%.3f,\"goodput_ci95\":%.3f}}}\n",
+      "\"bubble_ci95\":%.6f,\"goodput\":%.3f,\"goodput_ci95\":%.3f}},"
+      "\"step_terms\":{\"online\":%s,\"ffn_fixed_us\":%.3f,\"ffn_per_token_us\":%.5f,"
+      "\"draft_us\":%.3f,\"step_overhead_us\":%.3f,\"rows\":%d,\"fits\":%d,\"resets\":%d}}\n",
       rank_, s.steps, s.bubble_fraction, s.bubble_us, s.goodput_tok_per_s, s.tokens_per_step,
       s.predicted_error, s.barrier_over_plan, s.balanced_steps, s.kept_default_steps, s.fallbacks,
       s.enabled ? "true" : "false",
       s.arm_on.epochs, s.arm_on.bubble_fraction, s.arm_on.bubble_ci95, s.arm_on.goodput_tok_per_s,
       s.arm_on.goodput_ci95, s.arm_off.epochs, s.arm_off.bubble_fraction, s.arm_off.bubble_ci95,
-      s.arm_off.goodput_tok_per_s, s.arm_off.goodput_ci95);
+      s.arm_off.goodput_tok_per_s, s.arm_off.goodput_ci95, s.step_terms_online ? "true" : "false",
+      s.step_terms.ffn_fixed_us, s.step_terms.ffn_per_token_us, s.step_terms.draft_per_step_us,
+      s.step_terms.step_overhead_us, s.step_terms_rows, s.step_terms_fits, s.step_terms_resets);
 }
 
 }  // namespace dpbalance

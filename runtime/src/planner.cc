@@ -1237,7 +1237,7 @@ void Planner::StartSummary(const LocalState& st, int rank_idx, RankSummary& s) c
   s.flags = kSummaryValid;
   s.config_hash = config_hash_;
   s.rank_idx = static_cast<uint16_t>(rank_idx);
-  s.prev_attention_us = s.prev_step_us = s.prev_accepted_tokens = -1.f;
+  s.prev_attention_us = s.prev_step_us = s.prev_accepted_tokens = s.prev_cycle_us = -1.f;
   s.base_attention_us = static_cast<float>(st.base_attention_us);
   s.base_gain = static_cast<float>(st.base_gain);
   s.base_tokens = static_cast<uint32_t>(st.base_agg.query_tokens);

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "dpbalance/plugin/dpbalance_inspect_v1.h"
+#include "dpbalance/plugin/dpbalance_inspect_v2.h"
 #include "dpbalance/plugin/dpbalance_plugin_v2.h"
 #include "gtest/gtest.h"
 
@@ -183,6 +185,75 @@ TEST_F(Inspect, LastStepGivesTheReportedPlansPredictionBesideTheMeasuredTime) {
     for (const auto& i : rank) balanced += i.predicted_attention_us > 0;
   }
   EXPECT_GT(balanced, 12);
+}
+
+// dpbalanceInspect_v2.step_terms: the step terms the plan prices with. With the online fit on,
+// they leave the flags' values (here a 30 ms fixed term) for what the engine's cycle measures (a
+// step of ~3 ms of sleep and 0.4 ms of attention); with it off, they are the flags exactly.
+TEST_F(Inspect, StepTermsAreLearntFromTheEngineCycleOrAreTheFlags) {
+  const auto* v2 = static_cast<const dpbalanceInspect_v2_t*>(dlsym(lib_, DPB_INSPECT_SYMBOL_V2));
+  ASSERT_NE(v2, nullptr);
+  EXPECT_EQ(v2->check_flags, api_->check_flags);
+  for (const int learn : {1, 0}) {
+    const int dp = 2;
+    std::vector<dpbStepTerms_v1_t> terms(dp);
+    std::vector<std::thread> ranks;
+    const std::string config = "backend=inproc;group=terms" + std::to_string(learn) +
+                               ";log_every=0;timeout_ms=20000;ffn_fixed_us=30000;ffn_per_token_us=3;"
+                               "draft_us=0;learn_step_terms=" + std::to_string(learn);
+    for (int r = 0; r < dp; ++r) {
+      ranks.emplace_back([&, r] {
+        dpbInitArgs_v2_t a{};
+        a.struct_size = sizeof(a);
+        a.dp_size = dp;
+        a.dp_rank = r;
+        a.attn_tp_size = 1;
+        a.config = config.c_str();
+        a.backend = dpbBackendFromFlags;
+        a.cuda_device = -1;
+        void* ctx = nullptr;
+        ASSERT_EQ(v2_->init(&a, &ctx), dpbSuccess);
+        for (int step = 0; step < 80; ++step) {
+          std::vector<std::string> ids;
+          std::vector<dpbRequest_v2_t> reqs;
+          for (int i = 0; i < 3 + (step + r) % 5; ++i) ids.push_back("r" + std::to_string(r) + "-" + std::to_string(i));
+          for (size_t i = 0; i < ids.size(); ++i) {
+            reqs.push_back({ids[i].data(), static_cast<int32_t>(ids[i].size()), 3000, 0, 7, nullptr, 0});
+          }
+          dpbStep_v2_t st{dpbStepDecode, reqs.data(), static_cast<int32_t>(reqs.size()), -1, 0};
+          std::vector<int32_t> lens(reqs.size());
+          dpbPlanResult_v2_t res{};
+          res.verify_len = lens.data();
+          ASSERT_EQ(v2_->plan(ctx, &st, &res), dpbSuccess);
+          std::this_thread::sleep_for(std::chrono::microseconds(3000));  // the forward
+          dpbReport_v2_t rep{res.plan_id, 400.0, 3400.0, nullptr, 0};
+          ASSERT_EQ(v2_->report(ctx, &rep), dpbSuccess);
+        }
+        ASSERT_EQ(v2->step_terms(ctx, &terms[r]), dpbSuccess);
+        EXPECT_EQ(v2->step_terms(ctx, nullptr), dpbInvalidArgument);
+        EXPECT_EQ(v2_->finalize(ctx), dpbSuccess);
+      });
+    }
+    for (auto& t : ranks) t.join();
+    SCOPED_TRACE(learn);
+    for (const dpbStepTerms_v1_t& t : terms) {
+      EXPECT_EQ(t.online, learn);
+      if (learn) {
+        EXPECT_GE(t.rows, 40);
+        EXPECT_GE(t.fits, 2);
+        EXPECT_EQ(t.resets, 0);
+        // ~3 ms per step measured against the flags' 30 ms: the fit follows the measurements.
+        EXPECT_LT(t.ffn_fixed_us + 20 * t.ffn_per_token_us, 15000);
+        EXPECT_GT(t.ffn_fixed_us + t.step_overhead_us + 20 * t.ffn_per_token_us, 1000);
+      } else {
+        EXPECT_EQ(t.ffn_fixed_us, 30000);
+        EXPECT_EQ(t.ffn_per_token_us, 3);
+        EXPECT_EQ(t.draft_us, 0);
+        EXPECT_EQ(t.rows, 0);
+      }
+    }
+    EXPECT_EQ(std::memcmp(&terms[0], &terms[1], offsetof(dpbStepTerms_v1_t, rows)), 0) << "ranks differ";
+  }
 }
 
 }  // namespace

@@ -90,7 +90,7 @@ TEST_F(PluginAbi, ExportsOnlyTheVersionedSymbols) {
     symbols.push_back(s.substr(s.rfind(' ') + 1, s.size() - s.rfind(' ') - 2));
   }
   std::sort(symbols.begin(), symbols.end());
-  EXPECT_EQ(symbols, (std::vector<std::string>{"dpbalanceInspect_v1", "dpbalancePlugin_v1", "dpbalancePlugin_v2",
+  EXPECT_EQ(symbols, (std::vector<std::string>{"dpbalanceInspect_v1", "dpbalanceInspect_v2", "dpbalancePlugin_v1", "dpbalancePlugin_v2",
                                                "dpbalanceRouter_v1"}));
   EXPECT_STREQ(plugin_->name, "dpbalance");
 }

@@ -1001,4 +1001,74 @@ TEST(BalancerReports, ExtendStepsNeitherRefitNorCountAsModelError) {
   EXPECT_NE(b->model().weights_us(), before);
 }
 
+// The step terms learnt online (step_terms.h), through the balancer on a fake engine clock:
+// every step's cycle is the slowest rank's attention plus 6 ms plus 35 us per instance token
+// (no draft cost), far from the flags' H200 prior (20 ms + 2 us/token). Every rank learns the
+// same terms from the exchange, bit for bit; when one record's digest is corrupted in flight
+// (every rank sees it), all reset together and learn again.
+thread_local absl::Time fake_engine_now;
+absl::Time FakeEngineNow() { return fake_engine_now; }
+
+class DigestFlip : public Forwarding {
+ public:
+  DigestFlip(std::unique_ptr<AllGather> inner, int64_t at) : Forwarding(std::move(inner)), at_(at) {}
+  absl::Status Gather(absl::Span<const uint8_t> send, absl::Span<uint8_t> recv, absl::Duration timeout) override {
+    absl::Status s = inner_->Gather(send, recv, timeout);
+    if (s.ok() && calls_++ == at_) reinterpret_cast<RankSummary*>(recv.data())[1].step_terms_digest ^= 0x10;
+    return s;
+  }
+
+ private:
+  int64_t at_, calls_ = 0;
+};
+
+TEST(Balancer, LearnsTheStepTermsFromTheEngineCycleOnEveryRankAlike) {
+  constexpr int kRanks = 3, kSteps = 500;
+  constexpr double kFixedUs = 6000, kPerTokenUs = 35;
+  auto group = *InProcessGroup::Create(kRanks, sizeof(RankSummary));
+  std::vector<BalancerStats> stats(kRanks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      BalancerConfig c = Config(kRanks);
+      c.clock = FakeEngineNow;
+      c.planner.global.draft_per_step_us = 0;  // a drafter that runs no model (ngram)
+      fake_engine_now = absl::UnixEpoch();
+      auto b = *Balancer::Create(c, r, std::make_unique<DigestFlip>(*group->Join(r), 250));
+      std::mt19937_64 rng(r);
+      for (int s = 0; s < kSteps; ++s) {
+        std::vector<BalancerRequest> batch = Batch(rng, 3 + (5 * s + 3 * r) % 11, 1000 * r + s % 3);
+        std::vector<int32_t> v(batch.size(), -1);
+        StepTotals totals;
+        b->Plan(StepInput{batch, -1, 0, 0}, absl::MakeSpan(v), &totals);
+        ASSERT_TRUE(totals.known);
+        int64_t tokens = 0;
+        for (int64_t t : totals.rank_tokens) tokens += t;
+        const double attention = 9000 + 500 * ((r + s) % kRanks);  // the slowest: 10 ms every step
+        std::vector<BalancerAccepted> acc;
+        for (size_t i = 0; i < batch.size(); ++i) acc.push_back({batch[i].request_id, v[i], v[i] / 2, false});
+        ASSERT_TRUE(b->Report(attention, attention, acc).ok());
+        fake_engine_now += absl::Microseconds(10000 + kFixedUs + kPerTokenUs * static_cast<double>(tokens));
+      }
+      stats[r] = b->Stats();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < kRanks; ++r) {
+    const GlobalCost& g = stats[r].step_terms;
+    SCOPED_TRACE(r);
+    EXPECT_TRUE(stats[r].step_terms_online);
+    EXPECT_EQ(stats[r].step_terms_resets, 1);  // the corrupted digest, seen by every rank
+    EXPECT_GT(stats[r].step_terms_rows, 200);
+    EXPECT_GT(stats[r].step_terms_fits, 10);
+    EXPECT_TRUE(stats[r].step_terms_per_token_learnt);
+    // The plugin's own time (measured on the real clock) is the overhead term; the fixed term is
+    // the rest of the constant.
+    EXPECT_NEAR(g.ffn_fixed_us + g.step_overhead_us, kFixedUs, 0.03 * kFixedUs);
+    EXPECT_NEAR(g.ffn_per_token_us, kPerTokenUs, 0.03 * kPerTokenUs);
+    EXPECT_NEAR(g.draft_per_step_us, 0, 30);  // learnt where the agreed depth varied: none
+    EXPECT_EQ(std::memcmp(&g, &stats[0].step_terms, sizeof(GlobalCost)), 0) << "ranks priced differently";
+  }
+}
+
 }  // namespace dpbalance

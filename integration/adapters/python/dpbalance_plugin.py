@@ -79,6 +79,7 @@ SYMBOL_V2 = "dpbalancePlugin_v2"
 ABI_VERSION_2 = 2
 ROUTER_SYMBOL = "dpbalanceRouter_v1"
 INSPECT_SYMBOL = "dpbalanceInspect_v1"
+INSPECT_SYMBOL_V2 = "dpbalanceInspect_v2"
 DEFAULT_LIBRARY = "libdpbalance.so"
 
 # dpbResult_t
@@ -94,10 +95,10 @@ RECORD_BYTES = 512
 # The idle row (dpbalance/summary.h, IdleRowRecord): what an engine writes itself into its
 # per-step sync for a DP rank that has no work this step and makes no plan there (SGLang's
 # fallback row for an inactive rank): the summary magic "DPB1", the record's version
-# (kSummaryVersion: 5 since the record carries each rank's padding price), the idle flag, and
+# (kSummaryVersion: 6 since the record carries the engine cycle and the step terms' digest), the idle flag, and
 # zeros. Every plugin plans that rank as one that runs nothing and keeps balancing. A row of
 # zeros instead is a rank without a working plugin: every rank pauses balancing that step.
-SUMMARY_VERSION = 5
+SUMMARY_VERSION = 6
 IDLE_ROW = struct.pack("=IHH", 0x31425044, SUMMARY_VERSION, 1 << 3) + bytes(RECORD_BYTES - 8)
 # dpbStepKind_t
 STEP_DECODE, STEP_IDLE, STEP_EXTEND, STEP_NO_VERIFY = range(4)
@@ -271,6 +272,14 @@ class _StepInfo(ctypes.Structure):
                 ("planned_barrier_us", ctypes.c_double), ("extend", ctypes.c_int32)]
 
 
+class _StepTerms(ctypes.Structure):  # dpbStepTerms_v1_t (dpbalance_inspect_v2.h)
+    _fields_ = [("ffn_fixed_us", ctypes.c_double), ("ffn_per_token_us", ctypes.c_double),
+                ("draft_us", ctypes.c_double), ("step_overhead_us", ctypes.c_double),
+                ("online", ctypes.c_int32), ("per_token_learnt", ctypes.c_int32),
+                ("draft_learnt", ctypes.c_int32), ("reserved", ctypes.c_int32),
+                ("rows", ctypes.c_int64), ("fits", ctypes.c_int64), ("resets", ctypes.c_int64)]
+
+
 class _Inspect(ctypes.Structure):
     _fields_ = [
         ("name", ctypes.c_char_p),
@@ -278,6 +287,12 @@ class _Inspect(ctypes.Structure):
                                          ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p,
                                          ctypes.c_size_t)),
         ("last_step", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(_StepInfo))),
+    ]
+
+
+class _InspectV2(ctypes.Structure):  # dpbalanceInspect_v2_t: v1's functions and step_terms
+    _fields_ = _Inspect._fields_ + [
+        ("step_terms", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(_StepTerms))),
     ]
 
 
@@ -480,6 +495,28 @@ class _Balancer(_Closing):
         return {"plan_id": i.plan_id, "predicted_attention_us": i.predicted_attention_us,
                 "measured_attention_us": i.measured_attention_us,
                 "planned_barrier_us": i.planned_barrier_us, "extend": bool(i.extend)}
+
+    def step_terms(self) -> Optional[dict]:
+        """The step terms the plugin prices with now (dpbStepTerms_v1_t of
+        dpbalance_inspect_v2.h): ffn_fixed_us, ffn_per_token_us, draft_us, step_overhead_us,
+        learnt online (`online`) or the flags, with the fit's rows, fits and resets. None after
+        close() or when the library lacks inspection ABI v2."""
+        if not self._ctx:
+            return None
+        if not hasattr(self, "_inspect_v2"):
+            try:
+                self._inspect_v2 = _InspectV2.in_dll(self._lib, INSPECT_SYMBOL_V2)
+            except ValueError:
+                self._inspect_v2 = None
+        if self._inspect_v2 is None:
+            return None
+        t = _StepTerms()
+        if self._inspect_v2.step_terms(self._ctx, ctypes.byref(t)) != SUCCESS:
+            return None
+        out = {name: getattr(t, name) for name, _ in _StepTerms._fields_ if name != "reserved"}
+        for name in ("online", "per_token_learnt", "draft_learnt"):
+            out[name] = bool(out[name])
+        return out
 
     def _init_failed(self, rc: int, what: str, config: str) -> DpBalanceError:
         self._ctx = ctypes.c_void_p()

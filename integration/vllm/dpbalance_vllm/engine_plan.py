@@ -376,6 +376,9 @@ class EnginePlan:
                   "stale_steps": self.stale_steps, "disabled_reason": self.disabled_reason,
                   "default_k": self.default_k,
                   "wait_share_window": round(self._window.ratio(), 6)})
+        terms = self.dpb.step_terms() if self.dpb is not None else None
+        if terms is not None:  # what the plan prices the step's non-attention time with
+            s["step_terms"] = terms
         return s
 
     def _chain_signals(self) -> None:
@@ -426,6 +429,11 @@ class EnginePlan:
                 f"instance bubble {s.get('bubble_fraction', 0):.3f}, this rank's wait share "
                 f"{self._window.ratio():.3f} (last {self._window.steps} steps); model error "
                 f"{s.get('predicted_error', 0):.3f}; desyncs {self.desyncs}")
+        t = s.get("step_terms")
+        if t:
+            line += (f"; step terms ({'learnt online, %d rows' % t['rows'] if t['online'] else 'flags'}): "
+                     f"ffn_fixed_us={t['ffn_fixed_us']:.0f} ffn_per_token_us={t['ffn_per_token_us']:.2f} "
+                     f"draft_us={t['draft_us']:.0f} step_overhead_us={t['step_overhead_us']:.0f}")
         if kind == "final":
             log.warning(line)
         else:

@@ -45,6 +45,7 @@
 namespace dpbalance {
 
 class OnlineCostModel;  // calibration.h (internal): the online refit a Balancer may own
+class OnlineStepTerms;  // step_terms.h (internal): the step terms' online fit
 
 struct BalancerConfig {
   PlannerConfig planner;                   // num_ranks, mode, k_max, default_k, global terms...
@@ -81,6 +82,13 @@ struct BalancerConfig {
   // Quiet mode (quiet.h): skip the exchange on spans of steps while every decision keeps the
   // default plan. Only where the exchange is the plugin's alone. Hashed only when on.
   QuietConfig quiet;
+  // Learn planner.global's step terms online (OnlineStepTerms, step_terms.h) from the gathered
+  // records, with planner.global as the prior: ffn_fixed_us, ffn_per_token_us,
+  // draft_per_step_us (with an agreed depth) and step_overhead_us (the plugin's own time).
+  bool learn_step_terms = true;
+  // The clock of the plan calls (the engine cycle the step terms learn from); null: absl::Now.
+  // Not hashed: a test's fake clock.
+  absl::Time (*clock)() = nullptr;
   uint64_t Hash() const;                   // what the handshake compares
 };
 
@@ -174,6 +182,14 @@ struct BalancerStats {
   double own_us = 0;                  // median of this rank's recent plan calls (RankSummary::own_us)
   int64_t quiet_steps = 0;            // steps that skipped the exchange (quiet.h)
   int64_t quiet_spans = 0;            // quiet spans started
+  // The step terms the planner prices with now: planner.global, learnt online when
+  // BalancerConfig::learn_step_terms (then the rows fitted, the fits, the resets after the ranks'
+  // digests differed, and which terms the latest fit learnt; the rest keep the flags' values).
+  GlobalCost step_terms;
+  bool step_terms_online = false;
+  int64_t step_terms_rows = 0, step_terms_fits = 0, step_terms_resets = 0;
+  bool step_terms_per_token_learnt = false, step_terms_draft_learnt = false;
+  double step_terms_sigma_us = 0;     // the latest fit's robust residual sigma
 };
 
 class Balancer {
@@ -217,6 +233,7 @@ class Balancer {
   // The latest reported step: its measurements go out with the next record (once), and the
   // next exchange accounts the instance's measured step against its plan.
   struct Measured {
+    uint64_t step = UINT64_MAX;      // the plan it measured
     bool fresh = false;              // not yet sent
     bool planned = false;            // its plan was found (arm and barrier below are known)
     bool arm_on = true;
@@ -346,6 +363,30 @@ class Balancer {
   ReportedStep last_report_;
   std::vector<RequestLoad> planned_loads_;
   std::unique_ptr<OnlineCostModel> online_;
+  // The step terms' online fit (null when off): per step, when its plan call started, and what
+  // the exchange said it runs (its FFN tokens, draft depth, and whether it is a row: every rank's
+  // total known, no prefill beside it), until a later exchange brings its measured times.
+  std::unique_ptr<OnlineStepTerms> step_terms_;
+  struct StepStart {
+    uint64_t step = UINT64_MAX;
+    absl::Time at;
+  };
+  std::array<StepStart, 4> step_starts_;
+  struct StepRun {
+    uint64_t step = UINT64_MAX;
+    double ffn_tokens = 0;
+    int draft_depth = 0;
+    bool row = false;
+  };
+  std::array<StepRun, 4> step_runs_;
+  std::vector<int64_t> step_run_tokens_;
+  // The engine cycle of plan `step`: its plan call to the next one, us; < 0 unknown.
+  double CycleUs(uint64_t step) const;
+  // After the exchange, on every rank alike: the ranks' step-term digests compared (a difference
+  // resets every rank to the prior), the measured step's row fitted, the planner's terms updated.
+  void LearnStepTerms(const Measured& measured);
+  // What the exchange says step `step` runs (FillTotals' token totals), for its later row.
+  void RememberStepRun(uint64_t step, const GlobalDecision* decision, bool balanced);
   int64_t epoch_ = -1;
   // Metrics.
   int64_t balanced_steps_ = 0, kept_default_steps_ = 0, fallbacks_ = 0;

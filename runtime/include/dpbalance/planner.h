@@ -74,7 +74,7 @@ struct PlannerConfig {
   // adapter around it, which the engine without dpbalance does not pay), in microseconds,
   // counted against the TPOT guard: a plan's step + guard_overhead_us may not exceed (1 +
   // max_step_slack) x the default plan's step. Set by the user from a measurement (the live
-  // bench's scripts/live_steps.py reports it per arm); the same on every rank (hashed). 0: the
+  // bench's scripts/studies/live_steps.py reports it per arm); the same on every rank (hashed). 0: the
   // guard bounds the planned step alone. Ignored when the guard is off.
   double guard_overhead_us = 0;
   // Measured overhead: the guard also counts the largest `RankSummary::own_us` among the usable
@@ -279,6 +279,9 @@ class Planner {
   // The planner's model from now on, simulating its grid as config().grid_simulation says (when
   // set).
   void set_model(const CostModel& model) { model_ = PricedCopy(model); }
+  // The step terms from now on (the online fit's, OnlineStepTerms); the config hash stays the
+  // one the ranks agreed on at the handshake (the prior's).
+  void set_global(const GlobalCost& global) { config_.global = global; }
   bool dspark() const { return config_.mode == PlanMode::kDspark || config_.mode == PlanMode::kDsparkFill; }
   uint64_t config_hash() const { return config_hash_; }
 

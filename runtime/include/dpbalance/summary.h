@@ -11,7 +11,8 @@
 // - `flags & kSummaryValid` is clear when the rank is in fallback this step; the other ranks
 //   then plan without it (its cost is unknown, so it cannot be the barrier they plan against).
 // - The previous step's measured times ride along, so every rank sees every rank's real bubble,
-//   and so does the sender's own per-step time (own_us), so every rank prices it alike.
+//   and so does the sender's own per-step time (own_us), so every rank prices it alike; with the
+//   engine cycle of that step, so every rank fits the same step terms (step_terms.h).
 // - Every record, valid or not, lets every rank derive the sender's token total for the step
 //   (Planner::RankTokens): the planned knot's tokens, or `default_tokens`, plus `extra_tokens`.
 #pragma once
@@ -24,7 +25,7 @@
 namespace dpbalance {
 
 inline constexpr uint32_t kSummaryMagic = 0x31425044;  // "DPB1" read little-endian
-inline constexpr uint16_t kSummaryVersion = 5;
+inline constexpr uint16_t kSummaryVersion = 6;
 inline constexpr int kKnotPool = 27;  // most knots a rank sends, shared by all depths
 inline constexpr uint16_t kSummaryValid = 1u << 0;     // planned with: its frontier is usable
 inline constexpr uint16_t kSummaryExtend = 1u << 1;    // the rank runs prefill tokens this step
@@ -80,7 +81,13 @@ struct RankSummary {
   // tokens a rank does not fill with verify work at this, and Assign fills only while its
   // attention plus the padding left stays under the barrier. 0..1e7; 0 without tiers.
   float pad_us;
-  uint32_t reserved1[2];            // 0
+  // --- step terms: 8 bytes ---
+  // The engine cycle of the step prev_attention_us measured: from its plan call to the next one
+  // on this rank, in microseconds; < 0 unknown. The rows of the step terms' online fit.
+  float prev_cycle_us;
+  // OnlineStepTerms::Digest() of the step terms the sender prices this step with (before this
+  // exchange's row); 0: none. Every rank compares them; on a difference all reset to the prior.
+  uint32_t step_terms_digest;
 };
 
 inline constexpr size_t kSummaryBytes = 512;
