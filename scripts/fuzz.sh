@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer targets (the `fuzz` preset: clang, -fsanitize=fuzzer,address,undefined)
+# Fuzzes every libFuzzer target for SECONDS each (default 20); fails on any finding.
+# It builds the libFuzzer targets (the `fuzz` preset: clang, -fsanitize=fuzzer,address,undefined)
 # and runs every target for SECONDS on a copy of its seed corpus (tests/fuzz/corpus/<target>/),
 # (with tests/fuzz/dict/<target>.dict where there is one), in a temporary directory, so the
 # repository is never modified. Fails if any target finds a
@@ -7,6 +8,7 @@
 # log and reproducer stay in the printed directory.
 #   scripts/fuzz.sh [SECONDS]   seconds per target (default 20)
 set -euo pipefail
+case "${1:-}" in -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;; esac
 cd "$(dirname "$0")/.."
 seconds="${1:-20}"
 [[ "$seconds" =~ ^[0-9]+$ ]] || { echo "usage: scripts/fuzz.sh [SECONDS]" >&2; exit 2; }

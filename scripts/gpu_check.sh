@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The GPU check (the NCCL backend test, the plugin over NCCL through its C ABI, the NCCL
-# overhead bench), run on the device machine from the repo root with .gpu/ carried
+# The GPU check: the NCCL backend test, the plugin over NCCL and the NCCL overhead bench.
+# Run on the device machine from the repo root with .gpu/ carried
 # (see scripts/prepare_gpu_carry.sh). Builds nothing: the binaries were built here (x86-64,
 # the GPU machine's glibc is newer). NCCL comes from the PyTorch environment's wheel there.
 set -uo pipefail
+case "${1:-}" in -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;; esac
 NCCL_LIB=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib
 export LD_LIBRARY_PATH=$PWD/.gpu/lib:$NCCL_LIB:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/gpu_check}

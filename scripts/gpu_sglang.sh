@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# dpbalance inside a real SGLang instance on GPUs, against SGLang as shipped (never run yet: no
-# session that wrote it was lent a GPU with SGLang's GPU build; docs/engines.md "SGLang").
+# dpbalance against SGLang as shipped, inside a real SGLang instance on GPUs.
+# Never run yet: no session that wrote it was lent a GPU with SGLang's GPU build (docs/engines.md
+# "SGLang").
 # One call, one setup, the same request stream for every arm, DP attention (dp = tp = --dp):
 #   --setup mtp     EAGLE/MTP, topk 1 (DeepSeek-V3's MTP is EAGLE with its NextN layer). Arms:
 #                   SGLang as shipped at each --static-steps (SGLang refuses adaptive steps under
@@ -44,7 +45,7 @@ while [ $# -gt 0 ]; do
     --input-len) IN_LEN="${2:?}"; shift 2 ;;
     --output-len) OUT_LEN="${2:?}"; shift 2 ;;
     --json) JSON="${2:?}"; shift 2 ;;
-    -h|--help) sed -n 2,29p "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) echo "gpu_sglang.sh: unknown flag '$1' (see --help)" >&2; exit 2 ;;
   esac
 done

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages dpbalance builds with, only those that are missing.
 set -euo pipefail
+case "${1:-}" in -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;; esac
 pkgs=(cmake ninja-build g++ pkg-config libabsl-dev libspdlog-dev libgtest-dev libgmock-dev
       libbenchmark-dev nlohmann-json3-dev libeigen3-dev python3
       python3-torch  # the python_adapter test's torch.distributed (gloo) cases

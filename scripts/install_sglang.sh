@@ -12,6 +12,7 @@
 # Exit status: 0 ready (--print-python prints its interpreter), 3 the install failed (the
 # reason on stderr, the log in the cache folder).
 set -euo pipefail
+case "${1:-}" in -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;; esac
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 CACHE="${DPBALANCE_SGLANG_CACHE:-$HOME/.cache/dpb-sglang}"
 VENV="${DPBALANCE_SGLANG_VENV:-$CACHE/venv}"

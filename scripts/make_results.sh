@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# Regenerates every figure in docs/results.md and docs/cost-model.md (about two hours on the
-# 2-core dev machine): the replay comparisons on both bundled traces and the H200 truth over three
+# Regenerates every figure docs/results.md and docs/cost-model.md cite (about two hours, 2 cores).
+# It runs the replay comparisons on both bundled traces and the H200 truth over three
 # seeds at lag 1 and lag 0, the lag study, the step bound, the calibration figures, the reference
 # engine and the planner benchmark. The plots need Debian's python3-matplotlib.
 #   scripts/make_results.sh           everything
 #   scripts/make_results.sh replay    the replay figures only (no calibration, engine or bench)
+# The studies it runs are in scripts/studies/ (scripts/studies/README.md).
 set -euo pipefail
+case "${1:-}" in
+  -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
+  ""|all|replay) ;;
+  *) echo "make_results.sh: unknown part '$1' (all or replay; see --help)" >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/.."
 PART="${1:-all}"
 scripts/install_deps.sh
@@ -13,7 +19,7 @@ cmake --preset release >/dev/null
 cmake --build --preset release
 B=build/release
 mkdir -p docs/generated
-# Section 0's parity figures (issue #49): every row with production knowledge, three seeds, lag 1
+# Section 0's parity figures (the knowledge-parity rule): every row with production knowledge, three seeds, lag 1
 # on the three truths and V2 with 10% log-normal noise; the H200 truth is half B's fit, our
 # planner starts from half A's (scripts/studies/h200_split_fits.sh). Then the same seed-1 runs planned with the truth (what
 # knowledge is worth) and the sensitivity to the FFN constants and the draft cost.
@@ -43,7 +49,7 @@ for s in "ffn05 --ffn_fixed_ms 10 --ffn_per_token_ms 0.001" "ffn2 --ffn_fixed_ms
   $B/integration/dpbalance-replay --stale_steps 1 "$@" \
     > docs/generated/parity_sens_$n.txt
 done
-# The draft-confidence signal (issue #49): acceptance varying step to step (logit sd 0.7), and
+# The draft-confidence signal: acceptance varying step to step (logit sd 0.7), and
 # DSpark reading the draft's confidence at noise 5 (useless) .. 0 (perfect), or none (-1).
 for c in -1 5 1 0.3 0; do
   $B/integration/dpbalance-replay --stale_steps 1 --step_acceptance_sigma 0.7 --confidence_sigma $c \
@@ -51,7 +57,7 @@ for c in -1 5 1 0.3 0; do
 done
 python3 scripts/parity_table.py --confidence /tmp/dpb-confidence-{-1,5,1,0.3,0}.json \
   | tee docs/generated/parity_confidence.md
-# Everything below predates issue #49 and plans with the truth's own model (--planner_model truth,
+# Everything below predates the knowledge-parity rule and plans with the truth's own model (--planner_model truth,
 # the default then; oracle knowledge of the cost model): R adds it, a later --planner_model wins.
 R="$(mktemp -d)/dpbalance-replay"
 printf '#!/bin/sh\nexec %s --planner_model=truth "$@"\n' "$PWD/$B/integration/dpbalance-replay" > "$R"
@@ -101,7 +107,7 @@ for c in "mooncake_lag1_truthacc_s10 10" \
     --stale_steps 1 --acceptance truth "$@" | tee docs/generated/seeds_$n.txt
 done
 # What one step of lag costs the planner rows, split by what they predict (lag.h).
-python3 scripts/lag_study.py $R 3 | tee docs/generated/lag_study.txt
+python3 scripts/studies/lag_study.py $R 3 | tee docs/generated/lag_study.txt
 # The step bound on the V2 truth (Mooncake and Azure, DSpark's engine: tiers, block draft): each
 # row's expected tokens per second against the bound on its own steps, seeds 1-3.
 : > docs/generated/step_bound.txt
@@ -136,9 +142,11 @@ for p in 1 2; do
   $B/integration/dpbalance-calibrate --train integration/calibrate/data/attention_fa2_gqa.train.jsonl \
     --kernel fa2-gqa-h200 --cv 5 --loss_power $p --dump /tmp/dpb_gqa_dump_$p.txt > /dev/null
   n=$([ $p = 1 ] && echo gqa_tail || echo gqa_tail_loss2)
-  python3 scripts/gqa_tail.py integration/calibrate/data/attention_fa2_gqa.train.jsonl \
+  python3 scripts/studies/gqa_tail.py integration/calibrate/data/attention_fa2_gqa.train.jsonl \
     /tmp/dpb_gqa_dump_$p.txt | tee docs/generated/$n.txt
 done
+# The gqa rows' noise floor, from the committed H200 re-timings (docs/generated/h200_gqa_remeasure*.jsonl).
+scripts/studies/gqa_noise_report.sh docs/generated/h200_gqa_noise.txt
 $B/integration/dpbalance-calibrate --gemm integration/calibrate/data/projection_gemm_sweep.jsonl \
   | tee docs/generated/calibrate_gemm.txt
 fi
@@ -196,15 +204,15 @@ $PY scripts/plot_results.py docs/generated/replay_h200truth.json docs/results_h2
   "Mooncake trace, DP64, truth = H200 packed-attention fit x 61 layers"
 # Routing rows A, D z1.2 / z1.3 and E at k = 1 over twenty acceptance seeds (docs/results.md
 # section 1): how far apart they are against the seed-to-seed spread, with paired differences.
-# These two studies ran at lag 0, the replay's default before issue #30 (--stale_steps 0 gives
+# These two studies ran at lag 0, the replay's default before lag 1 (--stale_steps 0 gives
 # the same outputs byte for byte, as checked on the default comparison's unpadded rows);
 # results.md says so beside them.
-$PY scripts/routing_seeds.py $R 20 --stale_steps 0 | tee docs/generated/routing_seeds.txt
-$PY scripts/routing_seeds.py $R 20 --stale_steps 0 \
+$PY scripts/studies/routing_seeds.py $R 20 --stale_steps 0 | tee docs/generated/routing_seeds.txt
+$PY scripts/studies/routing_seeds.py $R 20 --stale_steps 0 \
   --trace integration/replay/data/azure_conv_2023.csv | tee docs/generated/routing_seeds_azure.txt
 # The planner's TPOT guard (step slack) against the goodput target, over five seeds.
-$PY scripts/guard_frontier.py $R 5 --stale_steps 0 | tee docs/generated/guard_frontier.txt
-$PY scripts/guard_frontier.py $R 5 --stale_steps 0 \
+$PY scripts/studies/guard_frontier.py $R 5 --stale_steps 0 | tee docs/generated/guard_frontier.txt
+$PY scripts/studies/guard_frontier.py $R 5 --stale_steps 0 \
   --trace integration/replay/data/azure_conv_2023.csv | tee docs/generated/guard_frontier_azure.txt
 # What the Python adapter adds to a step (docs/results.md section 5).
 [ "$PART" = all ] && $PY bench/python_adapter_bench.py $B/plugin/libdpbalance.so | tee docs/generated/python_adapter_bench.txt

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""The headline table of docs/results.md section 0 (issue #49): ours against the engines' best,
-every row planned with production knowledge, from scripts/replay_seeds.py's --json-out files.
+"""The headline table of docs/results.md section 0: ours against the engines' best, per setup.
+
+Every row planned with production knowledge (the knowledge-parity rule), from
+scripts/replay_seeds.py's --json-out files.
 
 Per setup: our planner on SGLang DSpark's engine ("D z1.2 + goodput (tiers)") over the engines'
 best (the best, by mean goodput over the seeds, of every DSpark row and static_best on the same
@@ -53,6 +55,9 @@ def confidence(paths):
 
 
 def main():
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(__doc__)
+        return
     if sys.argv[1:2] == ["--confidence"]:
         confidence(sys.argv[2:])
         return

@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
 """Plots dpbalance-replay results: bubble fraction and goodput by strategy, one figure per trace.
 
-Usage: scripts/plot_results.py docs/results_mooncake.json docs/results_mooncake.png [title]
+Usage: scripts/plot_results.py docs/generated/replay_mooncake.json docs/results_mooncake.png [title]
 Needs matplotlib (Debian: apt-get install python3-matplotlib; run with /usr/bin/python3).
 """
 import json
 import sys
 
-import matplotlib
+if __name__ == "__main__" and sys.argv[1:2] in (["-h"], ["--help"]):
+    print(__doc__)  # before importing matplotlib, which --help does not need
+    sys.exit(0)
+
+import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Prepares .gpu/ (git-ignored) for the device tool: the Release build's GPU-relevant binaries and
-# the shared libraries they need that the GPU machine lacks (Abseil, spdlog, fmt, GoogleTest).
+# Builds Release and fills .gpu/ (git-ignored) with what scripts/gpu_check.sh needs on a GPU machine.
+# .gpu/ holds the Release build's GPU-relevant binaries and the shared libraries they need that the GPU machine lacks (Abseil, spdlog, fmt, GoogleTest).
 # Then, with the device tool: run `bash scripts/gpu_check.sh`, carry [".gpu"], timeout ~300 s.
 set -euo pipefail
+case "${1:-}" in -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;; esac
 cd "$(dirname "$0")/.."
 cmake --preset release >/dev/null
 cmake --build --preset release

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""The default replay comparison over seeds: every row's mean and spread, and the ratios a user
-reads, each against the baseline it names.
+"""The default replay comparison over seeds 1..N: each row's mean and spread, ratios vs baselines.
+
+Every row's mean and spread, and the ratios a user reads, each against the baseline it names.
 
 Runs `dpbalance-replay --seed S --json DIR/seed_S.json [extra flags]` for seeds 1..N (N >= 2) and
 prints, per row, the mean goodput, its range over the seeds, TPOT p99 and bubble; then, per seed
@@ -45,6 +46,9 @@ def spread(xs):
 
 def main():
     args = sys.argv[1:]
+    if args[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return
     json_out = None
     if "--json-out" in args:
         i = args.index("--json-out")

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Markdown tables for docs/results.md from the replay's JSON: one row per run of a comparison
-(seed 1), with the mean goodput of seeds 1-3 and their range beside it when the seeds' JSON
+"""Markdown tables for docs/results.md from the replay's JSON, one row per run of a comparison.
+
+One row per run (seed 1), with the mean goodput of seeds 1-3 and their range beside it when the seeds' JSON
 (scripts/replay_seeds.py --json-out) is given.
 
 Usage: scripts/results_tables.py REPLAY_JSON [SEEDS_JSON] [--plan] [--extra JSON LABEL]...
@@ -30,6 +31,9 @@ def row(r, s, plan):
 
 def main():
     args = sys.argv[1:]
+    if args[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return
     plan = "--plan" in args
     args = [a for a in args if a != "--plan"]
     extras, only = [], None

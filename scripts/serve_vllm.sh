@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# vLLM's OpenAI-compatible server with dpbalance on, on this machine's CPUs: the quickstart of
-# README.md and docs/live_vllm.md, as written there (tests/integration/vllm_serve_test.py checks
+# Serves vLLM's OpenAI-compatible API with dpbalance on, on this machine's CPUs (DP = 2).
+# It runs the quickstart of README.md and docs/live_vllm.md, as written there (tests/integration/vllm_serve_test.py checks
 # that the three copies of the block are the same text, and runs this script).
 #
 #   scripts/serve_vllm.sh [--no-install]
@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 case "${1:-}" in
   --no-install) ;;
   "") scripts/live_vllm.sh --install-only ;;
-  -h|--help) sed -n 2,13p "$0"; exit 0 ;;
+  -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
   *) echo "serve_vllm.sh: unknown flag '$1' (see --help)" >&2; exit 2 ;;
 esac
 set +u  # the venv's activate script reads unset variables

@@ -2,7 +2,9 @@
 # Installs what is missing, builds and runs the whole test suite with ctest.
 #   scripts/test.sh          Release build (the README's test command)
 #   scripts/test.sh asan     Debug + AddressSanitizer + UndefinedBehaviorSanitizer
+# Prints the build, then ctest's line per test and its summary ("100% tests passed, ...").
 set -euo pipefail
+case "${1:-}" in -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;; esac
 cd "$(dirname "$0")/.."
 preset="${1:-release}"
 scripts/install_deps.sh

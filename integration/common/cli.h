@@ -1,7 +1,7 @@
 // integration/common/cli.h — the exit-code convention of the three command-line tools
 // (dpbalance-replay, dpbalance-reference-engine, dpbalance-calibrate) and their flag parsing.
 //
-// Exit codes (README.md, "Exit codes"):
+// Exit codes (docs/flags.md, "The tools' exit codes"):
 //   0  success (and --help)
 //   1  internal error: the run itself failed (the plugin, the router or a simulation)
 //   2  usage error: a bad flag — unknown, unparsable, out of range, or an output path that

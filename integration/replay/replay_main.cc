@@ -1147,7 +1147,7 @@ void PrintDsparkSummary(const std::vector<Row>& rows) {
 }
 
 // Our cost-aware routing E against the best D over Z, on both published cost ratios (E should
-// be at least as good); one seed here, scripts/routing_seeds.py for the spread over seeds.
+// be at least as good); one seed here, scripts/studies/routing_seeds.py for the spread over seeds.
 void PrintRoutingSummary(const std::vector<Row>& rows, const CostModel& planner_model) {
   const Row* cost_aware = FindRow(rows, "E (cost-aware)");
   if (!cost_aware) return;

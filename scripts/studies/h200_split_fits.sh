@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #49's knowledge parity on the H200 truth: the bundled packed-attention rows split in two
+# The knowledge-parity rule on the H200 truth: the bundled packed-attention rows split in two
 # (odd lines: half A, even lines: half B), each fitted alone by dpbalance-calibrate with the
 # kernel grid (as docs/generated/model_packed.json is fitted on all of them). The replay's truth is
 # B's fit (the hardware); our planner starts from A's fit (what a user calibrates on their own

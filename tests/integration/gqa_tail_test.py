@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""scripts/gqa_tail.py's fitting helpers against brute force, and its between-configurations
+"""scripts/studies/gqa_tail.py's fitting helpers against brute force, and its between-configurations
 pass on made-up rows whose answer is known.
 
 - `isotonic_l1` (pool adjacent violators with medians) against every non-decreasing sequence of
@@ -20,7 +20,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from script_checks import Checks, load_module  # noqa: E402
 
-gqa_tail = load_module("gqa_tail", "scripts", "gqa_tail.py")
+gqa_tail = load_module("gqa_tail", "scripts", "studies", "gqa_tail.py")
 checks = Checks()
 check = checks.check
 

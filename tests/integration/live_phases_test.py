@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""scripts/live_phases.py on a made-up kept run whose phases are worked out by hand.
+"""scripts/studies/live_phases.py on a made-up kept run whose phases are worked out by hand.
 
 DP 2, two requests in flight (one a rank, round robin), four requests. The steady window
 (live_bench.steady_window) starts at the first token of the last of the first batch (1.5 s)
@@ -16,7 +16,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from script_checks import Checks, load_module  # noqa: E402
 
-live_phases = load_module("live_phases", "scripts", "live_phases.py")
+live_phases = load_module("live_phases", "scripts", "studies", "live_phases.py")
 checks = Checks()
 
 

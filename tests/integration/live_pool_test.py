@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""scripts/live_pool.py on made-up live JSONs whose pooled answer is known: replicates keep their
-pairing and get distinct numbers, static_best is taken over the pool, and runs of another
+"""scripts/studies/live_pool.py on made-up live JSONs whose pooled answer is known: replicates
+keep their pairing and get distinct numbers, static_best is taken over the pool, and runs of another
 configuration (anchor, stream) are refused naming the field and the file.
 
   python3 tests/integration/live_pool_test.py
@@ -16,7 +16,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from script_checks import Checks, load_module  # noqa: E402
 
-lp = load_module("live_pool", "scripts", "live_pool.py")
+lp = load_module("live_pool", "scripts", "studies", "live_pool.py")
 checks = Checks()
 check = checks.check
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""scripts/live_steps.py on a made-up kept run whose answers are known: two arms, two ranks.
+"""scripts/studies/live_steps.py on a made-up kept run whose answers are known: two arms, two ranks.
 
 `static_k2_r1` and `static_k4_r1` verify 2 and 4 drafts for each of 3 requests every step
 (uniform lengths), and their attention is exactly 1 us per (query x context) token pair plus
@@ -17,7 +17,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "scripts", "live_steps.py")
+SCRIPT = os.path.join(ROOT, "scripts", "studies", "live_steps.py")
 failed = []
 
 

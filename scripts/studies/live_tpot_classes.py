@@ -4,7 +4,7 @@ each request's TPOT and the percentiles as live_bench.py reports them (request_t
 printed per arm (all replicates pooled): p50 and p99 over all requests, p50/p99 per class, and
 the slowest 1% of requests with their class, prompt and output lengths.
 
-  scripts/live_tpot_classes.py DIR/runs/mixed/dp2 [ARM ...]   (default arms: every ARM_rN found)
+  scripts/studies/live_tpot_classes.py DIR/runs/mixed/dp2 [ARM ...]   (default arms: every ARM_rN found)
 """
 import glob
 import json
@@ -12,8 +12,8 @@ import os
 import re
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "integration", "vllm"))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "integration", "vllm"))
 from live_bench import pct, request_tpot_ms  # noqa: E402  (the report's own definitions)
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Re-times the shared gqa attention configurations on an H200, the way ../shared/data/h200 says
-they were timed, to measure the noise a held-out row carries (issue #34, the gqa p90).
+they were timed, to measure the noise a held-out row carries (the gqa p90, docs/cost-model.md).
 
 The recipe of ../shared/data/h200/README.md: FlashAttention-2 varlen through
 aten::_flash_attention_forward, bf16, causal, 128 query heads sharing 1 KV head, head dim 256,
@@ -15,11 +15,11 @@ One JSON line per timed row goes to --out as it is measured (flushed), so a run 
 what it measured: {"pass":..,"row":index in the input,"attn_ms":..,"attn_ms_min":..,
 "attn_ms_max":..,"calls_ms":[..7]}.
 
-  python3 scripts/h200_remeasure.py --rows FILE.jsonl --out OUT.jsonl [--short_ms 20] [--seed 1]
+  python3 scripts/studies/h200_remeasure.py --rows FILE.jsonl --out OUT.jsonl [--short_ms 20] [--seed 1]
                                     [--passes short-1,short-2,long,short-3]
-  python3 scripts/h200_remeasure.py --rows FILE.jsonl --out OUT.jsonl --dry   # no GPU: fake times
+  python3 scripts/studies/h200_remeasure.py --rows FILE.jsonl --out OUT.jsonl --dry   # no GPU: fake times
 
-Analysis (here, no GPU): scripts/h200_noise.py.
+Analysis (here, no GPU): scripts/studies/h200_noise.py.
 """
 import argparse
 import json

@@ -6,7 +6,7 @@ per routing, every seed's row, then the mean and standard error of bubble, cost 
 and goodput, and the paired difference of E against each other routing (same seed, same trace,
 same acceptance draws), whose standard error is the one that decides "at least as good".
 
-Usage: scripts/routing_seeds.py REPLAY_BINARY [SEEDS] [extra replay flags...]
+Usage: scripts/studies/routing_seeds.py REPLAY_BINARY [SEEDS] [extra replay flags...]
 """
 import json
 import os

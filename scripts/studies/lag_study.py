@@ -7,7 +7,7 @@ every prediction (lag.h), with none, and with all but one part (context, cap, ga
 seeds 1..N, and prints the mean goodput and its change against lag 0, with each row's waste
 (query tokens that could emit nothing), planned-vs-run step time and emitted-vs-expected tokens.
 
-Usage: scripts/lag_study.py REPLAY_BINARY SEEDS
+Usage: scripts/studies/lag_study.py REPLAY_BINARY SEEDS
 """
 import json
 import os

@@ -8,7 +8,7 @@ baseline goodput and TPOT p99. The "none" rows run with no step guard and no SLO
 is the most any verify-length plan reaches per step with true acceptance, at any TPOT. Prints mean ± standard error over seeds, and the worst seed's
 TPOT p99 ratio (the targets: goodput >= 1.03x, TPOT p99 <= 1.05x, docs/results.md).
 
-Usage: scripts/guard_frontier.py REPLAY_BINARY [SEEDS] [extra replay flags...]
+Usage: scripts/studies/guard_frontier.py REPLAY_BINARY [SEEDS] [extra replay flags...]
 """
 import statistics
 import sys

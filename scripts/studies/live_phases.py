@@ -8,7 +8,7 @@ the steady window's start: the first batch's prefills); the steady window; the d
 window's end to the last token: the last admitted requests and the longest outputs); and the
 output tokens and tokens per second of each phase.
 
-  scripts/live_phases.py DIR/runs/WORKLOAD/dpN [--json OUT]
+  scripts/studies/live_phases.py DIR/runs/WORKLOAD/dpN [--json OUT]
 """
 import argparse
 import glob
@@ -17,8 +17,8 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "integration", "vllm"))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "integration", "vllm"))
 import live_bench  # noqa: E402  (steady_window: the one definition of the steady state)
 
 PHASES = ("ramp", "steady", "drain")

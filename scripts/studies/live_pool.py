@@ -17,15 +17,15 @@ anchor (DPB_DEFAULT_K) must agree. Runs with different cost-model calibrations (
 its own from its first replicate) or TPOT SLOs (each run takes its anchor's p99 from its first
 replicate) are pooled: that is how the configuration runs, and the JSON lists each file's.
 
-  scripts/live_pool.py --json OUT RUN1.json RUN2.json ... [--workload mixed] [--dp 2]
+  scripts/studies/live_pool.py --json OUT RUN1.json RUN2.json ... [--workload mixed] [--dp 2]
 """
 import argparse
 import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "integration", "vllm"))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "integration", "vllm"))
 from live_bench import workload_summary  # noqa: E402  (the live summary's own arithmetic)
 
 SAME = ("workload", "dp", "seed", "requests")
@@ -83,7 +83,7 @@ def main(argv=None):
         runs, sources, summary = pool(docs, a.workload, a.dp)
     except ValueError as e:
         sys.exit(f"live_pool: {e}")
-    out = {"command": "scripts/live_pool.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    out = {"command": "scripts/studies/live_pool.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "sources": sources, "runs": runs, "summary": summary}
     with open(a.json, "w") as f:
         json.dump(out, f, indent=1)

@@ -6,8 +6,8 @@ squares on relative error with the same reweighting idea, 5-fold CV), used to tr
 features before they go into the C++ family. Figures in docs/cost-model.md ("Where the
 remaining error is") come from:
 
-    /usr/bin/python3 scripts/calibration_feature_study.py gqa
-    /usr/bin/python3 scripts/calibration_feature_study.py packed
+    /usr/bin/python3 scripts/studies/calibration_feature_study.py gqa
+    /usr/bin/python3 scripts/studies/calibration_feature_study.py packed
 
 Needs Debian's python3-numpy and python3-scipy. Takes seconds (gqa) to a minute (packed): the
 scheduling simulations are plain Python.
@@ -20,7 +20,7 @@ import sys
 import numpy as np
 from scipy.optimize import nnls
 
-DATA = pathlib.Path(__file__).resolve().parent.parent / "integration/calibrate/data"
+DATA = pathlib.Path(__file__).resolve().parents[2] / "integration/calibrate/data"
 WAVE_WIDTHS = [1, 2, 4, 8, 16, 32, 64, 128]
 KNEES = [16, 32, 64, 128, 256, 512]
 

@@ -17,8 +17,8 @@ observed. Reported: the mean log-likelihood per request-step (higher is better).
 - eb-hybrid: the per-position Beta of `beta`, centred on the request's eb-shift rates instead of
   the pooled ones (tau -> 0 gives `beta` back).
 
-  scripts/acceptance_models.py 'DIR/runs/mixed/dp2/static_k*_r1/worker_dp*.jsonl' [...]
-  scripts/acceptance_models.py --synthetic SIGMA [SEED]
+  scripts/studies/acceptance_models.py 'DIR/runs/mixed/dp2/static_k*_r1/worker_dp*.jsonl' [...]
+  scripts/studies/acceptance_models.py --synthetic SIGMA [SEED]
     a made-up log drawn the way the replay draws acceptance (each request's rates the MTP
     profile shifted by N(0, SIGMA) in logit space; 16 requests at a time, 3 drafts a step,
     5-80 tokens each, 1,500 steps), written to a temporary directory and scored the same way.

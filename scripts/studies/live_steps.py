@@ -14,7 +14,7 @@ query x context, sum of query, sum of context, requests, 1; the lengths there ar
 its mean signed error on every arm's steps: a positive error on ragged batches (plugin arms)
 means such batches cost more than their token counts say.
 
-  scripts/live_steps.py DIR/runs/WORKLOAD/dpN [--json OUT]
+  scripts/studies/live_steps.py DIR/runs/WORKLOAD/dpN [--json OUT]
 """
 import argparse
 import json

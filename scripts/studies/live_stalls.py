@@ -14,7 +14,7 @@ intervals taken out of its decode time ("stall-free"), and that over the request
 inside the steady window (live_bench.steady_window, the steady goodput's: no start-up prefill
 burst). Then, per replicate, the TPOT p99 ratio of ARM to BASE each of those ways.
 
-  scripts/live_stalls.py DIR/runs/mixed/dp2 [--base static_k1] [--arm dpbalance]
+  scripts/studies/live_stalls.py DIR/runs/mixed/dp2 [--base static_k1] [--arm dpbalance]
                          [--min-ms 600] [--max-tokens 400] [--skip 3]
 """
 import argparse
@@ -25,8 +25,8 @@ import re
 import statistics
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "integration", "vllm"))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "integration", "vllm"))
 from live_bench import pct, read_jsonl, request_tpot_ms, steady_window  # noqa: E402  (the report's own)
 
 

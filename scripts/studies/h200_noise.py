@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The noise a gqa timing row carries, measured by timing the same configurations again on an
-H200 (scripts/h200_remeasure.py), and what it leaves of a held-out p90 (issue #34).
+H200 (scripts/studies/h200_remeasure.py), and what it leaves of a held-out p90 (docs/cost-model.md).
 
 Usage: h200_noise.py ROWS REMEASURED DUMP [--session2 FILE] [--denoised OUT]
   ROWS        the shared timing rows (integration/calibrate/data/attention_fa2_gqa.train.jsonl)
