@@ -580,8 +580,7 @@ def summarize_arm(log_dir, dp, warmup):
         "plugin_stats": finals,
         # The step-term flags the arm ran with (the harness's fit, or none: learnt online).
         "cost_flags": {k: float(env[k]) for k in COST_FLAGS if k in env},
-        "query_tokens_per_step": statistics.mean(sum(sum(r.get("q") or []) for r in st)
-                                                 for st in steps) if steps else None,
+        **plan_operating_point(plan_rows),
     }
 
 
@@ -845,6 +844,33 @@ def pooled(estimates):
     return v, 1.96 / math.sqrt(sum(w))
 
 
+def plan_operating_point(plan_rows):
+    """From the plugin's plan rows (both ranks, decode steps: no prefill on any rank): the
+    instance's query tokens and deepest verify length per step, and the step's time beside
+    attention as the plugin sees it, plan call to next plan call on rank 0 minus the slowest
+    rank's attention (the 5% slowest left out, as `calibrate` does)."""
+    if len(plan_rows) < 2 or not plan_rows[0]:
+        return {}
+    by_x = [{r["x"]: r for r in p} for p in plan_rows]
+    tokens, depth, other = [], [], []
+    for x, a in sorted(by_x[0].items()):
+        rows = [b.get(x) for b in by_x]
+        nxt = by_x[0].get(x + 1)
+        if nxt is None or any(r is None or r.get("extra") for r in rows):
+            continue
+        lens = [v for r in rows for v in r["lens"]]
+        if not lens:
+            continue
+        tokens.append(sum(1 + v for v in lens))
+        depth.append(max(lens))
+        other.append((nxt["t"] - a["t"]) * 1e6 - max(r["att_us"] for r in rows))
+    if len(other) < 20:
+        return {}
+    kept = sorted(other)[:int(len(other) * 0.95)]
+    return {"query_tokens_per_step": statistics.mean(tokens), "depth_per_step": statistics.mean(depth),
+            "other_us_per_step": statistics.mean(kept), "operating_steps": len(other)}
+
+
 COST_FLAGS = ("DPB_FFN_FIXED_US", "DPB_FFN_PER_TOKEN_US", "DPB_STEP_OVERHEAD_US", "DPB_DRAFT_US")
 
 
@@ -875,18 +901,26 @@ def zero_config_summary(auto, dpb, sb):
     per = []
     for r in auto:
         t, f = learnt_terms(r), by_rep.get(r["replicate"], {}).get("cost_flags") or {}
-        if not t or "DPB_FFN_FIXED_US" not in f:
+        if not t or "DPB_FFN_FIXED_US" not in f or not r.get("operating_steps"):
             continue
         fixed, slope = f["DPB_FFN_FIXED_US"], f.get("DPB_FFN_PER_TOKEN_US", 0.0)
-        tokens = by_rep[r["replicate"]].get("query_tokens_per_step") or 0.0
+        tokens, depth = r["query_tokens_per_step"], r["depth_per_step"]
+        # The step beside attention at the zero-config arm's own operating point: as the learnt
+        # terms price it, as the harness's fit prices it, and as it measured.
+        learnt = t["ffn_fixed_us"] + t["ffn_per_token_us"] * tokens + t["draft_us"] * depth
+        fitted = fixed + slope * tokens
+        measured = r["other_us_per_step"]
         per.append({"replicate": r["replicate"], "learnt": t, "fitted_ffn_fixed_us": fixed,
-                    "fitted_ffn_per_token_us": slope, "tokens": tokens,
+                    "fitted_ffn_per_token_us": slope, "tokens": tokens, "depth": depth,
+                    "learnt_other_us": learnt, "fitted_other_us": fitted, "measured_other_us": measured,
                     "ffn_fixed_ratio": t["ffn_fixed_us"] / fixed if fixed else None,
                     "ffn_per_token_ratio": t["ffn_per_token_us"] / slope if slope else None,
-                    "step_other_ratio": (t["ffn_fixed_us"] + t["ffn_per_token_us"] * tokens) /
-                                        (fixed + slope * tokens) if fixed + slope * tokens else None})
+                    "step_other_ratio": learnt / fitted if fitted else None,
+                    "learnt_vs_measured": (learnt + t["step_overhead_us"]) / measured if measured else None,
+                    "fitted_vs_measured": fitted / measured if measured else None})
     out["learnt_vs_fitted"] = per
-    for k in ("ffn_fixed_ratio", "ffn_per_token_ratio", "step_other_ratio"):
+    for k in ("ffn_fixed_ratio", "ffn_per_token_ratio", "step_other_ratio", "learnt_vs_measured",
+              "fitted_vs_measured"):
         vals = [p[k] for p in per if p[k] is not None]
         if vals:
             m, h = mean_ci(vals)

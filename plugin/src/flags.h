@@ -34,6 +34,19 @@ absl::StatusOr<PluginFlags> ParseFlags(const std::map<std::string, std::string>&
 std::map<std::string, std::string> DpbEnvironment();
 // Every flag's name, lower case without the prefix, sorted (what docs/flags.md must list).
 std::vector<std::string> FlagNames();
+// One flag's help (flag_help.cc): the tier and topic of docs/flags.md it sits under, its name
+// (lower case, no prefix), its default as text and one line of help.
+struct FlagHelpLine {
+  const char* topic;
+  const char* name;
+  const char* default_value;
+  const char* help;
+};
+// Every flag's line, in docs/flags.md's order: "What a deployment sets", then the research and
+// tuning topics, then "Router flags".
+const std::vector<FlagHelpLine>& FlagHelpLines();
+// The text `dpbalance-flags --help` prints: the lines above under their tiers and topics.
+std::string FlagHelp();
 // The timeout_ms flag alone (the config string's wins), for a rank whose other flags failed:
 // its refusal joins the handshake for as long as its peers wait. A missing or bad value gives
 // the default (BalancerConfig::timeout).

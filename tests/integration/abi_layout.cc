@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include "dpbalance/plugin/dpbalance_inspect_v1.h"
+#include "dpbalance/plugin/dpbalance_inspect_v2.h"
 #include "dpbalance/plugin/dpbalance_plugin_v1.h"
 #include "dpbalance/plugin/dpbalance_router_v1.h"
 
@@ -87,5 +88,22 @@ int main() {
   FIELD(dpbalanceInspect_v1_t, check_flags);
   FIELD(dpbalanceInspect_v1_t, last_step);
   SIZE(dpbalanceInspect_v1_t);
+  FIELD(dpbStepTerms_v1_t, ffn_fixed_us);
+  FIELD(dpbStepTerms_v1_t, ffn_per_token_us);
+  FIELD(dpbStepTerms_v1_t, draft_us);
+  FIELD(dpbStepTerms_v1_t, step_overhead_us);
+  FIELD(dpbStepTerms_v1_t, online);
+  FIELD(dpbStepTerms_v1_t, per_token_learnt);
+  FIELD(dpbStepTerms_v1_t, draft_learnt);
+  FIELD(dpbStepTerms_v1_t, reserved);
+  FIELD(dpbStepTerms_v1_t, rows);
+  FIELD(dpbStepTerms_v1_t, fits);
+  FIELD(dpbStepTerms_v1_t, resets);
+  SIZE(dpbStepTerms_v1_t);
+  FIELD(dpbalanceInspect_v2_t, name);
+  FIELD(dpbalanceInspect_v2_t, check_flags);
+  FIELD(dpbalanceInspect_v2_t, last_step);
+  FIELD(dpbalanceInspect_v2_t, step_terms);
+  SIZE(dpbalanceInspect_v2_t);
   return 0;
 }

@@ -189,7 +189,8 @@ class AdapterTest(unittest.TestCase):
                   "dpbAccepted_v1_t": dpb._Accepted, "dpbStats_v1_t": dpb._Stats,
                   "dpbalancePlugin_v1_t": dpb._Plugin, "dpbRouterArgs_v1_t": dpb._RouterArgs,
                   "dpbRankLoad_v1_t": dpb._RankLoad, "dpbalanceRouter_v1_t": dpb._Router,
-                  "dpbStepInfo_v1_t": dpb._StepInfo, "dpbalanceInspect_v1_t": dpb._Inspect}
+                  "dpbStepInfo_v1_t": dpb._StepInfo, "dpbalanceInspect_v1_t": dpb._Inspect,
+                  "dpbStepTerms_v1_t": dpb._StepTerms, "dpbalanceInspect_v2_t": dpb._InspectV2}
         seen = {name: [] for name in mirror}
         out = subprocess.run([ABI_LAYOUT], check=True, capture_output=True, text=True).stdout
         for line in out.splitlines():
@@ -449,8 +450,16 @@ class AdapterTest(unittest.TestCase):
             self.assertFalse(info["extend"])
             predicted += info["predicted_attention_us"] > 0
         self.assertGreater(predicted, 4)
+        # The step terms it priced with: learnt online (the default), from the flags' prior.
+        terms = bal.step_terms()
+        self.assertTrue(terms["online"])
+        self.assertEqual(terms["resets"], 0)
+        self.assertGreaterEqual(terms["rows"], 1)
+        for k in ("ffn_fixed_us", "ffn_per_token_us", "draft_us", "step_overhead_us"):
+            self.assertGreaterEqual(terms[k], 0.0, k)
         bal.close()
         self.assertIsNone(bal.last_step())
+        self.assertIsNone(bal.step_terms())
 
     def test_v2_ids_are_packed_once_while_they_stay_the_same(self):
         # ABI v2 sends each id as (address, length) into one bytes object. An engine passes the

@@ -58,10 +58,17 @@ def long_requests():
 def cases():
     import sglang_loop_probe as probe
 
-    def case(loop, spec, iterations, **kw):
+    def case(loop, spec, iterations, fixed_terms=False, **kw):
         c = probe.make_case(loop, spec, iterations)
         c["requests"] = long_requests()
         c["env"].update({"DPB_LOG_EVERY": "0", "DPB_LOG_LEVEL": "warn", "DPB_TIMEOUT_MS": "5000"})
+        # The EAGLE swing tests how the agreed depth follows acceptance at known step costs (the
+        # flags' H200 terms). Learnt online here, the terms would be this machine's CPU stand-ins'
+        # (their draft forward per depth step), which move the best depth per machine: those
+        # cases keep the flags; the others learn, and must learn the same terms on both ranks.
+        if fixed_terms:
+            c["env"]["DPB_LEARN_STEP_TERMS"] = "0"
+        c["learn_terms"] = not fixed_terms
         c.update(kw)
         return c
 
@@ -74,9 +81,9 @@ def cases():
         "overlap_dspark": case("overlap", "dspark", 150, draft_moe=True, min_steps=100),
         "normal_dspark_sps": case("normal", "dspark_sps", 160, min_steps=100),
         "overlap_eagle": case("overlap", "eagle_adaptive", 160, accept_schedule=swing,
-                              min_steps=100),
+                              min_steps=100, fixed_terms=True),
         "normal_eagle": case("normal", "eagle_adaptive", 160, accept_schedule=swing,
-                             min_steps=100),
+                             min_steps=100, fixed_terms=True),
         "overlap_nospec": case("overlap", "none", 160, requests=short, min_steps=80),
         "normal_nospec": case("normal", "none", 160, requests=short, min_steps=80),
     }
@@ -128,12 +135,22 @@ def check_common(c, got, f):
                     f"{w}: decode iterations' syncs {two[:5]}")
         steps = len(decode_iterations(rec))
         f.check(steps >= c["min_steps"], f"{w}: {steps} decode steps, want >= {c['min_steps']}")
+        t = s.get("step_terms") or {}
+        f.check(t.get("online") is c.get("learn_terms", True) and t.get("resets") == 0,
+                f"{w}: step terms {t} (learnt online: {c.get('learn_terms', True)})")
         results = s.get("results", {})
         figures[p] = {"decode_steps": steps, "plans": s["plans"], "reports": s["reports"],
                       "idle_reports": s.get("idle_reports"), "probe_syncs": s.get("probe_syncs"),
                       "fallbacks": sum(v for k, v in results.items() if k != "dpbSuccess"),
                       "max_wait_ms": round(s.get("max_wait_ms", -1), 1),
                       "max_plan_ms": round(s["max_plan_ms"], 1), "applied": s.get("applied")}
+    # Every rank prices with the same terms (they decide the agreed depth).
+    terms = [(rec["dpbalance"] or {}).get("step_terms") for _, rec in sorted(got.items())]
+    keys = ("ffn_fixed_us", "ffn_per_token_us", "draft_us", "step_overhead_us", "rows")
+    f.check(all(t and all(t.get(k) == terms[0].get(k) for k in keys) for t in terms),
+            f"the processes' step terms differ: {terms}")
+    if terms and terms[0]:
+        figures["step_terms"] = {k: round(terms[0][k], 2) for k in keys}
     return figures
 
 

@@ -291,6 +291,15 @@ def test_serve(work: str) -> None:
                     "bubble_fraction", "predicted_error", "goodput_tok_per_s", "max_exchange_ms",
                     "fallback_results", "desyncs", "default_k", "wait_share_window")
             print("FIGURE final " + json.dumps({k: f.get(k) for k in keep}))
+        # The quickstart sets no cost flag: the final record names the step terms the plan
+        # priced with, learnt online from the flags' defaults, and both ranks hold the same.
+        t0, t1 = f0.get("step_terms") or {}, f1.get("step_terms") or {}
+        terms = ("ffn_fixed_us", "ffn_per_token_us", "draft_us", "step_overhead_us")
+        check(t0.get("online") is True and all(k in t0 for k in terms)
+              and all(t0.get(k) == t1.get(k) for k in terms) and t0.get("resets") == 0,
+              "the final records name the learnt step terms (FFN, draft, overhead), the same on both ranks",
+              json.dumps(t0))
+        print("FIGURE step terms " + json.dumps(t0))
 
     # DPB_MODE=bogus: one line per rank at start-up, before /health; the server serves anyway.
     b = Server("bogus", work, {"DPB_MODE": "bogus"})

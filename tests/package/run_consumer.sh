@@ -10,7 +10,7 @@ cmake --install "$build_dir" --prefix "$work/prefix" > "$work/install.log"
 headers=$(cd "$work/prefix/include" && find . -name '*.h' | sort | tr '\n' ' ')
 want="./dpbalance/acceptance.h ./dpbalance/allgather.h ./dpbalance/balancer.h ./dpbalance/cost_model.h \
 ./dpbalance/dspark.h ./dpbalance/inprocess_allgather.h ./dpbalance/kernel_grid.h ./dpbalance/lag.h ./dpbalance/metrics.h ./dpbalance/nccl_allgather.h \
-./dpbalance/planner.h ./dpbalance/plugin/dpbalance_inspect_v1.h ./dpbalance/plugin/dpbalance_plugin.h ./dpbalance/plugin/dpbalance_plugin_v1.h ./dpbalance/plugin/dpbalance_plugin_v2.h \
+./dpbalance/planner.h ./dpbalance/plugin/dpbalance_inspect_v1.h ./dpbalance/plugin/dpbalance_inspect_v2.h ./dpbalance/plugin/dpbalance_plugin.h ./dpbalance/plugin/dpbalance_plugin_v1.h ./dpbalance/plugin/dpbalance_plugin_v2.h \
 ./dpbalance/plugin/dpbalance_router_v1.h ./dpbalance/quiet.h ./dpbalance/routing.h ./dpbalance/summary.h ./dpbalance/tpot_slo.h "
 if [ "$headers" != "$want" ]; then
   echo "installed headers differ from the public API:"; echo " got:  $headers"; echo " want: $want"

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -274,6 +275,37 @@ TEST(Flags, EveryNumericFlagTakesItsDocumentedRangeAndNothingOutside) {
       EXPECT_NE(f.status().message().find("'" + out + "'"), std::string::npos) << f.status();
     }
   }
+}
+
+// The two tiers: every flag the parser takes has a help line (dpbalance-flags --help), under the
+// same tier and topic as its row in docs/flags.md, and nothing else has one.
+TEST(Flags, HelpListsEveryFlagUnderItsTierAsTheDocDoes) {
+  std::ifstream in(DPB_FLAGS_DOC);
+  ASSERT_TRUE(in) << "cannot read " << DPB_FLAGS_DOC;
+  const std::regex row(R"(^\| `DPB_([A-Z0-9_]+)` \|)");
+  std::map<std::string, std::string> doc_topic;
+  std::string line, topic;
+  while (std::getline(in, line)) {
+    if (line.rfind("## ", 0) == 0) topic = line.substr(3);
+    if (line.rfind("### ", 0) == 0) topic = line.substr(4);
+    std::smatch m;
+    if (!std::regex_search(line, m, row)) continue;
+    std::string flag = m[1];
+    for (char& c : flag) c = static_cast<char>(std::tolower(c));
+    if (topic == "The vLLM package's settings") continue;  // the host's and the package's
+    doc_topic[flag] = topic;
+  }
+  std::set<std::string> helped;
+  for (const FlagHelpLine& l : FlagHelpLines()) {
+    EXPECT_TRUE(helped.insert(l.name).second) << l.name << " has two help lines";
+    EXPECT_EQ(doc_topic[l.name], l.topic) << "DPB_" << l.name << ": docs/flags.md and --help disagree";
+    EXPECT_GT(std::string(l.help).size(), 5u) << l.name;
+  }
+  const std::vector<std::string> names = FlagNames();
+  EXPECT_EQ(std::set<std::string>(names.begin(), names.end()), helped) << "a flag without help, or help without a flag";
+  const std::string help = FlagHelp();
+  EXPECT_LT(help.find("What a deployment sets"), help.find("Research and tuning flags"));
+  EXPECT_NE(help.find("DPB_LEARN_STEP_TERMS"), std::string::npos);
 }
 
 }  // namespace

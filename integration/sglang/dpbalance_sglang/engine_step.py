@@ -513,6 +513,7 @@ class RankState:
                "timed_layers": self.timer.num_layers}
         if self.dpb is not None:
             out["stats"] = self.dpb.stats()
+            out["step_terms"] = self.dpb.step_terms()  # what the plans priced the step with
         return out
 
 
