@@ -432,12 +432,13 @@ PlanOutcome Balancer::Abstain(const absl::Status& why) {
 
 PlanOutcome Balancer::PlanStep(const StepInput& in, absl::Span<int32_t> verify_len,
                                absl::Status local, StepTotals* totals) {
-  // The engine cycle starts here (BeginStep gives this plan the index step_).
-  step_starts_[step_ % step_starts_.size()] = StepStart{step_, config_.clock ? config_.clock() : absl::Now()};
+  // The engine cycle starts here (BeginStep gives this plan the index step_). The plan call's
+  // own time is on the same clock: a row's cycle and the own time it takes out of it agree.
+  const absl::Time start = Now();
+  step_starts_[step_ % step_starts_.size()] = StepStart{step_, start};
   if (quiet_.SkipStep()) return QuietStep(in, verify_len, local, totals);  // untimed: no exchange
-  const absl::Time start = absl::Now();
   PlanOutcome out = PlanStepUntimed(in, verify_len, std::move(local), totals);
-  const double us = absl::ToDoubleMicroseconds(absl::Now() - start);
+  const double us = absl::ToDoubleMicroseconds(Now() - start);
   own_samples_[own_calls_++ % kOwnWindow] = us;
   std::array<double, kOwnWindow> window = own_samples_;
   const auto n = static_cast<size_t>(std::min<int64_t>(own_calls_, kOwnWindow));

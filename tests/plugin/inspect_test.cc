@@ -46,6 +46,21 @@ class Inspect : public ::testing::Test {
     return {r, std::string(error.data()), std::string(settings.data())};
   }
 
+  // ABI v2 init of DP rank `r` of `dp` on the in-process backend with `config` (asserted).
+  void* InitV2(int dp, int r, const char* config) {
+    dpbInitArgs_v2_t a{};
+    a.struct_size = sizeof(a);
+    a.dp_size = dp;
+    a.dp_rank = r;
+    a.attn_tp_size = 1;
+    a.config = config;
+    a.backend = dpbBackendFromFlags;
+    a.cuda_device = -1;
+    void* ctx = nullptr;
+    EXPECT_EQ(v2_->init(&a, &ctx), dpbSuccess);
+    return ctx;
+  }
+
   void* lib_ = nullptr;
   const dpbalanceInspect_v1_t* api_ = nullptr;
   const dpbalancePlugin_v2_t* v2_ = nullptr;
@@ -132,16 +147,8 @@ TEST_F(Inspect, LastStepGivesTheReportedPlansPredictionBesideTheMeasuredTime) {
   std::vector<std::thread> ranks;
   for (int r = 0; r < dp; ++r) {
     ranks.emplace_back([&, r] {
-      dpbInitArgs_v2_t a{};
-      a.struct_size = sizeof(a);
-      a.dp_size = dp;
-      a.dp_rank = r;
-      a.attn_tp_size = 1;
-      a.config = "backend=inproc;group=inspect2;log_every=0;timeout_ms=20000";
-      a.backend = dpbBackendFromFlags;
-      a.cuda_device = -1;
-      void* ctx = nullptr;
-      ASSERT_EQ(v2_->init(&a, &ctx), dpbSuccess);
+      void* ctx = InitV2(dp, r, "backend=inproc;group=inspect2;log_every=0;timeout_ms=20000");
+      ASSERT_NE(ctx, nullptr);
       dpbStepInfo_v1_t before{};
       ASSERT_EQ(api_->last_step(ctx, &before), dpbSuccess);
       EXPECT_EQ(before.plan_id, -1);
@@ -203,16 +210,8 @@ TEST_F(Inspect, StepTermsAreLearntFromTheEngineCycleOrAreTheFlags) {
                                "draft_us=0;learn_step_terms=" + std::to_string(learn);
     for (int r = 0; r < dp; ++r) {
       ranks.emplace_back([&, r] {
-        dpbInitArgs_v2_t a{};
-        a.struct_size = sizeof(a);
-        a.dp_size = dp;
-        a.dp_rank = r;
-        a.attn_tp_size = 1;
-        a.config = config.c_str();
-        a.backend = dpbBackendFromFlags;
-        a.cuda_device = -1;
-        void* ctx = nullptr;
-        ASSERT_EQ(v2_->init(&a, &ctx), dpbSuccess);
+        void* ctx = InitV2(dp, r, config.c_str());
+        ASSERT_NE(ctx, nullptr);
         for (int step = 0; step < 80; ++step) {
           std::vector<std::string> ids;
           std::vector<dpbRequest_v2_t> reqs;

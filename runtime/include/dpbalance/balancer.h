@@ -86,8 +86,8 @@ struct BalancerConfig {
   // records, with planner.global as the prior: ffn_fixed_us, ffn_per_token_us,
   // draft_per_step_us (with an agreed depth) and step_overhead_us (the plugin's own time).
   bool learn_step_terms = true;
-  // The clock of the plan calls (the engine cycle the step terms learn from); null: absl::Now.
-  // Not hashed: a test's fake clock.
+  // The clock of the plan calls (the engine cycle the step terms learn from, and each call's own
+  // time, own_us); null: absl::Now. Not hashed: a test's fake clock.
   absl::Time (*clock)() = nullptr;
   uint64_t Hash() const;                   // what the handshake compares
 };
@@ -380,6 +380,7 @@ class Balancer {
   };
   std::array<StepRun, 4> step_runs_;
   std::vector<int64_t> step_run_tokens_;
+  absl::Time Now() const { return config_.clock ? config_.clock() : absl::Now(); }
   // The engine cycle of plan `step`: its plan call to the next one, us; < 0 unknown.
   double CycleUs(uint64_t step) const;
   // After the exchange, on every rank alike: the ranks' step-term digests compared (a difference
