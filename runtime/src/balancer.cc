@@ -652,7 +652,11 @@ void Balancer::StampOwnSummary(const absl::Status& local, uint64_t step, const S
     own_summary_.default_tokens = static_cast<uint32_t>(std::min<int64_t>(QueryTokens(fallback_len), UINT32_MAX));
   }
   own_summary_.flags |= in.kind;
-  if (local.ok()) own_summary_.flags |= quiet_.ProposalFlags();
+  // No quiet span before the step terms have settled: a quiet step adds no row, so a plugin
+  // that starts from the wrong terms (another machine's defaults), keeps the default plan for
+  // that reason and goes quiet would never learn better. Every rank's fit is the same, so every
+  // rank holds its proposal back alike.
+  if (local.ok() && (!step_terms_ || step_terms_->settled())) own_summary_.flags |= quiet_.ProposalFlags();
   own_summary_.extra_tokens = static_cast<uint32_t>(std::clamp<int64_t>(in.extra_tokens, 0, kMaxExtraTokens));
   own_summary_.input_digest = config_.attn_tp_size > 1 && local.ok() ? InputDigest(in) : 0;
   own_summary_.step_idx = static_cast<uint32_t>(step);

@@ -372,7 +372,7 @@ class AdapterTest(unittest.TestCase):
         # still runs every step and every payload arrives; on a collective of the plugin's
         # alone (own_collective=True, the vLLM package) those steps run no collective at all,
         # on every rank alike, and return no payloads.
-        config = COMMON + ";quiet_after=2;quiet_max=4;min_plan_gain=10"
+        config = COMMON + ";quiet_after=2;quiet_max=4;min_plan_gain=10;learn_step_terms=0"
         for own in (False, True):
             g = ThreadGroup(2)
             got = [None, None]

@@ -624,7 +624,8 @@ using BatchOf = std::function<std::vector<BalancerRequest>(int, int, std::mt1993
 // DefaultGuard with a margin no plan beats (every decision keeps the defaults). `calls` gets
 // each rank's collective calls (the handshake's included), `unmatched` the collectives some
 // rank never joined.
-std::vector<RankLog> RunQuietRanks(int steps, BatchOf batch_of, std::vector<int>* calls, int* unmatched) {
+std::vector<RankLog> RunQuietRanks(int steps, BatchOf batch_of, std::vector<int>* calls, int* unmatched,
+                                   bool learn_step_terms = false) {
   constexpr int kRanks = 4;
   OrderedGroup group(kRanks);
   std::vector<std::atomic<int>> n(kRanks);
@@ -632,9 +633,10 @@ std::vector<RankLog> RunQuietRanks(int steps, BatchOf batch_of, std::vector<int>
   auto count = [&n](int r, int64_t) { ++n[r]; };
   auto logs = RunRanks(
       kRanks, steps,
-      [](int, BalancerConfig& c) {
+      [learn_step_terms](int, BalancerConfig& c) {
         c.planner.min_plan_gain = 10;
         c.quiet = {.after = 3, .max_steps = 8};
+        c.learn_step_terms = learn_step_terms;  // the spans' arithmetic: from the first steps
       },
       std::move(batch_of), nullptr, nullptr,
       [&](int r, std::unique_ptr<AllGather>) -> std::unique_ptr<AllGather> {
@@ -661,6 +663,26 @@ TEST(Balancer, QuietModeSkipsTheSameStepsOnEveryRankWhileTheDefaultIsKept) {
     EXPECT_EQ(logs[r].stats.fallbacks, 0) << r;
     EXPECT_TRUE(logs[r].enabled);
     for (int s = 0; s < kSteps; ++s) EXPECT_EQ(logs[r].depth[s], 1) << "rank " << r << " step " << s;
+  }
+}
+
+// With the step terms learnt online (the default), no rank proposes a quiet span before the fit
+// has 64 rows (a quiet step adds none): the ranks exchange at steps 0-67 (the 64th row comes
+// with step 65's exchange, then 3 kept decisions), then as above from there: 68-69 skipped, 70,
+// 74-77 skipped ... the same on every rank, no collective unmatched.
+TEST(Balancer, QuietModeWaitsForTheStepTermsToSettle) {
+  constexpr int kSteps = 100;
+  std::vector<int> calls;
+  int unmatched = -1;
+  const auto logs = RunQuietRanks(kSteps, Normal, &calls, &unmatched, /*learn_step_terms=*/true);
+  EXPECT_EQ(unmatched, 0);
+  for (size_t r = 0; r < logs.size(); ++r) {
+    EXPECT_GE(logs[r].stats.step_terms_rows, 64) << r;
+    EXPECT_GT(logs[r].stats.quiet_steps, 0) << r;
+    // At least the 66 exchanges before any span, then fewer than one exchange a step.
+    EXPECT_GE(calls[r], 1 + 66) << r;
+    EXPECT_EQ(calls[r] - 1 + logs[r].stats.quiet_steps, kSteps) << r;
+    EXPECT_EQ(calls[r], calls[0]) << r;
   }
 }
 

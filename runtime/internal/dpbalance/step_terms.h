@@ -70,6 +70,9 @@ class OnlineStepTerms {
   void Reset();
 
   int64_t rows() const { return rows_seen_; }          // rows observed since the last reset
+  // Whether the fit has seen enough rows to stand on (4 x min_rows since the last reset): the
+  // Balancer lets quiet mode skip exchanges, which add no rows, only then.
+  bool settled() const { return rows_seen_ >= 4 * static_cast<int64_t>(options_.min_rows); }
   int64_t fits() const { return fits_; }               // fits run since the last reset
   int64_t resets() const { return resets_; }
   int64_t outliers() const { return last_outliers_; }  // rows the latest fit dropped
