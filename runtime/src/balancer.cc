@@ -324,14 +324,18 @@ int64_t Balancer::OwnTokens(const StepInput& in, absl::Span<const int32_t> lens)
 void Balancer::FillTotals(const GlobalDecision* decision, bool balanced, const StepInput& in,
                           absl::Span<const int32_t> own_len, bool fell_back_alone,
                           StepTotals* totals) {
-  RememberStepRun(step_ - 1, decision, balanced);
-  if (totals == nullptr) return;
+  if (totals == nullptr && !step_terms_) return;
   const absl::Span<const RankSummary> recs = DpRecords();
-  totals->known = true;
-  totals->rank_tokens.resize(recs.size());
-  totals->rank_flags.resize(recs.size());
+  // Every rank's total as the records say (the same bytes on every rank): the step terms' row
+  // for this step, and what the engine is told below (before this rank's own correction).
+  std::vector<int64_t>& tokens = totals != nullptr ? totals->rank_tokens : scratch_tokens_;
+  tokens.resize(recs.size());
   planner_.RankTokens(recs, decision ? *decision : GlobalDecision{}, balanced && decision != nullptr,
-                      absl::MakeSpan(totals->rank_tokens));  // -1: an empty record, unknown
+                      absl::MakeSpan(tokens));  // -1: an empty record, unknown
+  RememberStepRun(step_ - 1, decision, balanced, tokens);
+  if (totals == nullptr) return;
+  totals->known = true;
+  totals->rank_flags.resize(recs.size());
   for (size_t r = 0; r < recs.size(); ++r) {
     uint16_t f = recs[r].flags & (kSummaryExtend | kSummaryNoVerify | kSummaryIdle | kSummaryDisabled);
     if (balanced && decision != nullptr && (recs[r].flags & kSummaryValid)) f |= kSummaryValid;
@@ -353,13 +357,7 @@ void Balancer::FillTotals(const GlobalDecision* decision, bool balanced, const S
     totals->any_flags |= totals->rank_flags[r];
     max_tokens = std::max(max_tokens, totals->rank_tokens[r]);
   }
-  totals->padded_tokens = max_tokens;
-  for (int32_t t : config_.planner.token_tiers) {
-    if (t >= max_tokens) {
-      totals->padded_tokens = t;
-      break;
-    }
-  }
+  totals->padded_tokens = TierFor(config_.planner.token_tiers, max_tokens);
 }
 
 PlanOutcome Balancer::Plan(absl::Span<const BalancerRequest> batch, int64_t kv_free_tokens,
@@ -718,33 +716,23 @@ void Balancer::LearnStepTerms(const Measured& measured) {
   }
 }
 
-void Balancer::RememberStepRun(uint64_t step, const GlobalDecision* decision, bool balanced) {
+void Balancer::RememberStepRun(uint64_t step, const GlobalDecision* decision, bool balanced,
+                               absl::Span<const int64_t> record_tokens) {
   if (!step_terms_) return;
   const absl::Span<const RankSummary> recs = DpRecords();
-  step_run_tokens_.resize(recs.size());
-  planner_.RankTokens(recs, decision ? *decision : GlobalDecision{}, balanced && decision != nullptr,
-                      absl::MakeSpan(step_run_tokens_));
   StepRun run{step, 0, 0, true};
   int64_t sum = 0, max_tokens = 0;
   for (size_t i = 0; i < recs.size(); ++i) {
     // A rank with prefill beside its verify ran work whose time the terms do not model alike.
-    if (step_run_tokens_[i] < 0 || recs[i].extra_tokens > 0 || (recs[i].flags & kSummaryExtend)) run.row = false;
-    sum += std::max<int64_t>(step_run_tokens_[i], 0);
-    max_tokens = std::max(max_tokens, step_run_tokens_[i]);
+    if (record_tokens[i] < 0 || recs[i].extra_tokens > 0 || (recs[i].flags & kSummaryExtend)) run.row = false;
+    sum += std::max<int64_t>(record_tokens[i], 0);
+    max_tokens = std::max(max_tokens, record_tokens[i]);
   }
+  // The FFN's tokens as the planner charges them (planner.cc, BestPlan::FfnTokens).
   const PlannerConfig& c = planner_.config();
-  if (c.global.padded_tokens) {
-    int64_t tier = max_tokens;
-    for (int32_t t : c.token_tiers) {
-      if (t >= max_tokens) {
-        tier = t;
-        break;
-      }
-    }
-    run.ffn_tokens = static_cast<double>(c.num_ranks) * static_cast<double>(tier);
-  } else {
-    run.ffn_tokens = static_cast<double>(sum);
-  }
+  run.ffn_tokens = c.global.padded_tokens
+                       ? static_cast<double>(c.num_ranks) * TierFor(c.token_tiers, max_tokens)
+                       : static_cast<double>(sum);
   run.draft_depth = !c.agreed_draft_depth ? 0 : balanced && decision ? decision->draft_depth : c.default_k;
   step_runs_[step % step_runs_.size()] = run;
 }

@@ -15,6 +15,13 @@
 #include "hash.h"
 
 namespace dpbalance {
+int32_t TierFor(absl::Span<const int32_t> tiers, int64_t tokens) {
+  for (int32_t t : tiers) {
+    if (t >= tokens) return t;
+  }
+  return static_cast<int32_t>(tokens);  // beyond the largest tier: no padding
+}
+
 namespace {
 
 using internal::DecideScratch;
@@ -27,13 +34,6 @@ constexpr double kTinyUs = 1e-3;  // floor on a marginal cost, so ratios stay fi
 // model through float storage in the summary record.
 constexpr double kBarrierSlack = 1e-6;
 
-
-int32_t TierFor(absl::Span<const int32_t> tiers, int64_t tokens) {
-  for (int32_t t : tiers) {
-    if (t >= tokens) return t;
-  }
-  return static_cast<int32_t>(tokens);  // beyond the largest tier: no padding
-}
 
 // Knots one rank spends on its frontier. Decide's work grows with ranks x knots, and with many
 // ranks the instance's frontier already has hundreds of points per depth, so each sends fewer.

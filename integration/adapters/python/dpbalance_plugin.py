@@ -475,21 +475,27 @@ class _Balancer(_Closing):
         self._grow(16)
         self._grow_accepted(16)
 
+    def _inspect_api(self):
+        """The library's inspection ABI, looked up once: v2 (v1's functions and step_terms), or
+        v1 from a library older than v2 (then `_inspect_v2` is False), or None."""
+        if not hasattr(self, "_inspect"):
+            self._inspect, self._inspect_v2 = None, False
+            self._step_info = _StepInfo()
+            for cls, symbol in ((_InspectV2, INSPECT_SYMBOL_V2), (_Inspect, INSPECT_SYMBOL)):
+                try:
+                    self._inspect = cls.in_dll(self._lib, symbol)
+                except ValueError:
+                    continue
+                self._inspect_v2 = cls is _InspectV2
+                break
+        return self._inspect
+
     def last_step(self) -> Optional[dict]:
         """The step of the latest report (dpbStepInfo_v1_t of dpbalance_inspect_v1.h): plan_id,
         predicted_attention_us (< 0: not balanced), measured_attention_us, planned_barrier_us,
         extend. None after close() or when the library lacks the inspection ABI."""
-        if not self._ctx:
-            return None
-        if not hasattr(self, "_inspect"):
-            try:
-                self._inspect = _Inspect.in_dll(self._lib, INSPECT_SYMBOL)
-            except ValueError:
-                self._inspect = None
-            self._step_info = _StepInfo()
-        if self._inspect is None:
-            return None
-        if self._inspect.last_step(self._ctx, ctypes.byref(self._step_info)) != SUCCESS:
+        api = self._inspect_api() if self._ctx else None
+        if api is None or api.last_step(self._ctx, ctypes.byref(self._step_info)) != SUCCESS:
             return None
         i = self._step_info
         return {"plan_id": i.plan_id, "predicted_attention_us": i.predicted_attention_us,
@@ -501,17 +507,9 @@ class _Balancer(_Closing):
         dpbalance_inspect_v2.h): ffn_fixed_us, ffn_per_token_us, draft_us, step_overhead_us,
         learnt online (`online`) or the flags, with the fit's rows, fits and resets. None after
         close() or when the library lacks inspection ABI v2."""
-        if not self._ctx:
-            return None
-        if not hasattr(self, "_inspect_v2"):
-            try:
-                self._inspect_v2 = _InspectV2.in_dll(self._lib, INSPECT_SYMBOL_V2)
-            except ValueError:
-                self._inspect_v2 = None
-        if self._inspect_v2 is None:
-            return None
+        api = self._inspect_api() if self._ctx else None
         t = _StepTerms()
-        if self._inspect_v2.step_terms(self._ctx, ctypes.byref(t)) != SUCCESS:
+        if api is None or not self._inspect_v2 or api.step_terms(self._ctx, ctypes.byref(t)) != SUCCESS:
             return None
         out = {name: getattr(t, name) for name, _ in _StepTerms._fields_ if name != "reserved"}
         for name in ("online", "per_token_learnt", "draft_learnt"):

@@ -379,15 +379,17 @@ class Balancer {
     bool row = false;
   };
   std::array<StepRun, 4> step_runs_;
-  std::vector<int64_t> step_run_tokens_;
+  std::vector<int64_t> scratch_tokens_;  // FillTotals' rank totals when the engine asks for none
   absl::Time Now() const { return config_.clock ? config_.clock() : absl::Now(); }
   // The engine cycle of plan `step`: its plan call to the next one, us; < 0 unknown.
   double CycleUs(uint64_t step) const;
   // After the exchange, on every rank alike: the ranks' step-term digests compared (a difference
   // resets every rank to the prior), the measured step's row fitted, the planner's terms updated.
   void LearnStepTerms(const Measured& measured);
-  // What the exchange says step `step` runs (FillTotals' token totals), for its later row.
-  void RememberStepRun(uint64_t step, const GlobalDecision* decision, bool balanced);
+  // What the exchange says step `step` runs (every DP rank's total as the records say, from
+  // FillTotals), for its later row.
+  void RememberStepRun(uint64_t step, const GlobalDecision* decision, bool balanced,
+                       absl::Span<const int64_t> record_tokens);
   int64_t epoch_ = -1;
   // Metrics.
   int64_t balanced_steps_ = 0, kept_default_steps_ = 0, fallbacks_ = 0;

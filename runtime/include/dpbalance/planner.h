@@ -188,6 +188,10 @@ struct PlanRequest {
 // the ranks; it emits e_i = ExpectedTokens(k_i) tokens a step. w_i = (c_i / e_i) / (sum c / sum
 // e), clamped to [1/4, 4]: the weights' mean weighted by e_i is 1 (before the clamp). Fewer than
 // two requests: all 1.
+// The smallest of `tiers` (ascending) at or above `tokens`; `tokens` itself beyond the largest
+// (or without tiers): the size a rank of that many tokens is padded to.
+int32_t TierFor(absl::Span<const int32_t> tiers, int64_t tokens);
+
 std::vector<double> DeferralWeights(const CostModel& model, const GlobalCost& global,
                                     int num_ranks, int default_k, bool agreed_draft_depth,
                                     absl::Span<const PlanRequest> batch);
