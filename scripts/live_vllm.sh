@@ -18,7 +18,8 @@
 #                        [--seed S] [--dp N] [--ks "1 3 5 7"] [--slo p99|off] [--no-ab]
 #                        [--min-plan-gain F] [--value-deferral] [--anchor-k K] [--nospec-each]
 #                        [--guard-overhead-us US] [--no-guard-measured] [--quiet-after N]
-#                        [--zero-config] [--keep-logs DIR] [--quick]
+#                        [--zero-config] [--exchange ride|own|both] [--drafter ngram|draft_model]
+#                        [--keep-logs DIR] [--quick]
 #   scripts/live_vllm.sh --install-only   (the venv and the plugin package, nothing run;
 #                                          scripts/serve_vllm.sh and the README's quickstart)
 #
@@ -42,9 +43,17 @@
 # call, exchange included, rides its record and the guard charges the largest; US adds to it),
 # and the prediction charges the arms' logged plan calls (live_bench.py predict
 # --guard-measured); --no-guard-measured runs them with DPB_GUARD_MEASURED=0 (--guard-measured,
-# the default, is accepted for the commands in docs/live_vllm.md). --quiet-after N: the plugin
-# arms' DPB_QUIET_AFTER (default 8, the vLLM package's; 0: every step exchanges), and the
-# prediction's --quiet-after the same. --zero-config: the plugin arms are `dpbalance` with the
+# the default, is accepted for the commands in docs/live_vllm.md). --exchange: how the plugin arms
+# exchange their records: `ride` (the default, the vLLM package's: on vLLM's own DP sync, no
+# collective of the plugin's, quiet mode off), `own` (the plugin's all-reduce every step, quiet
+# mode on), `both` (the `dpbalance` arm rides, and an arm `dpbalance_own` beside it runs its own
+# exchange: the before/after of the summary's `exchange_compare`). --quiet-after N: the own-
+# exchange arms' DPB_QUIET_AFTER (default 8, the vLLM package's; 0: every step exchanges), and
+# the prediction's --quiet-after the same (0 when the dpbalance arm rides). --drafter draft_model:
+# every arm drafts with vLLM's draft-model proposer (a 2-layer random-weight model of the same
+# vocabulary, `write-model --shape tiny`) instead of ngram; vLLM's proposer drafts
+# num_speculative_tokens every step, so the plugin arms run num_speculative_tokens = static_best's
+# k (the package fixes the instance's draft depth there) and trim verify lengths under it. --zero-config: the plugin arms are `dpbalance` with the
 # harness's fitted step-term flags (DPB_FFN_*, online fit off) and `auto` with no step-term flag
 # (learnt online), no DSpark or A/B arm; the summary's `zero_config` compares them (goodput,
 # wall goodput, TPOT p99, each with its interval; the learnt terms against the fit). LIVE_VLLM_ARGS adds
@@ -76,7 +85,9 @@ DEFER=0                        # the plugin arms' DPB_VALUE_DEFERRAL (its defaul
 ANCHOR_K=                      # the plugin arms' anchor (empty: replicate 1's best static arm)
 GUARD_OVERHEAD=                # the plugin arms' DPB_GUARD_OVERHEAD_US (empty: the plugin's default, 0)
 GUARD_MEASURED=1               # the plugin arms' DPB_GUARD_MEASURED (--no-guard-measured: 0)
-QUIET_AFTER=8                  # the plugin arms' DPB_QUIET_AFTER (the package's default)
+QUIET_AFTER=8                  # the own-exchange arms' DPB_QUIET_AFTER (the package's default)
+EXCHANGE=ride                  # the plugin arms' DPBALANCE_VLLM_EXCHANGE (both: an own arm too)
+DRAFTER=ngram                  # every arm's drafter (draft_model: vLLM's draft-model proposer)
 ZERO_CONFIG=0                  # 1: plugin arms dpbalance (fitted step flags) and auto (none)
 ARGS=("$@")
 while [ $# -gt 0 ]; do
@@ -103,6 +114,8 @@ while [ $# -gt 0 ]; do
     --no-guard-measured) GUARD_MEASURED=0; shift ;;
     --quiet-after) QUIET_AFTER="${2:?--quiet-after needs a step count}"; shift 2 ;;
     --zero-config) ZERO_CONFIG=1; AB=0; shift ;;
+    --exchange) EXCHANGE="${2:?--exchange needs ride, own or both}"; shift 2 ;;
+    --drafter) DRAFTER="${2:?--drafter needs ngram or draft_model}"; shift 2 ;;
     -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) echo "live_vllm.sh: unknown flag '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -132,6 +145,8 @@ if [ -n "$ANCHOR_K" ]; then
   case " $KS " in *" $ANCHOR_K "*) ;; *) echo "live_vllm.sh: --anchor-k '$ANCHOR_K' is not one of --ks ($KS)" >&2; exit 2 ;; esac
 fi
 case "$SLO" in p99|off) ;; *) echo "live_vllm.sh: --slo '$SLO' is not p99 or off" >&2; exit 2 ;; esac
+case "$EXCHANGE" in ride|own|both) ;; *) echo "live_vllm.sh: --exchange '$EXCHANGE' is not ride, own or both" >&2; exit 2 ;; esac
+case "$DRAFTER" in ngram|draft_model) ;; *) echo "live_vllm.sh: --drafter '$DRAFTER' is not ngram or draft_model" >&2; exit 2 ;; esac
 mkdir -p "$(dirname "$JSON")" 2>/dev/null || true
 if [ "$INSTALL_ONLY" = 0 ] && ! touch "$JSON" 2>/dev/null; then
   echo "live_vllm.sh: --json '$JSON' cannot be written" >&2; exit 2
@@ -227,7 +242,11 @@ EPOCH=${LIVE_VLLM_AB_EPOCH:-2}
 K_SPEC=7                       # the plugin arms' num_speculative_tokens: their verify lengths 0..7
 RUNS="$WORK/runs"
 COMMON=(--model "$MODEL" --trace "$ROOT/integration/replay/data/mooncake_conversation.jsonl"
-        --dp "$DP" --requests "$REQS" --seed "$SEED" ${LIVE_VLLM_ARGS:-})
+        --dp "$DP" --requests "$REQS" --seed "$SEED" --drafter "$DRAFTER" ${LIVE_VLLM_ARGS:-})
+if [ "$DRAFTER" = draft_model ]; then
+  "$PY" "$LB" write-model "$WORK/draft" --shape tiny
+  COMMON+=(--draft-model "$WORK/draft")
+fi
 
 CAL="$ROOT/build/release/integration/dpbalance-calibrate"
 REPLAY="$ROOT/build/release/integration/dpbalance-replay"
@@ -266,14 +285,17 @@ plugin_arms() {  # WORKLOAD REPLICATE ORDER(fwd|rev)
   local w=$1 rep=$2 order=$3 arm
   local arms=(dspark dpbalance)
   [ "$ZERO_CONFIG" = 1 ] && arms=(dpbalance auto)
+  [ "$EXCHANGE" = both ] && arms+=(dpbalance_own)
   [ "$AB" = 1 ] && arms+=(ab)
   [ "$order" = rev ] && arms=($(printf '%s\n' "${arms[@]}" | tac))
   for arm in "${arms[@]}"; do
     case "$arm" in
-      dspark) run_arm "$w" "$rep" dspark dspark "$K_SPEC" "${PLUGIN_ENV[@]}" DPB_MODE=dspark_fill ;;
-      dpbalance) run_arm "$w" "$rep" dpbalance dpbalance "$K_SPEC" "${PLUGIN_ENV[@]}" DPB_MODE=goodput "${SLO_ENV[@]}" ;;
-      auto) run_arm "$w" "$rep" auto dpbalance_auto "$K_SPEC" "${AUTO_ENV[@]}" DPB_MODE=goodput "${SLO_ENV[@]}" ;;
-      ab) run_arm "$w" "$rep" ab ab "$K_SPEC" "${PLUGIN_ENV[@]}" DPB_MODE=goodput "${SLO_ENV[@]}" DPB_AB_EPOCH="$EPOCH" ;;
+      dspark) run_arm "$w" "$rep" dspark dspark "$PK" "${PLUGIN_ENV[@]}" DPB_MODE=dspark_fill ;;
+      dpbalance) run_arm "$w" "$rep" dpbalance dpbalance "$PK" "${PLUGIN_ENV[@]}" DPB_MODE=goodput "${SLO_ENV[@]}" ;;
+      dpbalance_own) run_arm "$w" "$rep" dpbalance_own dpbalance_own "$PK" "${PLUGIN_ENV[@]}" DPB_MODE=goodput "${SLO_ENV[@]}" \
+                       DPBALANCE_VLLM_EXCHANGE=own DPB_QUIET_AFTER="$QUIET_AFTER" ;;
+      auto) run_arm "$w" "$rep" auto dpbalance_auto "$PK" "${AUTO_ENV[@]}" DPB_MODE=goodput "${SLO_ENV[@]}" ;;
+      ab) run_arm "$w" "$rep" ab ab "$PK" "${PLUGIN_ENV[@]}" DPB_MODE=goodput "${SLO_ENV[@]}" DPB_AB_EPOCH="$EPOCH" ;;
     esac
   done
 }
@@ -305,7 +327,13 @@ for W in ${WORKLOADS//,/ }; do
   # TPOT p99, so the plan may shorten a request only while it stays within static_best's tail.
   # shellcheck disable=SC2206
   PLUGIN_ENV=(DPB_PLUGIN=dpbalance DPB_DEFAULT_K="$SB" DPB_COST_MODEL="$WORK/$W-cpu_model.json"
-              DPB_DRAFT_US=0 DPB_VALUE_DEFERRAL="$DEFER" $FLAGS)
+              DPB_VALUE_DEFERRAL="$DEFER" $FLAGS)
+  PK=$K_SPEC  # the plugin arms' num_speculative_tokens
+  if [ "$DRAFTER" = draft_model ]; then
+    PK=$SB    # vLLM's draft model drafts them all every step: the depth is static_best's
+  else
+    PLUGIN_ENV+=(DPB_DRAFT_US=0)
+  fi
   # The margin the plugin arms plan with (for the prediction): the one given, else the plugin's
   # default for this model (flags.cc: 0.02, or the model's recorded cv_mape when larger).
   if [ -n "$MIN_GAIN" ]; then
@@ -322,7 +350,15 @@ for W in ${WORKLOADS//,/ }; do
   fi
   PLUGIN_ENV+=(DPB_GUARD_MEASURED="$GUARD_MEASURED")
   [ "$GUARD_MEASURED" = 1 ] && PRED_EXTRA+=(--guard-measured)
-  PLUGIN_ENV+=(DPB_QUIET_AFTER="$QUIET_AFTER")
+  # The exchange: riding vLLM's DP sync leaves quiet mode off (the package's default there);
+  # the plugin's own all-reduce skips quiet spans (DPB_QUIET_AFTER).
+  if [ "$EXCHANGE" = own ]; then
+    PLUGIN_ENV+=(DPBALANCE_VLLM_EXCHANGE=own DPB_QUIET_AFTER="$QUIET_AFTER")
+    PRED_QUIET=$QUIET_AFTER
+  else
+    PLUGIN_ENV+=(DPBALANCE_VLLM_EXCHANGE=ride)
+    PRED_QUIET=0
+  fi
   # --zero-config: the arm `auto` runs without any step-term flag (no DPB_FFN_*, DPB_DRAFT_US or
   # DPB_STEP_OVERHEAD_US: the plugin learns them online from its prior, the flags' defaults; the
   # vLLM package's draft_us=0 for ngram stays, as for any user), and `dpbalance` with the
@@ -333,7 +369,7 @@ for W in ${WORKLOADS//,/ }; do
     case "$e" in DPB_FFN_*|DPB_DRAFT_US=*|DPB_STEP_OVERHEAD_US=*) ;; *) AUTO_ENV+=("$e") ;; esac
   done
   [ "$ZERO_CONFIG" = 1 ] && PLUGIN_ENV+=(DPB_LEARN_STEP_TERMS=0)
-  PRED_EXTRA+=(--quiet-after "$QUIET_AFTER")
+  PRED_EXTRA+=(--quiet-after "$PRED_QUIET")
   # The H200 rows plan with the plugin's margin for the H200 model unless one was given.
   [ -n "$MIN_GAIN" ] && PRED_EXTRA+=(--h200-min-plan-gain "$MIN_GAIN")
   SLO_ENV=()

@@ -254,9 +254,14 @@ async def run_stream(a):
 
     # --k-spec 0: no speculative decoding at all (vLLM's plain decode: one query token per
     # request and step), the arm whose steps calibrate the attention model at q = 1.
-    spec = {"method": "ngram", "num_speculative_tokens": a.k_spec,
-            "prompt_lookup_min": a.lookup_min, "prompt_lookup_max": a.lookup_max} \
-        if a.k_spec > 0 else None
+    if a.k_spec <= 0:
+        spec = None
+    elif a.drafter == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": a.k_spec,
+                "prompt_lookup_min": a.lookup_min, "prompt_lookup_max": a.lookup_max}
+    else:  # a model drafter: vLLM's draft-model proposer, random weights like the target
+        spec = {"method": "draft_model", "model": a.draft_model or a.model,
+                "num_speculative_tokens": a.k_spec}
     args = AsyncEngineArgs(
         model=a.model, skip_tokenizer_init=True, load_format="dummy", enforce_eager=True,
         dtype="bfloat16", data_parallel_size=a.dp, max_model_len=a.max_model_len,
@@ -311,6 +316,7 @@ async def run_stream(a):
     engine.shutdown()
     return {"name": a.name, "mode": a.mode, "replicate": a.replicate,
             "k": a.k_spec, "k_spec": a.k_spec, "startup_s": t_ready - t_start,
+            "drafter": (spec or {}).get("method", "none"),
             "wall_s": t1 - t0, "hung": hung, "t_begin": t0, "t_end": t1,
             "workload": a.workload, "mix": parse_mix(a.mix or a.workload), "seed": a.seed,
             "requests_sent": len(reqs), "dp": a.dp, "concurrency": a.concurrency,
@@ -509,11 +515,13 @@ def summarize_arm(log_dir, dp, warmup):
     t_end = [max(r["t"] for r in st) for st in all_steps]
     index = {st[0]["i"]: n for n, st in enumerate(all_steps)}
     dec_tok = dec_s = 0.0
+    cycles = []  # the engine step: forward end to forward end, consecutive decode steps
     for st in steps:
         n = index[st[0]["i"]]
         if n > 0 and all_steps[n - 1][0]["i"] == st[0]["i"] - 1:
             dt = t_end[n] - t_end[n - 1]
             if 0 < dt < 5:
+                cycles.append(dt * 1e3)
                 dec_s += dt
                 dec_tok += sum(r["accepted"] + len(r.get("q") or []) for r in st)
     eng = [read_jsonl(os.path.join(log_dir, f"engine_dp{k}.jsonl")) for k in range(dp)]
@@ -541,6 +549,16 @@ def summarize_arm(log_dir, dp, warmup):
         e[1] += c["accepted"]
     env = client.get("env", {})
     plugin = client.get("mode") not in (None, "static", "nospec")
+    # The plugin's own time per step: its plan call (the exchange included) and the exchange
+    # alone (its own all-reduce, or riding vLLM's sync the hand-over, no collective); vLLM's DP
+    # sync in the forward (the worker's `sync_us`: with the record on it when riding).
+    def median_of(xs):
+        xs = [x for x in xs if x is not None]
+        return statistics.median(xs) if xs else None
+    plan_us = median_of(r.get("plan_us") for p in plan_rows for r in p)
+    xchg_us = median_of((r.get("xchg_us") or 0.0) for p in plan_rows for r in p) \
+        if plugin and plan_rows and plan_rows[0] else None
+    sync_us = median_of(r.get("sync_us") for st in steps for r in st)
     steady = steady_window(client)
     return {
         "name": name, "mode": client.get("mode", "static"),
@@ -580,6 +598,10 @@ def summarize_arm(log_dir, dp, warmup):
         "plugin_stats": finals,
         # The step-term flags the arm ran with (the harness's fit, or none: learnt online).
         "cost_flags": {k: float(env[k]) for k in COST_FLAGS if k in env},
+        "drafter": client.get("drafter", "ngram" if client.get("k_spec") else "none"),
+        "exchange": (finals[0] or {}).get("exchange") if plugin and finals else None,
+        "plan_us_median": plan_us, "exchange_us_median": xchg_us, "sync_us_median": sync_us,
+        "step_ms_median": statistics.median(cycles) if cycles else None,
         **plan_operating_point(plan_rows),
     }
 
@@ -937,12 +959,14 @@ def workload_summary(runs, ab, predicted):
             static.setdefault(r["k"], []).append(r)
     dpb = [r for r in runs if r["mode"] == "dpbalance"]
     auto = [r for r in runs if r["mode"] == "dpbalance_auto"]
+    own = [r for r in runs if r["mode"] == "dpbalance_own"]
     ds = [r for r in runs if r["mode"] == "dspark"]
     nospec = [r for r in runs if r["mode"] == "nospec"]
     arms = {}
     for name, group in [("no speculation", nospec)] + \
             [(f"static k={k}", v) for k, v in sorted(static.items())] + \
-            [("dspark", ds), ("dpbalance", dpb), ("dpbalance, step terms learnt", auto)]:
+            [("dspark", ds), ("dpbalance", dpb), ("dpbalance, step terms learnt", auto),
+             ("dpbalance, own exchange", own)]:
         if not group:
             continue
         g, gh = mean_ci([r["goodput_tok_per_s"] for r in group])
@@ -959,6 +983,10 @@ def workload_summary(runs, ab, predicted):
                                                               "attention_share_slowest_rank"),
                       "steps": mean_of(group, "steps"),
                       "plans_changed": mean_of(group, "plans_changed"),
+                      "drafter": group[0].get("drafter"), "exchange": group[0].get("exchange"),
+                      "plan_us_median": mean_of(group, "plan_us_median"),
+                      "exchange_us_median": mean_of(group, "exchange_us_median"),
+                      "sync_us_median": mean_of(group, "sync_us_median"),
                       "hangs": sum(r["hangs"] for r in group)}
     out = {"workload": runs[0]["workload"], "dp": runs[0]["dp"], "arms": arms}
     if not static:
@@ -975,13 +1003,15 @@ def workload_summary(runs, ab, predicted):
         w = paired(dpb, sb, "wall_goodput_tok_per_s")
         out["wall_goodput_ratio"] = w["mean"]
         out["wall_goodput_ratio_ci95"] = w["ci95"]
+        out["wall_goodput_ratio_ci95_low"] = w["low"]
         d = paired(dpb, sb, "decode_goodput_tok_per_s")
         out["decode_goodput_ratio"] = d["mean"]
         out["decode_goodput_ratio_ci95"] = d["ci95"]
         b = paired(dpb, sb, "bubble_fraction", lambda a, b_: 1 - a / b_)
         out.update(bubble_reduction=b["mean"], bubble_reduction_ci95=b["ci95"])
         t = paired(dpb, sb, "tpot_p99_ms")
-        out.update(tpot_p99_ratio=t["mean"], tpot_p99_ratio_ci95=t["ci95"])
+        out.update(tpot_p99_ratio=t["mean"], tpot_p99_ratio_ci95=t["ci95"],
+                   tpot_p99_ratio_ci95_low=t["low"], tpot_p99_ratio_ci95_high=t["high"])
         out["tpot_p50_ratio"] = paired(dpb, sb, "tpot_p50_ms")["mean"]
         if ds:
             v = paired(dpb, ds, "goodput_tok_per_s")
@@ -992,6 +1022,23 @@ def workload_summary(runs, ab, predicted):
         out.update(dspark_goodput_ratio=v["mean"], dspark_goodput_ratio_ci95=v["ci95"])
     if auto and dpb:
         out["zero_config"] = zero_config_summary(auto, dpb, sb)
+    if own and dpb:
+        # The exchange before (the plugin's own all-reduce, quiet mode on) and after (riding
+        # vLLM's DP sync), back to back per replicate, with vLLM's step as shipped beside them.
+        v = paired(dpb, own, "goodput_tok_per_s")
+        out["exchange_compare"] = {
+            "goodput_ratio_ride_vs_own": v["mean"], "ci95_low": v["low"], "ci95_high": v["high"],
+            "per_replicate": v["per_replicate"],
+            "plan_us_median": {"ride": mean_of(dpb, "plan_us_median"),
+                               "own": mean_of(own, "plan_us_median")},
+            "exchange_us_median": {"ride": mean_of(dpb, "exchange_us_median"),
+                                   "own": mean_of(own, "exchange_us_median")},
+            "vllm_sync_us_median": {"ride": mean_of(dpb, "sync_us_median"),
+                                    "own": mean_of(own, "sync_us_median"),
+                                    "static_best": mean_of(sb, "sync_us_median")},
+            "step_ms_median": {"ride": mean_of(dpb, "step_ms_median"),
+                               "own": mean_of(own, "step_ms_median"),
+                               "static_best": mean_of(sb, "step_ms_median")}}
     if dpb and nospec:
         # No speculation is a static setting too (num_speculative_tokens unset); the issue's
         # static_best is over k >= 1, so this ratio stands beside it, paired per replicate
@@ -1377,6 +1424,10 @@ def main(argv=None):
     r.add_argument("--shared-prefix", type=int, default=1, choices=(0, 1),
                    help="1: prompts are prefixes of two shared documents, prefix-cached "
                         "(make_requests); 0: every prompt drawn on its own, no prefix cache")
+    r.add_argument("--drafter", default="ngram", choices=("ngram", "draft_model"),
+                   help="ngram (prompt lookup, no model) or draft_model (vLLM's draft-model "
+                        "proposer; --draft-model, default the target itself)")
+    r.add_argument("--draft-model", default="", help="the draft model's folder (draft_model)")
     r.add_argument("--lookup-min", type=int, default=1, help="ngram drafts: prompt_lookup_min")
     r.add_argument("--lookup-max", type=int, default=3, help="ngram drafts: prompt_lookup_max")
     r.add_argument("--placement", default="rr", choices=("rr", "vllm"),
@@ -1394,7 +1445,8 @@ def main(argv=None):
     r.add_argument("--max-batched", type=int, default=8192)
     r.add_argument("--timeout", type=float, default=900)
     r.add_argument("--mode", default="static",
-                   choices=("static", "nospec", "dspark", "dpbalance", "dpbalance_auto", "ab"),
+                   choices=("static", "nospec", "dspark", "dpbalance", "dpbalance_auto",
+                            "dpbalance_own", "ab"),
                    help="what the arm is, recorded for the summary (the DPB_* environment "
                         "decides what runs)")
     r.add_argument("--replicate", type=int, default=1)

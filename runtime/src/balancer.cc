@@ -485,6 +485,7 @@ PlanOutcome Balancer::PlanStepUntimed(const StepInput& in, absl::Span<int32_t> v
   if (local.ok()) local = ToPlanBatch(batch);
   if (local.ok()) local = planner_.Summarize(rank_, plan_batch_, in.kv_free_tokens, &own_summary_);
   StampOwnSummary(local, step, in, verify_len, measured);
+  sent_measured_[step % sent_measured_.size()] = SentMeasured{static_cast<uint32_t>(step), measured};
   // Step 2: the exchange, and what the records say before anyone plans.
   if (absl::Status s = Exchange(own_summary_, config_.timeout); !s.ok()) {
     quiet_.Reset();
@@ -506,7 +507,7 @@ PlanOutcome Balancer::PlanStepUntimed(const StepInput& in, absl::Span<int32_t> v
     return out;
   }
   // Step 3: everyone agrees on the step and so on the A/B arm.
-  const bool arm_on = AgreeOnStep(step, measured);
+  const bool arm_on = AgreeOnStep(step, ArrivedMeasured(step, measured));
   planned_[step % planned_.size()] = Planned{step, arm_on, -1, -1, false, {}};
   if (idle_rows_[rank_] && local.ok()) {  // the engine's choice, not a failure (FailLocally)
     local = absl::UnavailableError(absl::StrFormat(
@@ -679,7 +680,11 @@ void Balancer::LearnStepTerms(const Measured& measured) {
   // The terms decide the agreed draft depth: every rank must price with the same ones. A rank
   // whose fit went its own way (a row the others did not see) shows in its digest; every rank
   // sees the same digests, so all reset to the prior together.
-  const uint32_t mine = step_terms_->Digest();
+  // Compared with the digest this rank's own gathered record carried: on a lagged exchange the
+  // records are a step old, and a fit made since then is not a difference.
+  const RankSummary& own = gathered_[static_cast<size_t>(comm_->rank())];
+  const uint32_t mine = own.magic == kSummaryMagic && own.step_terms_digest != 0 ? own.step_terms_digest
+                                                                                 : step_terms_->Digest();
   for (const RankSummary& r : gathered_) {
     if (r.magic == kSummaryMagic && r.step_terms_digest != 0 && r.step_terms_digest != mine) {
       step_terms_->Reset();
@@ -735,6 +740,16 @@ void Balancer::RememberStepRun(uint64_t step, const GlobalDecision* decision, bo
                        : static_cast<double>(sum);
   run.draft_depth = !c.agreed_draft_depth ? 0 : balanced && decision ? decision->draft_depth : c.default_k;
   step_runs_[step % step_runs_.size()] = run;
+}
+
+Balancer::Measured Balancer::ArrivedMeasured(uint64_t step, const Measured& sent_now) const {
+  const RankSummary& own = gathered_[static_cast<size_t>(comm_->rank())];
+  const auto now = static_cast<uint32_t>(step);
+  // A row the engine wrote for this rank (an idle row: ReadIdleRows, or zeros) is not one of
+  // this rank's records: it measured nothing, and this rank's own measurement stands.
+  if (own.magic != kSummaryMagic || own.step_idx == now || idle_rows_[rank_]) return sent_now;
+  const SentMeasured& sent = sent_measured_[own.step_idx % sent_measured_.size()];
+  return sent.step_idx == own.step_idx ? sent.measured : Measured{};
 }
 
 bool Balancer::AgreeOnStep(uint64_t step, const Measured& measured) {

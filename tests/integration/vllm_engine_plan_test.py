@@ -77,6 +77,8 @@ class EnginePlanTest(unittest.TestCase):
         self.env = dict(os.environ)
         os.environ["DPB_PLUGIN"] = LIB
         os.environ["DPB_LOG_LEVEL"] = "warn"
+        # The plugin's own collective (the threads' all-gather); RideTest covers vLLM's sync.
+        os.environ["DPBALANCE_VLLM_EXCHANGE"] = "own"
         for name in ("DPBALANCE_VLLM_STEP_LOG", "DPB_DEFAULT_K", "DPB_STRICT", "DPB_DRAFT_US",
                      "DPB_GUARD_MEASURED", "DPB_QUIET_AFTER", "DPB_MIN_PLAN_GAIN",
                      "PROMETHEUS_MULTIPROC_DIR",
@@ -227,7 +229,7 @@ class EnginePlanTest(unittest.TestCase):
                 planned[plan.last_token] = lens
                 return lens
 
-            def recorded_after_step(att, step_us, accepted, tokens, token=None):
+            def recorded_after_step(att, step_us, accepted, tokens, token=None, worker=None):
                 reported.append((token, [a[1] for a in accepted]))
                 after_step(att, step_us, accepted, tokens, token=token)
 
@@ -502,9 +504,14 @@ class EnginePlanTest(unittest.TestCase):
         self.assertIn("counting 0 us + its measured own time", plan.cfg.startup_line())
         self.assertEqual(plan.default_k, 5)
         plan = make_plan(0, 1, ThreadGroup(1), k_spec=3, method="eagle")  # a model drafts
-        self.assertEqual(plan.cfg.plugin_config, "k_max=3;default_k=3;guard_measured=1;quiet_after=8")
+        # vLLM's model drafters draft num_speculative_tokens every step: the depth is fixed.
+        self.assertEqual(plan.cfg.plugin_config,
+                         "k_max=3;default_k=3;depths=3;guard_measured=1;quiet_after=8")
         self.assertEqual(plan.cfg.settings["draft_us"], "1500")
         self.assertIn("quiet after 8 kept-default steps, spans up to 32", plan.cfg.startup_line())
+        os.environ["DPB_DEFAULT_K"] = "2"  # a fallback shorter than what the model drafts
+        plan = make_plan(0, 1, ThreadGroup(1), k_spec=3, method="eagle")
+        self.assertIn("DPB_DEFAULT_K: 2 with the model drafter 'eagle'", plan.cfg.error)
         os.environ.update(DPB_DEFAULT_K="2", DPB_DRAFT_US="40", DPB_GUARD_MEASURED="0",
                           DPB_QUIET_AFTER="0")
         plan = make_plan(0, 1, ThreadGroup(1), k_spec=7, method="ngram")
@@ -560,6 +567,113 @@ class EnginePlanTest(unittest.TestCase):
         self.assertFalse(plan.enabled)
         self.assertIsNone(plan.exchange([("a", 1, 3)]))
         self.assertEqual(group.calls, [0])
+
+
+class RideTest(unittest.TestCase):
+    """The exchange riding vLLM's own DP sync (dp_ride.py): the plan call hands its record to
+    the step's forward, whose sync gathers every rank's (here the threads' all-gather, playing
+    `coordinate_batch_across_dp` in the worker), and the next step plans from those. The package
+    runs no collective of its own after init's handshake."""
+
+    def setUp(self):
+        self.env = dict(os.environ)
+        os.environ["DPB_PLUGIN"] = LIB
+        os.environ["DPB_LOG_LEVEL"] = "warn"
+        for name in ("DPBALANCE_VLLM_STEP_LOG", "DPB_DEFAULT_K", "DPB_STRICT", "DPB_DRAFT_US",
+                     "DPB_GUARD_MEASURED", "DPB_QUIET_AFTER", "DPB_MIN_PLAN_GAIN",
+                     "PROMETHEUS_MULTIPROC_DIR", "DPBALANCE_VLLM_METRICS_PORT",
+                     "DPBALANCE_VLLM_EXCHANGE"):
+            os.environ.pop(name, None)
+
+    def tearDown(self):
+        os.environ.clear()
+        os.environ.update(self.env)
+
+    def run_ride(self, steps, lag=1, idle_rank1=False):
+        own = ThreadGroup(2)   # the engine core's DP group: init's handshake only
+        sync = ThreadGroup(2)  # vLLM's per-step sync in the worker
+        plans = []
+        for r in range(2):
+            p = make_plan(r, 2, own)
+            p.lag = lag
+            plans.append(p)
+        reqs = [[("a", 6000, 7), ("b", 5000, 7), ("c", 4000, 7)], [("d", 100, 7), ("e", 200, 7)]]
+        got = [[], []]
+        zero = bytes(engine_plan.CARRY_BYTES)
+
+        def rank(r):
+            def go():
+                p = plans[r]
+                backlog = []  # gathered records not yet processed (the async scheduler's lag)
+                for _ in range(steps):
+                    p.begin_step()
+                    if r == 1 and idle_rank1:
+                        p.join_idle()
+                        lens = []
+                    else:
+                        lens = p.exchange(reqs[r])
+                    got[r].append(lens)
+                    backlog.append(sync.collective(r)(p.take_carry() or zero))
+                    while len(backlog) >= lag:  # update_from_output of the oldest step
+                        p.received(backlog.pop(0))
+                    att = 4000.0 if r == 0 else 500.0
+                    p.after_step(att, 6000.0, [(q[0], n, n // 2, False) for q, n in
+                                               zip(reqs[r], lens)], sum(1 + n for n in lens))
+                return True
+            return go
+
+        run_ranks([rank(0), rank(1)])
+        return plans, own, sync, got, reqs
+
+    def test_plans_ride_the_sync_with_no_collective_of_their_own(self):
+        steps = 40
+        plans, own, sync, got, reqs = self.run_ride(steps)
+        self.assertEqual(own.calls, [1, 1])  # init's handshake, and nothing after it
+        self.assertEqual([p.own_collectives for p in plans], [1, 1])
+        self.assertEqual(sync.calls, [steps, steps])
+        self.assertTrue(all(p.ride for p in plans))
+        # Step 0 has no records yet (every rank at its defaults); every later step plans from
+        # the records of the step before, the same index on both ranks.
+        self.assertEqual([p.carried for p in plans], [steps - 1, steps - 1])
+        self.assertEqual([p.desyncs for p in plans], [0, 0])
+        self.assertEqual(plans[0].stats()["quiet_steps"], 0)
+        stats = [p.dpb.stats() for p in plans]
+        for st in stats:
+            self.assertGreater(st["balanced_steps"], steps // 2, st)
+        # Balanced from one-step-old records: the long-context rank verifies less than its
+        # default (7), the short one keeps more.
+        self.assertLess(sum(map(sum, got[0][5:])), 7 * 3 * (steps - 5))
+        for r in range(2):
+            for lens in got[r][1:]:
+                self.assertTrue(all(0 <= n <= 7 for n in lens), lens)
+        self.assertEqual(plans[0].stats()["exchange"], "ride")
+
+    def test_an_idle_rank_rides_its_dummy_forward(self):
+        steps = 20
+        plans, own, sync, got, _ = self.run_ride(steps, idle_rank1=True)
+        self.assertEqual(own.calls, [1, 1])
+        self.assertEqual([p.carried for p in plans], [steps - 1, steps - 1])
+        self.assertEqual([p.desyncs for p in plans], [0, 0])
+        self.assertGreater(plans[0].dpb.stats()["balanced_steps"], 0)
+
+    def test_the_async_scheduler_plans_from_two_steps_back(self):
+        steps = 20
+        plans, own, sync, got, _ = self.run_ride(steps, lag=2)
+        self.assertEqual(own.calls, [1, 1])
+        self.assertEqual([p.carried for p in plans], [steps - 2, steps - 2])
+        self.assertEqual([p.missing for p in plans], [0, 0])  # steps 0, 1: nothing to read yet
+        self.assertEqual([p.desyncs for p in plans], [0, 0])
+
+    def test_quiet_mode_is_refused_when_riding(self):
+        os.environ["DPB_QUIET_AFTER"] = "8"
+        plan = make_plan(0, 2, ThreadGroup(2))
+        self.assertIn("DPB_QUIET_AFTER", plan.cfg.error)
+        self.assertIn("DPBALANCE_VLLM_EXCHANGE", plan.cfg.error)
+
+    def test_a_bad_exchange_value_is_named(self):
+        os.environ["DPBALANCE_VLLM_EXCHANGE"] = "nccl"
+        plan = make_plan(0, 2, ThreadGroup(2))
+        self.assertIn("DPBALANCE_VLLM_EXCHANGE: 'nccl'", plan.cfg.error)
 
 
 if __name__ == "__main__":

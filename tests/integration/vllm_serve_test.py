@@ -245,7 +245,8 @@ def test_serve(work: str) -> None:
           "the quickstart block is the same in README.md, docs/live_vllm.md and serve_vllm.sh",
           ", ".join(f"{p}: {len(b)} chars" for p, b in blocks.items()))
 
-    s = Server("serve", work, {})
+    # Every torch.distributed collective is counted in every vLLM process (dpbalance_vllm/audit.py).
+    s = Server("serve", work, {"DPBALANCE_VLLM_AUDIT_COLLECTIVES": "1"})
     healthy = s.wait_healthy()
     check(healthy, "the documented command serves: /health OK", f"after {s.ready_s or -1:.0f} s")
     if not healthy:
@@ -300,6 +301,30 @@ def test_serve(work: str) -> None:
               "the final records name the learnt step terms (FFN, draft, overhead), the same on both ranks",
               json.dumps(t0))
         print("FIGURE step terms " + json.dumps(t0))
+        # The record rides vLLM's own DP sync: after init's handshake the package runs no
+        # collective of its own, in the engine core or the worker, and every step's sync in the
+        # worker carried a record (the test_prometheus server, DPBALANCE_VLLM_EXCHANGE=own, is
+        # the control: there the same count sees the package's own all-reduce).
+        for f in (f0, f1):
+            w = f.get("worker_ride") or {}
+            check(f.get("exchange") == "ride" and f.get("audit_own_collectives") == 1
+                  and w.get("audit_own_collectives") == 0,
+                  f"DP rank {f['dp_rank']}: no collective of the package's own besides init's "
+                  "handshake (engine core and worker, counted at torch.distributed)",
+                  json.dumps({k: f.get(k) for k in ("exchange", "audit_own_collectives", "worker_ride")}))
+            check(f.get("missing") == 0 and f.get("carried", 0) >= f["steps"] - 1
+                  and w.get("carried", 0) >= f["steps"] - 1,
+                  f"DP rank {f['dp_rank']}: every step's record rode vLLM's sync and every plan "
+                  "after the first read the step before's records",
+                  json.dumps({k: f.get(k) for k in ("steps", "carried", "missing", "worker_ride")}))
+            print("FIGURE ride " + json.dumps({k: f.get(k) for k in (
+                "dp_rank", "steps", "carried", "missing", "own_collectives",
+                "audit_own_collectives", "worker_ride")}))
+        plan_us = [x["plan_us"] for r in (0, 1) for x in s.step_rows(r) if x.get("plan_us")]
+        if plan_us:
+            plan_us.sort()
+            print(f"FIGURE plan call (the exchange included): median {plan_us[len(plan_us) // 2]:.0f} us "
+                  f"over {len(plan_us)} steps")
 
     # DPB_MODE=bogus: one line per rank at start-up, before /health; the server serves anyway.
     b = Server("bogus", work, {"DPB_MODE": "bogus"})
@@ -412,7 +437,11 @@ def test_prometheus(work: str) -> None:
     blocker = socket.socket()
     blocker.bind(("127.0.0.1", mport))
     blocker.listen(1)
-    s = Server("prometheus", work, {"DPBALANCE_VLLM_METRICS_PORT": str(mport)})
+    # The plugin's own all-reduce (DPBALANCE_VLLM_EXCHANGE=own), audited: the control of
+    # test_serve's check that riding vLLM's sync runs no collective of the package's own.
+    s = Server("prometheus", work, {"DPBALANCE_VLLM_METRICS_PORT": str(mport),
+                                    "DPBALANCE_VLLM_EXCHANGE": "own",
+                                    "DPBALANCE_VLLM_AUDIT_COLLECTIVES": "1"})
     healthy = s.wait_healthy()
     check(healthy, "the server starts", f"after {s.ready_s or -1:.0f} s")
     if not healthy:
@@ -463,6 +492,12 @@ def test_prometheus(work: str) -> None:
           "a metrics port in use: one line on DP rank 0", (port_lines or ["-"])[0].strip())
     if port_lines:
         print("FIGURE port-in-use line: " + port_lines[0].strip())
+    finals = [[x["final"] for x in s.step_rows(r) if "final" in x] for r in (0, 1)]
+    counted = [f[-1].get("audit_own_collectives", 0) if f else 0 for f in finals]
+    exchanged = [f[-1].get("exchanges", 0) if f else 0 for f in finals]
+    check(all(c >= e + 1 > 1 for c, e in zip(counted, exchanged)),
+          "DPBALANCE_VLLM_EXCHANGE=own: the audit counts the package's own all-reduce (init + "
+          "every exchanged step)", f"counted {counted}, exchanged steps {exchanged}")
     check('dpbalance_steps_total{dp_rank="1"}' in own, "rank 1 serves its own series on "
           "DPBALANCE_VLLM_METRICS_PORT + 1", own[:120])
     check(all(lines_with(text, f"dpbalance: enabled on DP rank {r}/2") for r in (0, 1)),

@@ -42,7 +42,10 @@ def register() -> None:
     if REGISTERED:
         return
     REGISTERED = True
-    from . import config, engine_plan
+    from . import audit, config, engine_plan
+
+    if audit.enabled():
+        audit.install()
 
     path = engine_plan.library_path()
     if path is None:

@@ -23,14 +23,21 @@ What the package sets for the plugin (the `config` string, which wins over the e
   - draft_us=0 for drafters that run no model (ngram, ngram_gpu, suffix), unless DPB_DRAFT_US is
     set: the plugin's default (1500 us, an MTP draft step on an H200) would price drafts that
     cost nothing;
+  - depths=min(8, num_speculative_tokens) for model drafters (draft_model, eagle, eagle3, mtp),
+    unless DPB_DEPTHS is set: vLLM's proposer drafts that many every step (vLLM 0.32.0,
+    vllm/v1/spec_decode/llm_base_proposer.py), so the instance's draft depth is fixed and the
+    plan trims verify lengths under it; a DPB_DEFAULT_K other than that depth is refused;
   - guard_measured=1, unless DPB_GUARD_MEASURED is set: the TPOT guard counts the plugin's own
     measured time per step (its plan call, the exchange over the engine core's gloo DP group
     included: 1-1.7 ms a step on the live CPU runs, which vLLM without the plugin does not pay),
     so a plan's longer steps plus that time stay within the guard (docs/live_vllm.md);
-  - quiet_after=8, unless DPB_QUIET_AFTER is set: the exchange is a collective of the plugin's
-    alone, so while every decision keeps vLLM's draft lengths (8 in a row) the ranks skip it on
-    agreed spans of steps (up to DPB_QUIET_MAX, 32), paying it about once every 33 steps
-    instead of every step (runtime/include/dpbalance/quiet.h, docs/live_vllm.md).
+  - the exchange (DPBALANCE_VLLM_EXCHANGE): `ride` (the default) carries the plugin's record
+    on vLLM's own per-step DP sync (dp_ride.py), so the package runs no collective of its own
+    after init's handshake, and quiet_after=0: there is no collective of ours to skip (a
+    nonzero DPB_QUIET_AFTER is refused). `own`: the plugin's all-reduce on the engine core's
+    DP group every step, and quiet_after=8 unless DPB_QUIET_AFTER is set: while every decision
+    keeps vLLM's draft lengths (8 in a row) the ranks skip it on agreed spans of steps (up to
+    DPB_QUIET_MAX, 32) (runtime/include/dpbalance/quiet.h, docs/live_vllm.md).
 The start-up line says which of these are in effect, with the cost model.
 """
 from __future__ import annotations
@@ -124,6 +131,7 @@ class EngineConfig:
     stats_every_s: float = STATS_EVERY_S_DEFAULT
     bubble_window: int = BUBBLE_WINDOW_DEFAULT
     metrics_port: int = 0            # DPBALANCE_VLLM_METRICS_PORT (0: none)
+    exchange: str = "ride"           # DPBALANCE_VLLM_EXCHANGE: ride (vLLM's DP sync) or own
     error: str = ""
 
     @property
@@ -162,6 +170,15 @@ class EngineConfig:
             if os.environ.get("DPBALANCE_VLLM_CPU_DP", "0") not in ("0", "1"):
                 raise ConfigError(f"environment variable DPBALANCE_VLLM_CPU_DP: "
                                   f"'{os.environ['DPBALANCE_VLLM_CPU_DP']}' is not 0 or 1")
+            from . import dp_ride
+            c.exchange = dp_ride.mode()
+            ride = c.exchange == "ride" and dp_size > 1
+            if ride and os.environ.get("DPB_QUIET_AFTER", "0") not in ("", "0"):
+                raise ConfigError(
+                    f"environment variable DPB_QUIET_AFTER: {os.environ['DPB_QUIET_AFTER']} with "
+                    f"{dp_ride.ENV}=ride: quiet mode skips a collective of the plugin's own, and "
+                    f"riding vLLM's DP sync runs none (set DPB_QUIET_AFTER=0, or "
+                    f"{dp_ride.ENV}=own)")
             parts = []
             if "DPB_K_MAX" not in os.environ:
                 parts.append(f"k_max={min(PLUGIN_K_LIMIT, c.k_spec)}")
@@ -169,10 +186,22 @@ class EngineConfig:
                 parts.append(f"default_k={min(c.k_spec, PLUGIN_K_LIMIT)}")
             if "DPB_DRAFT_US" not in os.environ and c.method in MODEL_FREE_DRAFTERS:
                 parts.append("draft_us=0")
+            if c.method and c.method not in MODEL_FREE_DRAFTERS and "DPB_DEPTHS" not in os.environ:
+                # vLLM's model drafters (draft_model, eagle, eagle3, mtp) draft
+                # num_speculative_tokens every step, whatever the scheduler then verifies: the
+                # instance's draft depth is that one (the plan trims verify lengths under it).
+                depth = min(PLUGIN_K_LIMIT, c.k_spec)
+                if "DPB_DEFAULT_K" in os.environ and os.environ["DPB_DEFAULT_K"] != str(depth):
+                    raise ConfigError(
+                        f"environment variable DPB_DEFAULT_K: {os.environ['DPB_DEFAULT_K']} with "
+                        f"the model drafter '{c.method}', which drafts num_speculative_tokens="
+                        f"{c.k_spec} every step: the fallback must verify what is drafted (leave "
+                        f"DPB_DEFAULT_K unset, or set DPB_DEPTHS)")
+                parts.append(f"depths={depth}")
             if "DPB_GUARD_MEASURED" not in os.environ:
                 parts.append("guard_measured=1")
             if "DPB_QUIET_AFTER" not in os.environ:
-                parts.append(f"quiet_after={QUIET_AFTER_DEFAULT}")
+                parts.append(f"quiet_after={0 if ride else QUIET_AFTER_DEFAULT}")
             c.plugin_config = ";".join(parts)
             if check is None:
                 check = _plugin_check(library)
@@ -185,7 +214,7 @@ class EngineConfig:
             if "DPB_DEFAULT_K" in os.environ:
                 c.default_k = min(int(settings.get("default_k", c.default_k)), c.k_spec)
                 c.default_k_source = f"DPB_DEFAULT_K={os.environ['DPB_DEFAULT_K']}"
-        except ConfigError as e:
+        except (ConfigError, ValueError) as e:
             c.error = str(e)
         except Exception as e:  # the library cannot be loaded, or lacks the check
             c.error = f"{type(e).__name__}: {e}"
@@ -208,8 +237,16 @@ class EngineConfig:
         return (f"dpbalance: enabled on DP rank {self.dp_rank}/{self.dp_size}: mode "
                 f"{s.get('mode', '?')}, verify lengths 0..{s.get('k_max', '?')} ({self.method or 'no'}"
                 f" drafts, num_speculative_tokens={self.k_spec}), {cost}; fallback {self.fallback_text()}; "
-                f"library {self.library}; step log {self.step_log or 'off'}; "
+                f"library {self.library}; exchange {self.exchange_text()}; "
+                f"step log {self.step_log or 'off'}; "
                 f"DPB_STRICT={1 if self.strict else 0}")
+
+    def exchange_text(self) -> str:
+        if self.dp_size <= 1:
+            return "none (DP 1)"
+        if self.exchange == "ride":
+            return "on vLLM's DP sync (coordinate_batch_across_dp), one step late"
+        return "the plugin's own all-reduce on the engine core's DP group"
 
     def refused_line(self) -> str:
         """The one line a rank logs when a setting is refused."""

@@ -60,6 +60,7 @@ except ImportError:  # the source tree: integration/adapters/python
     sys.path.insert(0, os.path.join(_here, "..", "..", "adapters", "python"))
     import dpbalance_plugin as adapter  # type: ignore  # noqa: E402
 
+from . import audit as _audit  # noqa: E402
 from . import config as _config  # noqa: E402
 from . import metrics as _metrics  # noqa: E402
 
@@ -68,6 +69,8 @@ from . import metrics as _metrics  # noqa: E402
 # and for the metrics its previous step's measured attention time (us; < 0: unknown) and whether
 # that step ran prompt tokens (1) or not (0).
 _PAYLOAD = struct.Struct("<qiidi")
+# One rank's bytes on vLLM's DP sync (dp_ride.py): the payload, then the plugin's record.
+CARRY_BYTES = _PAYLOAD.size + adapter.RECORD_BYTES
 
 
 def library_path() -> Optional[str]:
@@ -102,7 +105,7 @@ def _find_dp_group():
 class EnginePlan:
     """One DP rank's dpbalance state inside vLLM's engine-core process."""
 
-    def __init__(self, vllm_config, k_spec: int, method: str = "", check=None):
+    def __init__(self, vllm_config, k_spec: int, method: str = "", check=None, lag: int = 1):
         pc = vllm_config.parallel_config
         self.dp_size = int(pc.data_parallel_size)
         self.dp_rank = int(pc.data_parallel_rank)
@@ -111,6 +114,19 @@ class EnginePlan:
                                                 method, library_path(), check=check)
         self.lib = self.cfg.library
         self.enabled = self.cfg.enabled    # joins the exchange every step
+        # The exchange rides vLLM's own DP sync (dp_ride.py): each plan reads the records the
+        # sync of `lag` steps before gathered (1: vLLM's synchronous scheduler, 2: its async
+        # one, which schedules step s before it processes step s - 1's output). Else the
+        # plugin's own all-reduce on the engine core's DP group, every step.
+        self.ride = self.cfg.exchange == "ride" and self.dp_size > 1
+        self.lag = int(lag)
+        self._carry = None                 # this step's bytes for vLLM's next sync
+        self._gathered = {}                # plan index -> every rank's carry from vLLM's sync
+        self._in_step = False
+        self.own_collectives = 0           # collectives this package ran itself (ride: init's)
+        self.carried = 0                   # plans whose records came from vLLM's sync
+        self.missing = 0                   # plans whose step's records had not arrived
+        self.worker_ride = {}              # the worker's syncs and carries (dp_ride.counts)
         self.default_k = self.cfg.default_k  # the fallback verify length
         self.dpb = None
         self.pb = None
@@ -174,12 +190,60 @@ class EnginePlan:
         dist.all_reduce(t, group=self._group)
         return t.numpy().tobytes()
 
-    def _timed_collective(self, send: bytes) -> bytes:
+    def _exchange_bytes(self, send: bytes) -> bytes:
+        if self.ride and self._in_step:
+            return self._ride(send)
         t0 = time.perf_counter()
+        self.own_collectives += 1
         try:
             return self._collective(send)
         finally:
             self._exchange_s = time.perf_counter() - t0
+
+    # --- riding vLLM's DP sync (dp_ride.py) ---------------------------------------------
+    def _ride(self, send: bytes) -> bytes:
+        """The plan's exchange when riding: `send` waits for vLLM's next sync (`take_carry`);
+        the records returned are those vLLM's sync gathered `lag` steps ago, the same bytes on
+        every rank. None yet (the first steps, a step vLLM dropped): rows with no record, which
+        every rank's plugin reads as "nobody planned" (default lengths)."""
+        t0 = time.perf_counter()
+        self._carry = bytes(send)
+        want = self.steps - self.lag
+        got = self._gathered.pop(want, None)
+        for old in [k for k in self._gathered if k < want]:
+            del self._gathered[old]
+        if got is None:
+            if want >= 0:
+                self.missing += 1
+            empty = _PAYLOAD.pack(-1, 0, 0, -1.0, 0) + bytes(len(send) - _PAYLOAD.size)
+            got = empty * self.dp_size
+        else:
+            self.carried += 1
+        self._exchange_s = time.perf_counter() - t0  # the exchange's own cost: no collective
+        return got
+
+    def take_carry(self) -> Optional[bytes]:
+        """This step's bytes for vLLM's sync (the worker arms them), once."""
+        c, self._carry = self._carry, None
+        return c
+
+    def received(self, gathered: Optional[bytes]) -> None:
+        """What vLLM's sync gathered (the worker's `dpb_gathered`): every rank's carry, rank
+        order, each padded to int32. Kept by the plan index in the payloads."""
+        if not self.ride or not gathered:
+            return
+        width = len(gathered) // self.dp_size
+        if width < CARRY_BYTES or width * self.dp_size != len(gathered):
+            log.error("dpbalance: DP rank %d: vLLM's sync returned %d bytes for %d ranks",
+                      self.dp_rank, len(gathered), self.dp_size)
+            return
+        rows = [gathered[i * width:i * width + CARRY_BYTES] for i in range(self.dp_size)]
+        index = max(_PAYLOAD.unpack_from(r)[0] for r in rows)
+        if index < 0:
+            return  # no rank carried a record (every plugin off)
+        self._gathered[index] = b"".join(rows)
+        while len(self._gathered) > 4:
+            del self._gathered[min(self._gathered)]
 
     def _ensure_loaded(self) -> bool:
         if self.pb is not None:
@@ -200,9 +264,11 @@ class EnginePlan:
                                       accepted=0, output_tokens=0, attention_s=None,
                                       exchange_s=None, error_ratio=None)
                 return False
-        # The collective is the plugin's alone (vLLM runs its own DP syncs elsewhere): on the
-        # plugin's quiet steps (DPB_QUIET_AFTER) it is skipped on every rank.
-        self.pb = adapter.Piggyback(self._timed_collective, self.dp_size, own_collective=True)
+        # Riding vLLM's sync, a step's exchange is the mailbox (`_ride`); init's handshake, once,
+        # runs on the engine core's DP group. Else the collective is the plugin's alone: on its
+        # quiet steps (DPB_QUIET_AFTER) it is skipped on every rank.
+        self.pb = adapter.Piggyback(self._exchange_bytes, self.dp_size,
+                                    own_collective=not self.ride)
         if self.cfg.error:
             # Refused at start-up: no plugin here, but the peers' init runs a handshake through
             # this collective on their first step; join it with a zero record (which their
@@ -242,19 +308,25 @@ class EnginePlan:
                                 max(0, min(int(r[2]), _config.PLUGIN_K_LIMIT)))
                 for r in requests]
         extra = max(0, int(extra_tokens))
-        payload = _PAYLOAD.pack(self.exchanges, len(reqs), sum(1 + q.k_cap for q in reqs) + extra,
-                                self._prev[0], self._prev[1])
+        payload = _PAYLOAD.pack(self.steps if self.ride else self.exchanges, len(reqs),
+                                sum(1 + q.k_cap for q in reqs) + extra, self._prev[0], self._prev[1])
         kind = "extend" if extra > 0 else ("decode" if reqs else "idle")
         self._exchange_s = None
         t_plan = time.perf_counter()
-        res = self.pb.step(self.dpb, reqs, payload, kind=kind, extra_tokens=extra)
+        self._in_step = True
+        try:
+            res = self.pb.step(self.dpb, reqs, payload, kind=kind, extra_tokens=extra)
+        finally:
+            self._in_step = False
         self._plan_s = time.perf_counter() - t_plan  # the plugin's plan call, exchange included
         self.last_plan = res.plan  # the ABI v2 PlanResult (every rank's tokens and flags), or None
         self.exchanged_this_step = True
         if res.payloads is not None:  # None: a quiet step, no exchange on any rank
             rows = [_PAYLOAD.unpack(p) for p in res.payloads]
             idx = {row[0] for row in rows}
-            if len(idx) != 1:
+            if self.ride and idx == {-1}:
+                pass  # the step's records had not arrived (counted as missing)
+            elif len(idx) != 1:
                 self.desyncs += 1
                 log.error("dpbalance: DP rank %d exchange %d met indices %s", self.dp_rank,
                           self.exchanges, sorted(idx))
@@ -304,7 +376,8 @@ class EnginePlan:
             self.exchange([])
 
     def after_step(self, attention_us: Optional[float], step_us: Optional[float],
-                   accepted: Sequence[tuple], scheduled_tokens: int, token: Optional[int] = None) -> None:
+                   accepted: Sequence[tuple], scheduled_tokens: int, token: Optional[int] = None,
+                   worker: Optional[dict] = None) -> None:
         """After the forward: report measured attention time and the accepted drafts
         [(req_id, verify_len, accepted, finished), ...] of plan `token` (`last_token` when the
         plan was made; None: this engine step's plan, as the synchronous scheduler and the
@@ -321,6 +394,8 @@ class EnginePlan:
         if token == self.last_token:  # the latest plan: this engine step is done
             self.exchanged_this_step = False
         requests, lens, result, extra, plan_id, t_step = entry
+        if worker:
+            self.worker_ride = worker
         if step_us is None and t_step is not None:
             step_us = (time.perf_counter() - t_step) * 1e6
         att = float(attention_us) if attention_us is not None else 0.0
@@ -371,11 +446,17 @@ class EnginePlan:
     def stats(self) -> dict:
         s = self.dpb.stats() if self.dpb is not None else {}
         s.update({"dp_rank": self.dp_rank, "steps": self.steps, "exchanges": self.exchanges,
+                  "exchange": "ride" if self.ride else "own", "lag": self.lag if self.ride else 0,
+                  "own_collectives": self.own_collectives, "carried": self.carried,
+                  "missing": self.missing, "worker_ride": dict(self.worker_ride),
                   "quiet_steps": self.pb.quiet_steps if self.pb is not None else 0,
                   "fallback_results": dict(self.fallbacks), "desyncs": self.desyncs,
                   "stale_steps": self.stale_steps, "disabled_reason": self.disabled_reason,
                   "default_k": self.default_k,
                   "wait_share_window": round(self._window.ratio(), 6)})
+        own = _audit.counts()
+        if own:  # DPBALANCE_VLLM_AUDIT_COLLECTIVES=1: counted at torch.distributed
+            s["audit_own_collectives"] = own["own"]
         terms = self.dpb.step_terms() if self.dpb is not None else None
         if terms is not None:  # what the plan prices the step's non-attention time with
             s["step_terms"] = terms
@@ -471,9 +552,9 @@ class EnginePlan:
 _PLAN: Optional[EnginePlan] = None
 
 
-def get(vllm_config=None, k_spec: int = 0, method: str = "") -> Optional[EnginePlan]:
+def get(vllm_config=None, k_spec: int = 0, method: str = "", lag: int = 1) -> Optional[EnginePlan]:
     """This process's EnginePlan (created by the scheduler, found by the executor)."""
     global _PLAN
     if _PLAN is None and vllm_config is not None:
-        _PLAN = EnginePlan(vllm_config, k_spec, method)
+        _PLAN = EnginePlan(vllm_config, k_spec, method, lag=lag)
     return _PLAN

@@ -6,7 +6,10 @@ does not reach the scheduler (`EngineCore.step()` returns before `schedule()`); 
 loop (`DPEngineCoreProc.run_busy_loop`) runs `execute_dummy_batch` instead, so that the rank
 still joins every MoE collective. The rank joins dpbalance's exchange there, with no requests,
 before the dummy forward: the same place in the step as the active ranks' exchange in
-`schedule()`, before their forward. With DPB_PLUGIN unset the executors are vLLM's.
+`schedule()`, before their forward. Riding vLLM's DP sync (dp_ride.py), the dummy forward's sync
+carries the idle rank's record, handed to the worker with the call (`DpbWorker.dpb_dummy_batch`),
+and what it gathered comes back with the worker's timing. With DPB_PLUGIN unset the executors
+are vLLM's.
 
 The executor's `shutdown` is also where a rank writes its `final` stats record: vLLM's
 `EngineCore.shutdown` (vllm/v1/engine/core.py, 0.32.0) shuts the executor down first and the
@@ -26,14 +29,20 @@ from vllm.v1.executor.uniproc_executor import UniProcExecutor
 from . import engine_plan
 
 
-def _idle_step(run_dummy):
+def _idle_step(rpc):
+    """`rpc(method, args)`: the executor's collective_rpc, the output rank's reply. The worker's
+    dummy forward: vLLM's own while the plugin is off; else `DpbWorker.dpb_dummy_batch`, whose
+    sync carries this step's record when the package rides vLLM's DP sync, returning the
+    worker's timing dict with what that sync gathered."""
     plan = engine_plan.get()
     if plan is None or not plan.enabled:
-        return run_dummy()
+        return rpc("execute_dummy_batch", ())
     plan.join_idle()
-    timing = run_dummy()
+    timing = rpc("dpb_dummy_batch", (plan.take_carry() if plan.ride else None,))
     timing = timing if isinstance(timing, dict) else {}
-    plan.after_step(timing.get("att_us"), timing.get("fwd_us"), [], 0)
+    plan.received(timing.pop("gathered", None))
+    plan.after_step(timing.get("att_us"), timing.get("fwd_us"), [], 0,
+                    worker=timing.get("worker"))
     return timing
 
 
@@ -45,8 +54,8 @@ def _close_plan() -> None:
 
 class DpbExecutor(MultiprocExecutor):
     def execute_dummy_batch(self) -> None:
-        _idle_step(lambda: self.collective_rpc(
-            "execute_dummy_batch", unique_reply_rank=self.output_rank,
+        _idle_step(lambda method, args: self.collective_rpc(
+            method, args=args, unique_reply_rank=self.output_rank,
             timeout=envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS))
 
     def shutdown(self) -> None:
@@ -56,7 +65,7 @@ class DpbExecutor(MultiprocExecutor):
 
 class DpbUniProcExecutor(UniProcExecutor):
     def execute_dummy_batch(self) -> None:
-        _idle_step(lambda: (self.collective_rpc("execute_dummy_batch") or [None])[0])
+        _idle_step(lambda method, args: (self.collective_rpc(method, args=args) or [None])[0])
 
     def shutdown(self) -> None:
         _close_plan()

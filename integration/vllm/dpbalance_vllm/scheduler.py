@@ -37,12 +37,14 @@ log = logging.getLogger("vllm.dpbalance")
 
 
 class _DpbMixin:
+    _DPB_LAG = 1  # plans read the records of vLLM's sync this many steps back (dp_ride.py)
+
     def _dpb_init(self):
         spec = self.vllm_config.speculative_config
         k_spec = int(spec.num_speculative_tokens) if spec is not None else 0
         method = str(getattr(spec, "method", "") or "") if spec is not None else ""
         # Checks every setting now, before the engine core reports ready (config.py).
-        self._dpb = engine_plan.get(self.vllm_config, k_spec, method)
+        self._dpb = engine_plan.get(self.vllm_config, k_spec, method, lag=self._DPB_LAG)
         # (SchedulerOutput, {request id: planned length}, plan token) of the steps scheduled and
         # not yet processed, oldest first: one with the synchronous scheduler, two with async.
         self._dpb_steps = []
@@ -101,12 +103,18 @@ class _DpbMixin:
                     planned[r.request_id] = n
         so = super().schedule(*args, **kwargs)
         if plan is not None and plan.enabled:
+            if plan.ride and so.total_num_scheduled_tokens > 0:
+                # This step's record rides vLLM's sync in the forward (a step with nothing
+                # scheduled runs a dummy forward instead, which carries it: executor.py).
+                so.dpb_carry = plan.take_carry()
             self._dpb_steps.append((so, planned, token))
             del self._dpb_steps[:-2]  # a step never processed (vLLM dropped it) goes
         return so
 
     def update_from_output(self, scheduler_output, model_runner_output):
         plan = self._dpb
+        if plan is not None and plan.ride:
+            plan.received(getattr(model_runner_output, "dpb_gathered", None))
         accepted, planned, token = [], {}, None
         for i, (so, p, t) in enumerate(self._dpb_steps):
             if so is scheduler_output:  # the plan made for this very step
@@ -131,7 +139,8 @@ class _DpbMixin:
                 a[3] = r is None or r.is_finished()
             timing = getattr(model_runner_output, "dpb_timing", None) or {}
             plan.after_step(timing.get("att_us"), timing.get("fwd_us"), accepted,
-                            scheduler_output.total_num_scheduled_tokens, token=token)
+                            scheduler_output.total_num_scheduled_tokens, token=token,
+                            worker=timing.get("worker"))
         return outputs
 
     def shutdown(self):
@@ -147,6 +156,8 @@ class DpbScheduler(_DpbMixin, Scheduler):
 
 
 class DpbAsyncScheduler(_DpbMixin, AsyncScheduler):
+    _DPB_LAG = 2  # step s is scheduled before step s - 1's output (and records) are processed
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._dpb_init()

@@ -28,6 +28,8 @@ import torch
 
 from vllm.platforms import current_platform
 
+from . import audit, dp_ride
+
 if current_platform.is_cpu():
     from vllm.v1.worker.cpu_worker import CPUWorker as _Base
 else:
@@ -75,6 +77,25 @@ class _Timer:
         return us
 
 
+def _round(us):
+    return None if us is None else round(us, 1)
+
+
+def _install_ride(vllm_config) -> bool:
+    """Carries the plugin's record on vLLM's DP sync in this worker (dp_ride.py), when the
+    plugin is on, DP > 1 and DPBALANCE_VLLM_EXCHANGE is `ride` (the default). Every worker of
+    the instance decides alike (the same environment), so every sync has one shape."""
+    from . import engine_plan
+    try:
+        ride = dp_ride.mode() == "ride"
+    except ValueError:
+        return False  # the engine core refuses the value (config.py) and says so
+    if not ride or engine_plan.library_path() is None \
+            or vllm_config.parallel_config.data_parallel_size <= 1:
+        return False
+    return dp_ride.install(engine_plan.CARRY_BYTES)
+
+
 class DpbWorker(_Base):
     def load_model(self, *args, **kwargs):
         out = super().load_model(*args, **kwargs)
@@ -82,8 +103,12 @@ class DpbWorker(_Base):
         self._dpb_fwd = 0
         self._dpb_log = None
         self._dpb_pending = None
+        self._dpb_ride = False
         if not self._dpb_on:
             return out
+        self._dpb_ride = _install_ride(self.vllm_config)
+        if not self._dpb_ride and self.vllm_config.parallel_config.data_parallel_size > 1:
+            dp_ride.install(0)  # vLLM's sync timed, nothing carried (sync_us in the step log)
         cuda = not current_platform.is_cpu()
         self._dpb_att, self._dpb_moe = _Timer(cuda), _Timer(cuda)
         # Time in the MoE dispatch's all-gathers (µs), where the package's CPU communicator runs
@@ -118,6 +143,7 @@ class DpbWorker(_Base):
         self._dpb_moe.take_us()
         if self._dpb_gather is not None:
             self._dpb_gather()
+        dp_ride.take_sync_us()
         return time.perf_counter()
 
     def _dpb_finish(self, kind: str, t0: float, tokens: int, drafted: int = 0,
@@ -126,8 +152,15 @@ class DpbWorker(_Base):
                   "att_us": round(self._dpb_att.take_us(), 1),
                   "moe_us": round(self._dpb_moe.take_us(), 1),
                   "coll_us": None if self._dpb_gather is None else round(self._dpb_gather(), 1),
+                  "sync_us": _round(dp_ride.take_sync_us()),
                   "fwd_us": round((time.perf_counter() - t0) * 1e6, 1),
                   "drafted": drafted, "accepted": accepted, "t": time.time()}
+        worker = dp_ride.counts()  # vLLM's syncs and those that carried a record
+        seen = audit.counts()
+        if seen:
+            worker["audit_own_collectives"] = seen["own"]
+        if worker:
+            timing["worker"] = worker
         self._dpb_fwd += 1
         if self._dpb_log is not None:
             row = dict(timing, ctx=list(ctx), q=list(q))
@@ -138,6 +171,8 @@ class DpbWorker(_Base):
         return timing
 
     def execute_model(self, scheduler_output, *args, **kwargs):
+        if getattr(self, "_dpb_ride", False):
+            dp_ride.arm(getattr(scheduler_output, "dpb_carry", None))
         if not getattr(self, "_dpb_on", False) or scheduler_output.total_num_scheduled_tokens == 0:
             return super().execute_model(scheduler_output, *args, **kwargs)
         t0 = self._dpb_start()
@@ -183,6 +218,8 @@ class DpbWorker(_Base):
                                   [c for c, _ in rows], [q for _, q in rows], per_req)
         try:
             out.dpb_timing = timing
+            if self._dpb_ride:
+                out.dpb_gathered = dp_ride.take()
         except AttributeError:  # an output type without a __dict__: the scheduler reports 0
             pass
 
@@ -192,6 +229,17 @@ class DpbWorker(_Base):
         t0 = self._dpb_start()
         super().execute_dummy_batch(*args, **kwargs)
         return self._dpb_finish("dummy", t0, 0)
+
+    def dpb_dummy_batch(self, carry=None):
+        """The idle rank's dummy forward (executor.py), its sync carrying `carry` when the
+        package rides vLLM's DP sync; the timing dict, with what that sync gathered."""
+        if getattr(self, "_dpb_ride", False):
+            dp_ride.arm(carry)
+        timing = self.execute_dummy_batch()
+        timing = timing if isinstance(timing, dict) else {}
+        if getattr(self, "_dpb_ride", False):
+            timing["gathered"] = dp_ride.take()
+        return timing
 
     def shutdown(self):
         if getattr(self, "_dpb_log", None) is not None:

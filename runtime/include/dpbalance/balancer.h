@@ -378,7 +378,20 @@ class Balancer {
     int draft_depth = 0;
     bool row = false;
   };
-  std::array<StepRun, 4> step_runs_;
+  std::array<StepRun, 8> step_runs_;
+  // A lagged exchange (an engine whose per-step sync runs after its scheduler planned, vLLM:
+  // the records a plan call gets back were sent by an earlier call): the measurement each of
+  // this rank's records carried, by the record's step index, so that what the gathered records
+  // measured is paired with this rank's own measurement of the same step.
+  struct SentMeasured {
+    uint32_t step_idx = UINT32_MAX;
+    Measured measured;
+  };
+  std::array<SentMeasured, 8> sent_measured_;
+  // The measurement that went out in this rank's own gathered record: `sent_now` when the
+  // exchange returned the record this call sent (every engine but a lagged one), else the one
+  // sent with the record's step (not fresh when it is no longer known).
+  Measured ArrivedMeasured(uint64_t step, const Measured& sent_now) const;
   std::vector<int64_t> scratch_tokens_;  // FillTotals' rank totals when the engine asks for none
   absl::Time Now() const { return config_.clock ? config_.clock() : absl::Now(); }
   // The engine cycle of plan `step`: its plan call to the next one, us; < 0 unknown.
