@@ -1,6 +1,7 @@
 #include "dpbalance/tpot_slo.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 
 #include "absl/strings/str_format.h"
@@ -19,11 +20,22 @@ int32_t TpotSlo::Floor(int64_t id, int32_t default_len, const AcceptanceCurve& c
   const double need = (p.decode_us + steps * last_step_us_) / slo_us_ -
                       static_cast<double>(p.tokens) - std::max(pending_tokens, 0.0);
   double expected = 1.0;  // curve.ExpectedTokens(k), summed in the same order
-  for (int32_t k = 0; k < default_len; ++k) {
+  std::array<double, kMaxDraftLen + 1> by_len{};
+  const int32_t top = std::min<int32_t>(default_len, kMaxDraftLen);
+  for (int32_t k = 0; k < top; ++k) {
     if (expected >= need) return k;
+    by_len[k] = expected;
     expected += curve.Accept(k + 1);
   }
-  return default_len;
+  if (expected >= need) return top;
+  // Not even the default keeps the SLO (a stall put the request far behind, or its drafts are
+  // rarely accepted): what the floor can still keep is the request's pace at the default. Its
+  // shortest length within kUnreachableTolerance of the default's expected tokens does; longer
+  // verifies only lengthen its rank's step (a request whose drafts are never accepted: 0).
+  for (int32_t k = 0; k < top; ++k) {
+    if (by_len[k] >= (1.0 - kUnreachableTolerance) * expected) return k;
+  }
+  return top;
 }
 
 absl::Status TpotSlo::Observe(int64_t id, double step_us, int64_t tokens) {

@@ -34,8 +34,17 @@ TEST(TpotSlo, WorkedCase) {
   // 60 ms for 1 token, the next step 60 ms too: it needs 120 / 50 - 1 = 1.4 tokens, which
   // k = 1 brings (1.5).
   EXPECT_EQ(t.Floor(7, 2, half), 1);
-  // Drafts that are never accepted bring nothing: the default length, as without dpbalance.
-  EXPECT_EQ(t.Floor(7, 2, never), 2);
+  // Drafts that are never accepted bring nothing: the SLO is out of reach even at the default,
+  // and the bare token keeps the default's pace (longer verifies only lengthen the step).
+  EXPECT_EQ(t.Floor(7, 2, never), 0);
+  // Out of reach with drafts that are accepted (a 500 ms stall: 10 tokens needed): the
+  // default's pace (1.75 tokens) needs k = 2; rarely accepted (1.05, then 1.0525 expected),
+  // k = 1 is within 2% of it.
+  TpotSlo stalled(50000);
+  ASSERT_TRUE(stalled.Observe(9, 500000, 1).ok());
+  EXPECT_EQ(stalled.Floor(9, 2, half), 2);
+  EXPECT_EQ(stalled.Floor(9, 2, Curve({0.05, 0.05})), 1);
+  EXPECT_EQ(stalled.Floor(9, 2, never), 0);
   // A new request is judged by the step time alone: it needs 60 / 50 = 1.2 tokens.
   EXPECT_EQ(t.Floor(8, 2, half), 1);
   ASSERT_TRUE(t.Observe(7, 60000, 3).ok());
@@ -83,10 +92,17 @@ TEST(TpotSlo, FloorMatchesTheHistoryRecomputedFromScratch) {
     }
     const AcceptanceCurve c = Curve({rate(rng), rate(rng), rate(rng), rate(rng)});
     const int32_t default_len = len(rng);
-    // The shortest k <= default whose expected tokens keep (decode + last) / tokens <= SLO.
-    int32_t want = default_len;
+    // The shortest k <= default whose expected tokens keep (decode + last) / tokens <= SLO;
+    // none: the shortest within 2% of the default's expected tokens.
+    int32_t want = -1;
     for (int32_t k = default_len; k >= 0; --k) {
       if ((decode + last) <= 40000.0 * (emitted + c.ExpectedTokens(k))) want = k;
+    }
+    if (want < 0) {
+      want = default_len;
+      for (int32_t k = default_len; k >= 0; --k) {
+        if (c.ExpectedTokens(k) >= 0.98 * c.ExpectedTokens(default_len)) want = k;
+      }
     }
     ASSERT_EQ(t.Floor(r, default_len, c), want) << "step " << s << " request " << r;
     last = step(rng);

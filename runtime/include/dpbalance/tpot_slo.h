@@ -14,9 +14,13 @@
 //   request needs n = (decode_us + last_step_us) / slo_us - emitted tokens from it to stay
 //   within the SLO. The floor is the shortest verify length k <= default_len whose expected
 //   tokens, curve.ExpectedTokens(k), reach n: 0 when the bonus token alone does (the planner
-//   may then shorten it freely), and at most the default length: a request that cannot keep
-//   the SLO even there runs as it would without dpbalance. A request never seen has no
-//   history: its first step is judged by the step time alone.
+//   may then shorten it freely), and at most the default length. A request that cannot keep
+//   the SLO even at the default keeps its pace there: the floor is the shortest k whose
+//   expected tokens are within kUnreachableTolerance of the default's (0 for drafts that are
+//   never accepted: longer verifies would only lengthen its rank's step; the live vLLM tail had
+//   such requests, put behind the SLO by one start-up stall, verifying the default length at
+//   ~0 acceptance for their whole lives). A request never seen has no history: its first step
+//   is judged by the step time alone.
 // - `slo_us <= 0` (or not finite) turns the SLO off: every floor is 0 and nothing is kept.
 // - Not thread-safe: one per rank, used from that rank's step thread (as AcceptanceEstimator).
 #pragma once
@@ -32,6 +36,9 @@ namespace dpbalance {
 
 class TpotSlo {
  public:
+  // A request behind the SLO even at the default keeps the default's expected tokens to within
+  // this fraction (Floor).
+  static constexpr double kUnreachableTolerance = 0.02;
   explicit TpotSlo(double slo_us);
 
   bool enabled() const { return slo_us_ > 0; }
