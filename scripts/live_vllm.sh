@@ -50,8 +50,8 @@
 # exchange: the before/after of the summary's `exchange_compare`). --quiet-after N: the own-
 # exchange arms' DPB_QUIET_AFTER (default 8, the vLLM package's; 0: every step exchanges), and
 # the prediction's --quiet-after the same (0 when the dpbalance arm rides). --drafter draft_model:
-# every arm drafts with vLLM's draft-model proposer (a 2-layer random-weight model of the same
-# vocabulary, `write-model --shape tiny`) instead of ngram; vLLM's proposer drafts
+# every arm drafts with vLLM's draft-model proposer (a 1-layer random-weight model of the target's
+# vocabulary and width, `write-model --shape draft`) instead of ngram; vLLM's proposer drafts
 # num_speculative_tokens every step, so the plugin arms run num_speculative_tokens = static_best's
 # k (the package fixes the instance's draft depth there) and trim verify lengths under it. --zero-config: the plugin arms are `dpbalance` with the
 # harness's fitted step-term flags (DPB_FFN_*, online fit off) and `auto` with no step-term flag
@@ -244,7 +244,7 @@ RUNS="$WORK/runs"
 COMMON=(--model "$MODEL" --trace "$ROOT/integration/replay/data/mooncake_conversation.jsonl"
         --dp "$DP" --requests "$REQS" --seed "$SEED" --drafter "$DRAFTER" ${LIVE_VLLM_ARGS:-})
 if [ "$DRAFTER" = draft_model ]; then
-  "$PY" "$LB" write-model "$WORK/draft" --shape tiny
+  "$PY" "$LB" write-model "$WORK/draft" --shape draft
   COMMON+=(--draft-model "$WORK/draft")
 fi
 

@@ -84,7 +84,10 @@ DECODE_SHAPE = {
     "num_key_value_heads": 2,
     "head_dim": 64,  # vLLM's Qwen2-MoE takes hidden_size / num_attention_heads
 }
-SHAPES = {"tiny": {}, "decode": DECODE_SHAPE}
+# A draft model for `--drafter draft_model`: the decode shape's vocabulary and width, one layer
+# (a quarter of the target's forward per draft step).
+DRAFT_SHAPE = dict(DECODE_SHAPE, num_hidden_layers=1, max_window_layers=1)
+SHAPES = {"tiny": {}, "decode": DECODE_SHAPE, "draft": DRAFT_SHAPE}
 
 
 def model_config(shape: str) -> dict:
@@ -1189,7 +1192,31 @@ def cmd_summarize(a):
     for s in res["summary"]:
         print("summary:", json.dumps({k: v for k, v in s.items()
                                       if k not in ("arms", "prediction")}))
+        for line in resolution_lines(s):
+            print(line)
     return 0
+
+
+def resolution_lines(s):
+    """What the run resolves: each headline ratio with its 95% interval's half-width (paired
+    per replicate), and whether that half-width is within 5 points."""
+    rows = [("goodput (steady)", "goodput_ratio", None), ("wall goodput", "wall_goodput_ratio",
+                                                           "wall_goodput_ratio_ci95"),
+            ("TPOT p99", "tpot_p99_ratio", "tpot_p99_ratio_ci95")]
+    out = []
+    for label, key, half_key in rows:
+        v = s.get(key)
+        if v is None:
+            continue
+        if half_key is None:
+            lo, hi = s.get("goodput_ratio_ci95_low"), s.get("goodput_ratio_ci95_high")
+            half = (hi - lo) / 2 if lo is not None and hi is not None else None
+        else:
+            half = s.get(half_key)
+        out.append(f"resolution {s['workload']}/dp{s['dp']}: dpbalance / static_best {label} "
+                   f"{v:.3f}" + (f" +- {half:.3f} ({'resolved' if half <= 0.05 else 'NOT resolved'}"
+                                 f" at +-0.05)" if half is not None else " (one replicate: no interval)"))
+    return out
 
 
 def fmt(x, nd=3):
@@ -1280,7 +1307,8 @@ def _ratios(rows, ks, default_k):
            "dspark_goodput_ratio": rows["dspark"]["goodput_tok_per_s"] / sb["goodput_tok_per_s"],
            "bubble_reduction": 1 - rows["dpbalance"]["bubble_fraction"] / sb["bubble_fraction"]
            if sb["bubble_fraction"] else None,
-           "tpot_p99_ratio": rows["dpbalance"]["tpot_p99_ms"] / sb["tpot_p99_ms"]}
+           "tpot_p99_ratio": rows["dpbalance"]["tpot_p99_ms"] / sb["tpot_p99_ms"]
+           if sb["tpot_p99_ms"] else None}
     if default_k in ks:
         out["goodput_ratio_vs_default_k"] = (
             rows["dpbalance"]["goodput_tok_per_s"] /

@@ -83,6 +83,13 @@ for name in ("dspark", "dpbalance", "ab"):
           f'{r["fallbacks"]} {fb}')
     check(f"{name}: verify lengths changed from the default on some steps",
           (r["plans_changed"] or 0) > 0, f'{r["plans_changed"]}')
+    fin = [f or {} for f in r["plugin_stats"]]
+    check(f"{name}: the records rode vLLM's DP sync on both ranks (no collective of the "
+          "package's own after init's handshake)",
+          all(f.get("exchange") == "ride" and f.get("own_collectives") == 1
+              and f.get("carried", 0) >= f.get("steps", 0) - 1 for f in fin) and len(fin) == 2,
+          json.dumps([{q: f.get(q) for q in ("exchange", "own_collectives", "carried", "steps")}
+                      for f in fin]))
 mode = {n: runs[n]["env"].get("DPB_MODE") for n in ("dspark", "dpbalance", "ab") if n in runs}
 check("the plugin arms ran their modes", mode.get("dspark") == "dspark_fill"
       and mode.get("dpbalance") == "goodput" and mode.get("ab", "goodput") == "goodput", str(mode))

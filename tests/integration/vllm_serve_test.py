@@ -10,6 +10,11 @@ DP = 2 on the CPUs, the random-weight Qwen2-MoE), driven with the `openai` clien
                                   process; DPB_MODE=bogus is one error line per rank at start-up
                                   and the server serves without balancing; under DPB_STRICT=1 it
                                   refuses to start
+  vllm_serve_test.py draft        a model drafter: vLLM's draft-model proposer (a 1-layer random-weight
+                                  draft of the target's vocabulary) under DP = 2 with the plugin,
+                                  through vLLM's AsyncLLM (live_bench.py run-arm): every request
+                                  served, the draft depth fixed at num_speculative_tokens, the
+                                  plan trims verify lengths under it, the records ride vLLM's sync
   vllm_serve_test.py prometheus   dpbalance's series in vLLM's /metrics for both ranks, scraped
                                   twice (parsed by prometheus_client, counters moved), a metrics
                                   port in use (one line, serving and balancing go on), an
@@ -517,14 +522,87 @@ def test_prometheus(work: str) -> None:
           f"exit {r.returncode}, {size} bytes; {r.stderr.strip()[-300:]}")
 
 
+def test_draft(work: str) -> None:
+    lb = os.path.join(ROOT, "integration", "vllm", "live_bench.py")
+    model, draft, logs = (os.path.join(work, n) for n in ("model", "draft", "steps-draft"))
+    for path, shape in ((model, "decode"), (draft, "draft")):
+        subprocess.run([sys.executable, lb, "write-model", path, "--shape", shape], check=True)
+    e = {k: v for k, v in os.environ.items()
+         if not (k.startswith("DPB_") or k.startswith("DPBALANCE_"))}
+    e.update(DPB_PLUGIN="dpbalance", DPBALANCE_VLLM_CPU_DP="1", DPBALANCE_VLLM_STEP_LOG=logs,
+             DPBALANCE_VLLM_AUDIT_COLLECTIVES="1", VLLM_CPU_KVCACHE_SPACE="1",
+             VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_ENABLE_V1_MULTIPROCESSING="1",
+             VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", DPB_LOG_EVERY="0")
+    k, n = 3, 16
+    t = time.monotonic()
+    r = subprocess.run([sys.executable, lb, "run-arm", "--name", "draft", "--mode", "dpbalance",
+                        "--model", model, "--log-dir", logs, "--dp", "2", "--k-spec", str(k),
+                        "--requests", str(n), "--max-out", "96", "--drafter", "draft_model",
+                        "--draft-model", draft, "--trace",
+                        os.path.join(ROOT, "integration", "replay", "data",
+                                     "mooncake_conversation.jsonl")],
+                       env=e, capture_output=True, text=True, timeout=900)
+    out = r.stdout + r.stderr
+    check(r.returncode == 0 and f"{n}/{n} requests" in out and "hung=0" in out,
+          "the draft-model arm serves every request", out.strip().splitlines()[-1] if out.strip() else "")
+    if r.returncode != 0:
+        print(out[-4000:])
+        return
+    print(f"FIGURE draft-model arm: {time.monotonic() - t:.0f} s for {n} requests")
+    client = json.load(open(os.path.join(logs, "client.json")))
+    check(client.get("drafter") == "draft_model", "vLLM drafted with its draft-model proposer",
+          str(client.get("drafter")))
+    line = next((ln for ln in out.splitlines() if "dpbalance: enabled on DP rank 0/2" in ln), "")
+    check("draft_model drafts, num_speculative_tokens=3" in line and "draft 1500 us/step" in line,
+          "the start-up line names the model drafter and its draft cost", line[-300:])
+    plans = [[x for x in read_rows(logs, f"engine_dp{r_}.jsonl") if "x" in x] for r_ in (0, 1)]
+    finals = [[x["final"] for x in read_rows(logs, f"engine_dp{r_}.jsonl") if "final" in x]
+              for r_ in (0, 1)]
+    lens = [n_ for p in plans for x in p for n_ in x["lens"]]
+    check(bool(lens) and max(lens) <= k, f"every planned verify length within 0..{k}",
+          f"{len(lens)} lengths, max {max(lens) if lens else None}")
+    changed = sum(1 for p in plans for x in p if x["changed"])
+    check(changed > 0, "the plan trimmed some requests below vLLM's 3 drafts", f"{changed} plans")
+    worker = [x for r_ in (0, 1) for x in read_rows(logs, f"worker_dp{r_}.jsonl") if "d" in x]
+    verified = [d for x in worker for d in x["d"]]
+    check(bool(verified) and max(verified) <= k, "vLLM verified what the plan kept",
+          f"max drafts verified {max(verified) if verified else None}")
+    if all(finals):
+        for f in (finals[0][-1], finals[1][-1]):
+            terms = f.get("step_terms") or {}
+            check(f.get("exchange") == "ride" and f.get("missing") == 0
+                  and f.get("carried", 0) >= f["steps"] - 1 and f.get("audit_own_collectives") == 1
+                  and terms.get("draft_learnt") is False,
+                  f"DP rank {f['dp_rank']}: records on vLLM's sync, no collective of the "
+                  "package's own, the draft depth never varied (its cost kept)",
+                  json.dumps({q: f.get(q) for q in ("steps", "carried", "missing",
+                                                    "audit_own_collectives", "worker_ride")}))
+        acc = sum(x["a"][i] for x in worker for i in range(len(x["d"])) if x["a"][i] >= 0)
+        ver = sum(d for d in verified)
+        print("FIGURE draft-model " + json.dumps({
+            "acceptance": round(acc / ver, 3) if ver else None, "plans": sum(map(len, plans)),
+            "plans_changed": changed, "mean_verify_len": round(sum(lens) / len(lens), 3),
+            "step_terms": finals[0][-1].get("step_terms")}))
+    else:
+        check(False, "one final record per rank", str([len(f) for f in finals]))
+
+
+def read_rows(d: str, name: str) -> list:
+    path = os.path.join(d, name)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def main() -> int:
     mode = sys.argv[1] if len(sys.argv) > 1 else ""
-    if mode not in ("serve", "prometheus"):
+    if mode not in ("serve", "prometheus", "draft"):
         print(__doc__)
         return 2
     work = tempfile.mkdtemp(prefix=f"dpb-{mode}-")
     try:
-        (test_serve if mode == "serve" else test_prometheus)(work)
+        {"serve": test_serve, "prometheus": test_prometheus, "draft": test_draft}[mode](work)
     finally:
         print(f"(logs in {work})")
     print(f"{'FAILED: ' + ', '.join(FAILED) if FAILED else 'all passed'}")

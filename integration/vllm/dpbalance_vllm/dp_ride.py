@@ -106,32 +106,52 @@ class _RidingDist:
         return out
 
 
+# vLLM's per-step DP syncs, as (module, function, where the function gets its DP rank): the V1
+# model runner's (`_run_ar`, keyword `parallel_config`, 5th positional) and the V2 runner's
+# (vllm/v1/worker/gpu/dp_utils.py `sync_cudagraph_and_dp_padding`, a (6, dp) int32 CPU all-reduce
+# on the DP group's cpu_group, keyword `dp_rank`, 7th positional). A deployment runs one of them;
+# the V2 one is wired the same way and not run here (the V2 runner needs Triton: GPUs).
+SYNCS = (("vllm.v1.worker.dp_utils", "_run_ar",
+          lambda a, k: int(k.get("parallel_config", a[4] if len(a) > 4 else None).data_parallel_rank)),
+         ("vllm.v1.worker.gpu.dp_utils", "sync_cudagraph_and_dp_padding",
+          lambda a, k: int(k.get("dp_rank", a[6] if len(a) > 6 else -1))))
+
+
+def _wrap(fn, st: _State, rank_of):
+    def riding(*args, **kwargs):
+        st.rank = rank_of(args, kwargs)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            st.rank = -1
+    riding.__wrapped__ = fn
+    return riding
+
+
 def install(width_bytes: int) -> bool:
     """Makes vLLM's DP sync carry `width_bytes` per rank (rounded up to int32; 0: nothing
-    carried, the sync only timed, for the step log of vLLM as shipped). Idempotent; False when
-    vLLM's dp_utils is not the one read (no `_run_ar` or `dist`)."""
+    carried, the sync only timed, for the step log of vLLM as shipped), in every module of
+    SYNCS that this vLLM has. Idempotent; False when it has none of them."""
     global _STATE
     if _STATE is not None:
         return True
-    from vllm.v1.worker import dp_utils
-    orig = getattr(dp_utils, "_run_ar", None)
-    real = getattr(dp_utils, "dist", None)
-    if orig is None or real is None:
-        return False
+    import importlib
     st = _State((width_bytes + 3) // 4)
-
-    def riding_run_ar(*args, **kwargs):
-        pc = kwargs.get("parallel_config", args[4] if len(args) > 4 else None)
-        st.rank = int(pc.data_parallel_rank)
+    done = 0
+    for module, name, rank_of in SYNCS:
         try:
-            return orig(*args, **kwargs)
-        finally:
-            st.rank = -1
-
-    dp_utils.dist = _RidingDist(real, st)
-    dp_utils._run_ar = riding_run_ar
-    _STATE = st
-    return True
+            mod = importlib.import_module(module)
+        except Exception:  # noqa: BLE001 - a vLLM without that runner (or its imports here)
+            continue
+        fn, real = getattr(mod, name, None), getattr(mod, "dist", None)
+        if fn is None or real is None:
+            continue
+        mod.dist = _RidingDist(real, st)
+        setattr(mod, name, _wrap(fn, st, rank_of))
+        done += 1
+    if done:
+        _STATE = st
+    return done > 0
 
 
 def installed() -> bool:

@@ -71,6 +71,7 @@ from . import metrics as _metrics  # noqa: E402
 _PAYLOAD = struct.Struct("<qiidi")
 # One rank's bytes on vLLM's DP sync (dp_ride.py): the payload, then the plugin's record.
 CARRY_BYTES = _PAYLOAD.size + adapter.RECORD_BYTES
+MISSING_WARN = 16  # riding: steps without records before a rank says so (once)
 
 
 def library_path() -> Optional[str]:
@@ -215,6 +216,12 @@ class EnginePlan:
         if got is None:
             if want >= 0:
                 self.missing += 1
+                if self.missing == MISSING_WARN and not self.carried:
+                    log.error("dpbalance: DP rank %d: vLLM's DP sync carried no record in %d "
+                              "steps (a model runner whose sync dp_ride.py does not extend?): "
+                              "every step runs vLLM's own lengths; %s=own exchanges on the "
+                              "plugin's own collective instead", self.dp_rank, self.missing,
+                              "DPBALANCE_VLLM_EXCHANGE")
             empty = _PAYLOAD.pack(-1, 0, 0, -1.0, 0) + bytes(len(send) - _PAYLOAD.size)
             got = empty * self.dp_size
         else:
