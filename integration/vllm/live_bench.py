@@ -779,7 +779,7 @@ def cmd_best_static(a):
     if not by_k:
         raise SystemExit(f"live_bench: no static arm of workload {a.workload} at DP {a.dp} under "
                          f"{a.runs_root}")
-    best = max(by_k, key=lambda k: mean_of(by_k[k], "goodput_tok_per_s") or 0)
+    best = best_static_k(by_k)
     if a.k is not None:
         if a.k not in by_k:
             raise SystemExit(f"live_bench: --k {a.k}: no static arm of that length under "
@@ -857,6 +857,12 @@ def paired(num, den, key, fn=lambda a, b: a / b):
 def mean_of(runs, key):
     xs = [r[key] for r in runs if r.get(key) is not None]
     return statistics.mean(xs) if xs else None
+
+
+def best_static_k(by_k):
+    """static_best: the static length of the highest mean steady goodput over its instances
+    ({k: [summarize_arm rows]})."""
+    return max(by_k, key=lambda k: mean_of(by_k[k], "goodput_tok_per_s") or 0)
 
 
 def pooled(estimates):
@@ -994,7 +1000,7 @@ def workload_summary(runs, ab, predicted):
     out = {"workload": runs[0]["workload"], "dp": runs[0]["dp"], "arms": arms}
     if not static:
         return out
-    best = max(static, key=lambda k: mean_of(static[k], "goodput_tok_per_s") or 0)
+    best = best_static_k(static)
     sb = static[best]
     out["static_best_k"] = best
     if dpb:

@@ -682,7 +682,7 @@ void Balancer::LearnStepTerms(const Measured& measured) {
   // sees the same digests, so all reset to the prior together.
   // Compared with the digest this rank's own gathered record carried: on a lagged exchange the
   // records are a step old, and a fit made since then is not a difference.
-  const RankSummary& own = gathered_[static_cast<size_t>(comm_->rank())];
+  const RankSummary& own = OwnGathered();
   const uint32_t mine = own.magic == kSummaryMagic && own.step_terms_digest != 0 ? own.step_terms_digest
                                                                                  : step_terms_->Digest();
   for (const RankSummary& r : gathered_) {
@@ -743,7 +743,7 @@ void Balancer::RememberStepRun(uint64_t step, const GlobalDecision* decision, bo
 }
 
 Balancer::Measured Balancer::ArrivedMeasured(uint64_t step, const Measured& sent_now) const {
-  const RankSummary& own = gathered_[static_cast<size_t>(comm_->rank())];
+  const RankSummary& own = OwnGathered();
   const auto now = static_cast<uint32_t>(step);
   // A row the engine wrote for this rank (an idle row: ReadIdleRows, or zeros) is not one of
   // this rank's records: it measured nothing, and this rank's own measurement stands.

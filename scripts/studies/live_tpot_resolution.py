@@ -13,6 +13,7 @@ decode time spent in gaps between its tokens longer than 3x the instance's media
 a step that held every request, not one request's verify length).
 
   scripts/studies/live_tpot_resolution.py DIR/runs/mixed/dp2 [--arm dpbalance] [--base static_k3]
+                                          (--base: default static_best, live_bench's pick)
                                           [--target 0.05] [--json FILE]
 """
 import argparse
@@ -26,7 +27,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "integration", "vllm"))
-from live_bench import base_id, pct, read_jsonl, request_tpot_ms  # noqa: E402  (the report's own)
+from live_bench import (base_id, best_static_k, pct, read_jsonl, request_tpot_ms,  # noqa: E402
+                        summarize_arm)  # (the report's own definitions)
 
 RESAMPLES = 2000
 
@@ -89,15 +91,13 @@ def main():
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     rng = random.Random(0)
-    if not a.base:  # the static arm of the best mean wall goodput
-        best = None
+    if not a.base:  # static_best, as live_bench's summary picks it
+        by_k = {}
         for d in glob.glob(os.path.join(a.root, "static_k*_r*")):
-            c = json.load(open(os.path.join(d, "client.json")))
-            k = re.search(r"static_k(\d+)_r", d).group(1)
-            g = sum(r["out"] for r in c["requests"]) / c["wall_s"]
-            best = best or {}
-            best.setdefault(k, []).append(g)
-        a.base = "static_k" + max(best, key=lambda k: statistics.mean(best[k]))
+            dp = json.load(open(os.path.join(d, "client.json")))["dp"]
+            by_k.setdefault(re.search(r"static_k(\d+)_r", d).group(1), []).append(
+                summarize_arm(d, dp, 0))
+        a.base = "static_k" + best_static_k(by_k)
     report = {"root": a.root, "arm": a.arm, "base": a.base, "target": a.target, "instances": {},
               "ratios": {}, "tail": {}}
     boots = {}

@@ -167,10 +167,7 @@ class Server:
         return took, left
 
     def step_rows(self, rank: int) -> list:
-        path = os.path.join(self.steps, f"engine_dp{rank}.jsonl")
-        if not os.path.exists(path):
-            return []
-        return [json.loads(line) for line in open(path) if line.strip()]
+        return read_rows(self.steps, f"engine_dp{rank}.jsonl")
 
 
 def prompt(i: int, n: int = 24) -> list:

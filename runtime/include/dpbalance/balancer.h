@@ -392,6 +392,8 @@ class Balancer {
   // exchange returned the record this call sent (every engine but a lagged one), else the one
   // sent with the record's step (not fresh when it is no longer known).
   Measured ArrivedMeasured(uint64_t step, const Measured& sent_now) const;
+  // This process's own row of the latest exchange (what the engine delivered for it).
+  const RankSummary& OwnGathered() const { return gathered_[static_cast<size_t>(comm_->rank())]; }
   std::vector<int64_t> scratch_tokens_;  // FillTotals' rank totals when the engine asks for none
   absl::Time Now() const { return config_.clock ? config_.clock() : absl::Now(); }
   // The engine cycle of plan `step`: its plan call to the next one, us; < 0 unknown.
