@@ -25,6 +25,8 @@ int32_t TierFor(absl::Span<const int32_t> tiers, int64_t tokens) {
 namespace {
 
 using internal::DecideScratch;
+using internal::TierPair;
+using internal::TierPair;
 using internal::FrontierSegment;
 using internal::TierPoint;
 
@@ -821,30 +823,84 @@ void SweepTier(int d, double tier, absl::Span<const RankSummary> summaries, cons
   }
 }
 
-// Every tier at or above the largest base (past the last tier the largest base is the count: no
-// graph). A tier's plans gain at most every rank's whole frontier at this depth and wait at least
-// the floor barrier: a tier whose global terms alone make that lose is not swept.
-void SweepTiers(const PlannerConfig& c, int d, absl::Span<const RankSummary> summaries,
-                const UsableTotals& t, DecideScratch& scratch, BestPlan& plans) {
-  double max_gain = 0;
-  for (uint32_t r : scratch.usable_ranks) {
-    const RankSummary& s = summaries[r];
-    const DepthKnots dk = KnotsAtDepth(s, d);
-    max_gain += dk.count > 0 ? s.knot_gain[dk.first + dk.count - 1] : s.base_gain;
-  }
-  const double n = static_cast<double>(scratch.usable_ranks.size());
-  auto sweep = [&](double tier) {
-    if (!plans.CannotWin(max_gain / (t.floor_us + plans.GlobalUs(tier * n, tier, d)))) {
-      SweepTier(d, tier, summaries, t, scratch, plans);
-    }
-  };
-  bool any = false;
+// Every allowed depth and every tier at or above the largest base (past the last tier the largest
+// base is the count: no graph), most promising first. A (depth, tier) pair's plans gain at most
+// every rank at its dearest point and wait at least every rank at its cheapest (TierPoints' two
+// ends, SweepTier's own first test), so the pairs are swept in falling order of that bound, and
+// the sweep stops at the first that cannot beat the best plan found. The two ends come from one
+// walk per rank and depth over its knots and the tiers together: a point's padded cost is
+// cost - pad * tokens + pad * want, so below the tier the cheapest is a running minimum. The best
+// plan does not depend on the order (only exact ties could), and every rank orders alike.
+void SweepTiers(const PlannerConfig& c, int depth_lo, int depth_hi,
+                absl::Span<const RankSummary> summaries, const UsableTotals& t,
+                DecideScratch& scratch, BestPlan& plans) {
+  std::vector<double>& tiers = scratch.tiers;
+  tiers.clear();
   for (int32_t tier : c.token_tiers) {
-    if (tier < t.max_base_tokens) continue;
-    sweep(tier);
-    any = true;
+    if (tier >= t.max_base_tokens) tiers.push_back(tier);
   }
-  if (!any) sweep(t.max_base_tokens);
+  if (tiers.empty()) tiers.push_back(t.max_base_tokens);
+  const size_t num_tiers = tiers.size();
+  const double n = static_cast<double>(scratch.usable_ranks.size());
+  std::vector<TierPair>& pairs = scratch.tier_pairs;
+  pairs.clear();
+  std::vector<double>&gain = scratch.tier_gain, &cheapest = scratch.tier_cheapest;
+  for (int d = depth_lo; d <= depth_hi; ++d) {
+    if (!c.DepthAllowed(d)) continue;
+    gain.assign(num_tiers, 0.0);
+    cheapest.assign(num_tiers, t.floor_us);
+    double* __restrict gain_at = gain.data();
+    double* __restrict cheapest_at = cheapest.data();
+    const double* __restrict tier_at = tiers.data();
+    for (uint32_t r : scratch.usable_ranks) {
+      const RankSummary& s = summaries[r];
+      const DepthKnots dk = KnotsAtDepth(s, d);
+      const double pad = s.pad_us, base_tokens = s.base_tokens;
+      double low = s.base_attention_us;  // the least cost - pad * tokens of the points so far
+      double c0 = s.base_attention_us, g0 = s.base_gain, t0 = 0;  // the last point so far
+      size_t i = 0;
+      // The tiers on the chord from that point to knot k (above the point, up to the knot), as
+      // ForEachTierPoint takes them. No tier lies below a rank's base (want >= 0), and one at
+      // the base (want 0, on the first chord: t0 = 0) gets the base point: over = 0.
+      for (int k = 0; k < dk.count && i < num_tiers; ++k) {
+        const double c1 = s.knot_attention_us[dk.first + k], g1 = s.knot_gain[dk.first + k];
+        const double t1 = s.knot_tokens[dk.first + k];
+        // A knot no further than the point (garbage tokens) is a point of its own (frac 1).
+        const bool rises = t1 > t0;
+        const double cost_slope = rises ? (c1 - c0) / (t1 - t0) : 0.0;
+        const double gain_slope = rises ? (g1 - g0) / (t1 - t0) : 0.0;
+        const double cost_at0 = rises ? c0 : c1, gain_at0 = rises ? g0 : g1;
+        for (; i < num_tiers && tier_at[i] - base_tokens <= t1; ++i) {
+          const double want = tier_at[i] - base_tokens, over = want - t0;
+          gain_at[i] += gain_at0 + over * gain_slope;
+          cheapest_at[i] =
+              std::max(cheapest_at[i], std::min(low + pad * want, cost_at0 + over * cost_slope));
+        }
+        c0 = c1;
+        g0 = g1;
+        t0 = t1;
+        low = std::min(low, c0 - pad * t0);
+      }
+      for (; i < num_tiers; ++i) {  // past the last knot: the whole frontier, the rest padded
+        gain_at[i] += g0;
+        cheapest_at[i] = std::max(cheapest_at[i], low + pad * (tier_at[i] - base_tokens));
+      }
+    }
+    for (size_t i = 0; i < num_tiers; ++i) {
+      const double bound = gain[i] / (cheapest[i] + plans.GlobalUs(tiers[i] * n, tiers[i], d));
+      // A bound that is not a number (it cannot be from usable summaries) sweeps its pair first.
+      pairs.push_back({bound >= 0 ? bound : std::numeric_limits<double>::infinity(), d,
+                       static_cast<uint32_t>(i)});
+    }
+  }
+  std::sort(pairs.begin(), pairs.end(), [](const TierPair& x, const TierPair& y) {
+    if (x.bound != y.bound) return x.bound > y.bound;
+    return x.depth != y.depth ? x.depth < y.depth : x.tier < y.tier;
+  });
+  for (const TierPair& p : pairs) {
+    if (plans.CannotWin(p.bound)) break;  // nor can any pair after it
+    SweepTier(p.depth, tiers[p.tier], summaries, t, scratch, plans);
+  }
 }
 
 // Instance mode: every allowed depth d from the floors' up, every usable rank at level d; the
@@ -1470,14 +1526,11 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
   const bool tiers = PricesTiers(c);
   if (c.uniform_instance) {
     SweepInstance(c, summaries, *totals, decide_.usable_ranks, plans);
+  } else if (tiers) {
+    SweepTiers(c, totals->depth_lo, depth_hi, summaries, *totals, decide_, plans);
   } else {
     for (int d = totals->depth_lo; d <= depth_hi; ++d) {
-      if (!c.DepthAllowed(d)) continue;
-      if (tiers) {
-        SweepTiers(c, d, summaries, *totals, decide_, plans);
-      } else {
-        SweepDepth(c, d, summaries, *totals, decide_, plans);
-      }
+      if (c.DepthAllowed(d)) SweepDepth(c, d, summaries, *totals, decide_, plans);
     }
   }
   // Step 4: a rank that sent no usable summary runs the engine's default lengths; every rank

@@ -229,6 +229,11 @@ struct FrontierSegment {
 struct TierPoint {
   double cost = 0, gain = 0;
 };
+struct TierPair {
+  double bound = 0;  // no plan of the pair has more goodput
+  int depth = 0;
+  uint32_t tier = 0;  // the tier's place among the swept tiers
+};
 struct DecideScratch {
   std::vector<uint32_t> usable_ranks;      // indices of the summaries that take part
   std::vector<uint64_t> events, sort_tmp;  // knot events: cost key, rank, knot index
@@ -239,6 +244,9 @@ struct DecideScratch {
   std::vector<TierPoint> points;
   std::vector<uint32_t> point_begin, at;
   std::vector<uint64_t> heap;
+  // SweepTiers: the (depth, tier) pairs with the bound on their goodput, swept in falling order.
+  std::vector<TierPair> tier_pairs;
+  std::vector<double> tiers, tier_gain, tier_cheapest;  // per tier swept: the bound's two ends
 };
 }  // namespace internal
 
