@@ -15,6 +15,13 @@ DP = 2 on the CPUs, the random-weight Qwen2-MoE), driven with the `openai` clien
                                   through vLLM's AsyncLLM (live_bench.py run-arm): every request
                                   served, the draft depth fixed at num_speculative_tokens, the
                                   plan trims verify lengths under it, the records ride vLLM's sync
+  vllm_serve_test.py route        DPB_ROUTING=D: dpbalance routes in vLLM's DP load balancer (requests
+                                  of 24 to 1,600 prompt tokens in two waves, none pinned): every
+                                  request is routed by the Router ABI, the engine core it went to
+                                  is the rank the log names, the Router ABI replayed on the logged
+                                  loads picks the same ranks, the loads came from the ranks'
+                                  records (their age in steps printed); DPB_ROUTING=Q stops
+                                  `vllm serve` at start-up with one line naming it
   vllm_serve_test.py prometheus   dpbalance's series in vLLM's /metrics for both ranks, scraped
                                   twice (parsed by prometheus_client, counters moved), a metrics
                                   port in use (one line, serving and balancing go on), an
@@ -38,6 +45,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import Counter
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SERVE = os.path.join(ROOT, "scripts", "serve_vllm.sh")
@@ -175,10 +183,11 @@ def prompt(i: int, n: int = 24) -> list:
     return [3 + (i * 37 + j * 11) % 2000 for j in range(n)]
 
 
-async def one_request(client, model: str, i: int, stream: bool, abort_after: int = 0) -> dict:
+async def one_request(client, model: str, i: int, stream: bool, abort_after: int = 0,
+                      n_prompt: int = 24) -> dict:
     t0 = time.monotonic()
     out = {"i": i, "stream": stream, "aborted": bool(abort_after)}
-    kw = dict(model=model, prompt=prompt(i), max_tokens=MAX_TOKENS, temperature=0.0,
+    kw = dict(model=model, prompt=prompt(i, n_prompt), max_tokens=MAX_TOKENS, temperature=0.0,
               extra_body={"return_token_ids": True})
     if not stream:
         r = await client.completions.create(**kw)
@@ -236,6 +245,85 @@ def latency_line(results: list) -> str:
 
 def lines_with(text: str, needle: str) -> list:
     return [ln for ln in text.splitlines() if needle in ln]
+
+
+# --- route ------------------------------------------------------------------------------------
+
+def test_route(work: str) -> None:
+    log_path = os.path.join(work, "route.jsonl")
+    s = Server("route", work, {"DPB_ROUTING": "D", "DPBALANCE_VLLM_ROUTE_LOG": log_path})
+    healthy = s.wait_healthy()
+    check(healthy, "DPB_ROUTING=D serves: /health OK", f"after {s.ready_s or -1:.0f} s")
+    if not healthy:
+        print(s.text()[-6000:])
+        s.stop()
+        return
+
+    async def waves():
+        from openai import AsyncOpenAI
+        client = AsyncOpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="none", timeout=300)
+        # Long prompts first, then a mixed wave while they decode: the ranks' loads differ.
+        first = [asyncio.ensure_future(one_request(client, s.model, 300 + i, True, n_prompt=n))
+                 for i, n in enumerate((1600, 1200, 900))]
+        await asyncio.sleep(4)
+        second = [one_request(client, s.model, 400 + i, i % 2 == 0, n_prompt=n)
+                  for i, n in enumerate((24, 700, 60, 1400, 300, 24, 1000, 150))]
+        res = await asyncio.gather(*first, *second)
+        await client.close()
+        return res
+
+    results = asyncio.run(waves())
+    ok, detail = complete(results)
+    check(ok, "every routed request is answered completely", str(detail))
+    time.sleep(1)
+    rows = read_rows(work, "route.jsonl")
+    got = {}
+    for r in (0, 1):
+        for x in read_rows(work, f"route.jsonl.dp{r}"):
+            got[x["id"]] = x["rank"]
+    routed = [x for x in rows if x["by"] != "pinned"]
+    check(len(routed) == len(results) and all(x["by"] == "dpbalance" for x in routed),
+          "every request routed by dpbalance's Router", str(Counter(x["by"] for x in rows)))
+    check(all(got.get(x["id"]) == x["rank"] for x in routed),
+          "each request ran on the DP rank the router chose",
+          str([(x["id"][-8:], x["rank"], got.get(x["id"])) for x in routed]))
+    check(len(set(x["rank"] for x in routed)) == 2, "both ranks got requests",
+          str(Counter(x["rank"] for x in routed)))
+    # The Router ABI itself, replayed on the logged loads in the same order, picks the same.
+    from dpbalance_vllm import engine_plan
+    env = dict(os.environ)
+    os.environ.update(DPB_ROUTING="D", DPB_PLUGIN="dpbalance")
+    try:
+        ref = engine_plan.adapter.Router(2, library=engine_plan.library_path())
+        same = [ref.route([engine_plan.adapter.RankLoad(n, c, res, cap, cap_n, m)
+                           for n, c, m, res, cap, cap_n in x["loads"]], x["in"], x["out"])
+                == x["rank"] for x in routed]
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+    check(all(same), "the Router ABI on the logged loads picks every logged rank",
+          f"{sum(same)}/{len(same)}")
+    ages = [a for x in routed for a in x["age_steps"] if a is not None]
+    fresh = sum(1 for x in routed if all(a is not None for a in x["age_steps"]))
+    check(fresh >= len(routed) - 3, "the loads came from both ranks' step records (all but "
+          "the first requests, before the ranks stepped)", f"{fresh}/{len(routed)}")
+    if ages:
+        ages.sort()
+        print(f"FIGURE routing: the ranks' records were {ages[len(ages) // 2]:.1f} steps old at "
+              f"the median, {ages[-1]:.1f} at most ({len(ages)} rank-decisions)")
+    s.stop()
+
+    bad = Server("route-bad", work, {"DPB_ROUTING": "Q"})
+    t = time.monotonic()
+    while bad.proc.poll() is None and time.monotonic() - t < 240:
+        time.sleep(1)
+    text = bad.text()
+    named = lines_with(text, "DPB_ROUTING='Q' (environment) is not one of")
+    check(bad.proc.poll() not in (None, 0) and bool(named),
+          "DPB_ROUTING=Q: vllm serve stops at start-up, naming the value",
+          f"exit {bad.proc.poll()} after {time.monotonic() - t:.0f} s: "
+          f"{(named or ['no such line'])[0][-160:]}")
+    bad.stop(timeout_s=30)
 
 
 # --- serve ------------------------------------------------------------------------------------
@@ -594,12 +682,13 @@ def read_rows(d: str, name: str) -> list:
 
 def main() -> int:
     mode = sys.argv[1] if len(sys.argv) > 1 else ""
-    if mode not in ("serve", "prometheus", "draft"):
+    if mode not in ("serve", "prometheus", "draft", "route"):
         print(__doc__)
         return 2
     work = tempfile.mkdtemp(prefix=f"dpb-{mode}-")
     try:
-        {"serve": test_serve, "prometheus": test_prometheus, "draft": test_draft}[mode](work)
+        {"serve": test_serve, "prometheus": test_prometheus, "draft": test_draft,
+         "route": test_route}[mode](work)
     finally:
         print(f"(logs in {work})")
     print(f"{'FAILED: ' + ', '.join(FAILED) if FAILED else 'all passed'}")

@@ -37,15 +37,19 @@ def register() -> None:
     start-up and in every process, that the library loads and exports the plugin's symbol. A
     library that cannot be used is one error line; with DPB_STRICT=1 vLLM stops here, at once,
     otherwise it runs as shipped (every engine core then logs that balancing is off, config.py).
-    Imports nothing from vLLM."""
+    Imports nothing from vLLM unless DPB_ROUTING (or its log) is set."""
     global REGISTERED
     if REGISTERED:
         return
     REGISTERED = True
-    from . import audit, config, engine_plan
+    from . import audit, config, engine_plan, routing
 
     if audit.enabled():
         audit.install()
+    if routing.active():
+        # DPB_ROUTING (or its log): wraps vLLM's DP load balancer (routing.py; imports vLLM's
+        # engine client). A bad value raises here: vLLM stops at start-up with it named.
+        routing.install()
 
     path = engine_plan.library_path()
     if path is None:

@@ -31,7 +31,7 @@ import logging
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from . import engine_plan
+from . import engine_plan, routing
 
 log = logging.getLogger("vllm.dpbalance")
 
@@ -45,6 +45,12 @@ class _DpbMixin:
         method = str(getattr(spec, "method", "") or "") if spec is not None else ""
         # Checks every setting now, before the engine core reports ready (config.py).
         self._dpb = engine_plan.get(self.vllm_config, k_spec, method, lag=self._DPB_LAG)
+        # With DPB_ROUTING (or its log): this rank's load for the router after every schedule().
+        self._dpb_route = None
+        if routing.active():
+            par = self.vllm_config.parallel_config
+            self._dpb_route = routing.RankWriter(int(par.data_parallel_rank),
+                                                 int(par.data_parallel_size))
         # (SchedulerOutput, {request id: planned length}, plan token) of the steps scheduled and
         # not yet processed, oldest first: one with the synchronous scheduler, two with async.
         self._dpb_steps = []
@@ -102,6 +108,8 @@ class _DpbMixin:
                         r.spec_token_ids = list(r.spec_token_ids[:n])
                     planned[r.request_id] = n
         so = super().schedule(*args, **kwargs)
+        if self._dpb_route is not None:
+            self._dpb_route.publish(self)
         if plan is not None and plan.enabled:
             if plan.ride and so.total_num_scheduled_tokens > 0:
                 # This step's record rides vLLM's sync in the forward (a step with nothing
@@ -143,9 +151,16 @@ class _DpbMixin:
                             worker=timing.get("worker"))
         return outputs
 
+    def add_request(self, request, *args, **kwargs):
+        if self._dpb_route is not None and request.request_id not in self.requests:
+            self._dpb_route.added(request.request_id)  # not a streaming session's next chunk
+        return super().add_request(request, *args, **kwargs)
+
     def shutdown(self):
         if self._dpb is not None:
             self._dpb.close()
+        if self._dpb_route is not None:
+            self._dpb_route.close()
         super().shutdown()
 
 
