@@ -13,7 +13,7 @@ true acceptance on the same tiers ("D z1.2 oracle (tiers)"), over the engines' b
 standard deviations over the seeds.
 
 Usage: scripts/parity_table.py LABEL=SEEDS_JSON [LABEL=SEEDS_JSON ...]
-       scripts/parity_table.py --confidence REPLAY_JSON...   one comparison each (a --json file),
+       scripts/parity_table.py --confidence REPLAY_JSON...   comparisons (--json files, any seeds),
            by the draft-confidence signal's quality: its AUC, DSpark's rows, ours, the ratio
 """
 import json
@@ -34,24 +34,32 @@ def ratio(rows, num, den, key="goodput"):
 
 
 def confidence(paths):
-    """One line per run: the signal's noise and AUC, every DSpark row's goodput, ours (tiers) and
-    ours over the engines' best."""
-    print("| confidence noise (AUC) | static_best | dspark | dspark_fill | dspark_fill ctx-SPS | "
-          "ours (tiers) | ours / the engines' best (its row) |")
-    print("|---|---:|---:|---:|---:|---:|---|")
+    """One line per confidence setting, over every run given at it (the seeds): the signal's noise
+    and AUC, the engines' rows' and ours' goodput (means over the seeds), and ours over the
+    engines' best (the row with the best mean; the ratio's mean ± sd over the seeds)."""
+    by_sigma = {}
     for path in paths:
         with open(path) as f:
             runs = {r["name"]: r for r in json.load(f)["runs"]}
-        g = {n: r["goodput_tok_per_s"] for n, r in runs.items()}
-        ours = runs[OURS_TIERS]
-        sigma = ours.get("confidence_sigma")
+        by_sigma.setdefault(runs[OURS_TIERS].get("confidence_sigma"), []).append(runs)
+    seeds = sorted({len(v) for v in by_sigma.values()})
+    print(f"| confidence noise (AUC) | static_best | dspark | dspark_fill | dspark_fill ctx-SPS | "
+          f"ours (tiers) | ours / the engines' best (its row), {'/'.join(map(str, seeds))} seeds |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    # No signal first, then from useless to perfect.
+    for sigma in sorted(by_sigma, key=lambda x: (x is not None, -(x or 0))):
+        group = by_sigma[sigma]
+        g = {n: statistics.mean(r[n]["goodput_tok_per_s"] for r in group) for n in group[0]}
+        auc = [r["D z1.2 dspark_fill"].get("confidence_auc") for r in group]
         label = "none (the estimators')" if sigma is None else \
-            f"{sigma:g} ({runs['D z1.2 dspark_fill'].get('confidence_auc', 0):.3f})"
-        engine = [n for n in runs if "dspark" in n or n == STATIC_TIERS]
+            f"{sigma:g} ({statistics.mean(a for a in auc if a is not None):.3f})"
+        engine = [n for n in group[0] if "dspark" in n or n == STATIC_TIERS]
         best = max(engine, key=lambda n: g[n])
+        xs = [r[OURS_TIERS]["goodput_tok_per_s"] / r[best]["goodput_tok_per_s"] for r in group]
+        sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
         print(f"| {label} | {g[STATIC_TIERS]:,.0f} | {g['D z1.2 dspark']:,.0f} | "
               f"{g['D z1.2 dspark_fill']:,.0f} | {g[CONTEXT]:,.0f} | {g[OURS_TIERS]:,.0f} | "
-              f"{g[OURS_TIERS] / g[best]:.3f}x ({best.replace('D z1.2 ', '')}) |")
+              f"{statistics.mean(xs):.3f}x ± {sd:.3f} ({best.replace('D z1.2 ', '')}) |")
 
 
 def main():

@@ -137,6 +137,14 @@ def board_path() -> str:
     if not path:
         path = f"/dev/shm/dpbalance-loads-{os.getpid()}-{time.monotonic_ns() & 0xffffff:x}"
         os.environ[BOARD_ENV] = path
+        import atexit
+
+        def remove() -> None:  # the process that named the board outlives its engine cores
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        atexit.register(remove)
     return path
 
 
