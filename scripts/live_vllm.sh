@@ -19,7 +19,7 @@
 #                        [--min-plan-gain F] [--value-deferral] [--anchor-k K] [--nospec-each]
 #                        [--guard-overhead-us US] [--no-guard-measured] [--quiet-after N]
 #                        [--zero-config] [--exchange ride|own|both] [--drafter ngram|draft_model]
-#                        [--keep-logs DIR] [--quick]
+#                        [--routing LIST] [--keep-logs DIR] [--quick]
 #   scripts/live_vllm.sh --install-only   (the venv and the plugin package, nothing run;
 #                                          scripts/serve_vllm.sh and the README's quickstart)
 #
@@ -59,6 +59,19 @@
 # wall goodput, TPOT p99, each with its interval; the learnt terms against the fit). LIVE_VLLM_ARGS adds
 # live_bench.py run-arm flags to every arm.
 #
+# --routing LIST (of vllm, rr, A, B, C, D, E; e.g. vllm,A,B,C,D,E): routing arms instead of the
+# verify arms, on the mixed stream with long and short contexts (every 5th prompt 6000 tokens, the
+# others at most 2000; 96 requests unless --requests; LIVE_VLLM_ARGS overrides), one closed loop
+# of 24 requests that carry no DP rank. Replicate 1's static arms (--ks) give the calibration and
+# static_best (--anchor-k K: K); then, interleaved in every replicate (odd ones in LIST's order,
+# even ones reversed): each routing of LIST (vllm always: vLLM's own; rr: request i on rank
+# i mod dp; A-E: dpbalance's Router through the package's hook, DPB_ROUTING) with the plugin on at
+# DPB_MODE=off and num_speculative_tokens = static_best's k, `E+dpbalance` (E with verify
+# balancing, as the dpbalance arm runs) and `vllm+static_best` (vLLM as shipped at static_best's
+# k). Then the replay's prediction of the stream (integration/vllm/live_routing.py predict) and
+# the JSON's `routing` with its tables (live_routing.py summarize; docs/live_vllm.md, "Routing
+# arms"). Without --routing nothing of this runs.
+#
 # The virtual environment lives outside the work tree, in $DPBALANCE_VLLM_VENV (default
 # ~/.cache/dpb-vllm/venv), made once and reused; it holds the pinned versions of
 # integration/vllm/requirements-cpu.txt (PyPI only) and the plugin package (pip install
@@ -89,6 +102,8 @@ QUIET_AFTER=8                  # the own-exchange arms' DPB_QUIET_AFTER (the pac
 EXCHANGE=ride                  # the plugin arms' DPBALANCE_VLLM_EXCHANGE (both: an own arm too)
 DRAFTER=ngram                  # every arm's drafter (draft_model: vLLM's draft-model proposer)
 ZERO_CONFIG=0                  # 1: plugin arms dpbalance (fitted step flags) and auto (none)
+ROUTING=""                     # --routing: the routing arms (empty: the verify arms)
+WORKLOAD_GIVEN=0
 ARGS=("$@")
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -97,7 +112,7 @@ while [ $# -gt 0 ]; do
     --quick) QUICK=1; shift ;;
     --keep-logs) KEEP="${2:?--keep-logs needs a directory}"; shift 2 ;;
     --install-only) INSTALL_ONLY=1; shift ;;
-    --workload) WORKLOADS="${2:?--workload needs mixed, greedy or both (mixed,greedy)}"; shift 2 ;;
+    --workload) WORKLOADS="${2:?--workload needs mixed, greedy or both (mixed,greedy)}"; WORKLOAD_GIVEN=1; shift 2 ;;
     --replicates) REPLICATES="${2:?--replicates needs a number}"; shift 2 ;;
     --requests) REQS="${2:?--requests needs a number}"; shift 2 ;;
     --seed) SEED="${2:?--seed needs a number}"; shift 2 ;;
@@ -116,12 +131,27 @@ while [ $# -gt 0 ]; do
     --zero-config) ZERO_CONFIG=1; AB=0; shift ;;
     --exchange) EXCHANGE="${2:?--exchange needs ride, own or both}"; shift 2 ;;
     --drafter) DRAFTER="${2:?--drafter needs ngram or draft_model}"; shift 2 ;;
+    --routing) ROUTING="${2:?--routing needs a list such as vllm,A,B,C,D,E}"; shift 2 ;;
     -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) echo "live_vllm.sh: unknown flag '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
 if [ "$QUICK" = 1 ]; then
   WORKLOADS=mixed; REPLICATES=1; REQS=${REQS:-48}; AB=0; NOSPEC=0; NOSPEC_EACH=0
+fi
+ROUTE_STREAM=()
+if [ -n "$ROUTING" ]; then
+  for entry in ${ROUTING//,/ }; do
+    case "$entry" in vllm|rr|A|B|C|D|E) ;; *) echo "live_vllm.sh: --routing entry '$entry' is not vllm, rr, A, B, C, D or E" >&2; exit 2 ;; esac
+  done
+  # Every ratio is against vLLM's own routing: its arm always runs, first.
+  case ",$ROUTING," in *,vllm,*) ;; *) ROUTING="vllm,$ROUTING" ;; esac
+  [ "$WORKLOAD_GIVEN" = 1 ] || WORKLOADS=mixed
+  NOSPEC=0; AB=0; REQS=${REQS:-${LIVE_VLLM_REQUESTS:-96}}
+  # Long and short contexts: a rank that holds two of the long prompts holds far more context
+  # than one that holds none, which counting requests (vLLM's score, A) does not see. Every 5th
+  # request is long (odd, so --routing rr alternates them over the ranks).
+  ROUTE_STREAM=(--long-every 5 --long-in 6000 --max-in 2000)
 fi
 REQS=${REQS:-${LIVE_VLLM_REQUESTS:-120}}
 for v in "$REPLICATES:--replicates" "$REQS:--requests" "$SEED:--seed" "$DP:--dp"; do
@@ -214,6 +244,7 @@ keep_logs() { [ -n "$KEEP" ] && { mkdir -p "$KEEP"; cp -r "$WORK"/. "$KEEP"/; };
 trap 'keep_logs; rm -rf "$WORK"' EXIT
 MODEL="$WORK/model"
 LB="$ROOT/integration/vllm/live_bench.py"
+LR="$ROOT/integration/vllm/live_routing.py"
 "$PY" "$LB" write-model "$MODEL" --shape decode
 
 # Two cores: one per DP rank (engine core, worker and the front end share them; with DP > 2 the
@@ -242,7 +273,8 @@ EPOCH=${LIVE_VLLM_AB_EPOCH:-2}
 K_SPEC=7                       # the plugin arms' num_speculative_tokens: their verify lengths 0..7
 RUNS="$WORK/runs"
 COMMON=(--model "$MODEL" --trace "$ROOT/integration/replay/data/mooncake_conversation.jsonl"
-        --dp "$DP" --requests "$REQS" --seed "$SEED" --drafter "$DRAFTER" ${LIVE_VLLM_ARGS:-})
+        --dp "$DP" --requests "$REQS" --seed "$SEED" --drafter "$DRAFTER"
+        ${ROUTE_STREAM[@]+"${ROUTE_STREAM[@]}"} ${LIVE_VLLM_ARGS:-})
 if [ "$DRAFTER" = draft_model ]; then
   "$PY" "$LB" write-model "$WORK/draft" --shape draft
   COMMON+=(--draft-model "$WORK/draft")
@@ -256,19 +288,19 @@ if [ ! -x "$CAL" ] || [ ! -x "$REPLAY" ]; then
     || { echo "live_vllm.sh: cannot build dpbalance-calibrate and dpbalance-replay (cmake --build --preset release)" >&2; exit 1; }
 fi
 
-run_arm() {  # WORKLOAD REPLICATE NAME MODE K_SPEC [ENV...]
+run_arm() {  # WORKLOAD REPLICATE NAME MODE K_SPEC [ENV...]; routed by $ARM_ROUTING (unset: rr)
   local w=$1 rep=$2 name=$3 mode=$4 k=$5; shift 5
   local dir="$RUNS/$w/dp$DP/${name}_r$rep"
   echo "live_vllm.sh: [$(date +%H:%M:%S)] $w r$rep arm '$name' (num_speculative_tokens=$k) $(uptime | sed 's/.*load/load/')"
   mkdir -p "$dir"
   if ! env "$@" DPBALANCE_VLLM_STEP_LOG="$dir" timeout 1800 \
       "$PY" "$LB" run-arm --name "$name" --mode "$mode" --replicate "$rep" --workload "$w" \
-      --k-spec "$k" --log-dir "$dir" "${COMMON[@]}" >"$dir/arm.log" 2>&1; then
+      --k-spec "$k" --routing "${ARM_ROUTING:-rr}" --log-dir "$dir" "${COMMON[@]}" >"$dir/arm.log" 2>&1; then
     echo "live_vllm.sh: arm '$name' ($w, replicate $rep) failed; the last lines of its log:" >&2
     tail -n 40 "$dir/arm.log" >&2
     exit 1  # the EXIT trap keeps the logs
   fi
-  grep -E '^live_bench:|dpbalance_vllm: plugin entry point|dpbalance: enabled' "$dir/arm.log" | sort | uniq -c | sed 's/^/  /'
+  grep -E '^live_bench:|dpbalance_vllm: plugin entry point|dpbalance: enabled|dpbalance_vllm: .*[Rr]out' "$dir/arm.log" | sort | uniq -c | sed 's/^/  /'
 }
 
 static_arms() {  # WORKLOAD REPLICATE K...
@@ -300,7 +332,22 @@ plugin_arms() {  # WORKLOAD REPLICATE ORDER(fwd|rev)
   done
 }
 
+routing_arms() {  # WORKLOAD REPLICATE ORDER(fwd|rev): --routing's arms and the two combined ones
+  local w=$1 rep=$2 order=$3 arm
+  local arms=(${ROUTING//,/ } E+dpbalance vllm+static_best)
+  [ "$order" = rev ] && arms=($(printf '%s\n' "${arms[@]}" | tac))
+  for arm in "${arms[@]}"; do
+    case "$arm" in
+      E+dpbalance) ARM_ROUTING=E run_arm "$w" "$rep" "route_$arm" routing_dpbalance "$PK" \
+                     "${PLUGIN_ENV[@]}" DPB_MODE=goodput "${SLO_ENV[@]}" ;;
+      vllm+static_best) ARM_ROUTING=vllm run_arm "$w" "$rep" "route_$arm" routing "$SB" DPB_PLUGIN=none ;;
+      *) ARM_ROUTING=$arm run_arm "$w" "$rep" "route_$arm" routing "$SB" "${PLUGIN_ENV[@]}" DPB_MODE=off ;;
+    esac
+  done
+}
+
 PRED_ARGS=()
+ROUTE_PRED=()
 for W in ${WORKLOADS//,/ }; do
   # Replicate 1: the static arms first (calibration and static_best come from them), after an
   # instance without speculation (vLLM as shipped, one query token per request and step): the
@@ -376,6 +423,18 @@ for W in ${WORKLOADS//,/ }; do
   SLO_MS=0
   if [ "$SLO" = p99 ]; then SLO_ENV=(DPB_TPOT_SLO_MS="$SB_P99"); SLO_MS=$SB_P99; fi
   echo "live_vllm.sh: $W: anchor ${ANCHOR_K:+(--anchor-k) }static k=$SB (TPOT p99 $SB_P99 ms); plugin flags: ${PLUGIN_ENV[*]} ${SLO_ENV[*]}; default guard $GAIN"
+  if [ -n "$ROUTING" ]; then
+    # The routing arms, interleaved within each replicate and reversed every other one, then
+    # the replay's prediction of the same stream.
+    for ((rep = 1; rep <= REPLICATES; rep++)); do
+      if [ $((rep % 2)) = 1 ]; then routing_arms "$W" "$rep" fwd; else routing_arms "$W" "$rep" rev; fi
+    done
+    "$PY" "$LR" predict --runs-root "$RUNS" --workload "$W" --dp "$DP" --replay "$REPLAY" \
+      --model "$WORK/$W-cpu_model.json" --terms "$WORK/$W-terms.json" \
+      --json "$WORK/$W-routing-predicted.json" | sed 's/^/  /'
+    ROUTE_PRED+=(--predicted "$WORK/$W-routing-predicted.json")
+    continue
+  fi
   plugin_arms "$W" 1 fwd
   # Later replicates alternate the order: plugin arms, static arms (descending), and back.
   for ((rep = 2; rep <= REPLICATES; rep++)); do
@@ -409,4 +468,7 @@ PYEOF
 
 "$PY" "$LB" summarize --json "$JSON" --runs-root "$RUNS" --predicted "$WORK/predicted.json" \
   --command "scripts/live_vllm.sh ${ARGS[*]}"
+if [ -n "$ROUTING" ]; then
+  "$PY" "$LR" summarize --runs-root "$RUNS" --json "$JSON" "${ROUTE_PRED[@]}"
+fi
 echo "live_vllm.sh: wrote $JSON"

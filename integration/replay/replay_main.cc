@@ -40,6 +40,9 @@ ABSL_FLAG(int, max_batch, 64, "batch limit per rank, requests");
 ABSL_FLAG(int, inflight, 2048, "closed loop: requests in flight for the whole instance");
 ABSL_FLAG(bool, open_loop, false, "admit at trace arrival times instead of closed loop");
 ABSL_FLAG(double, arrival_speedup, 1.0, "open loop: divide arrival times by this");
+ABSL_FLAG(bool, drain, false,
+          "after the trace is exhausted, run until every request has finished and measure the "
+          "drain too (as a live stream's figures cover every request)");
 ABSL_FLAG(bool, compare, true,
           "run the default comparison; false: one run with --routing/--verify/--k");
 ABSL_FLAG(std::string, routing, "D", "routing for a single run: A, B, C, D or E (ours)");
@@ -534,6 +537,7 @@ absl::StatusOr<SimConfig> BaseConfigFromFlags(const TruthModel& truth) {
   base.inflight = absl::GetFlag(FLAGS_inflight);
   base.open_loop = absl::GetFlag(FLAGS_open_loop);
   base.arrival_speedup = absl::GetFlag(FLAGS_arrival_speedup);
+  base.drain = absl::GetFlag(FLAGS_drain);
   base.k_max = absl::GetFlag(FLAGS_k_max);
   base.acceptance_sigma = absl::GetFlag(FLAGS_acceptance_sigma);
   base.acceptance_prior_strength = absl::GetFlag(FLAGS_prior_strength);
@@ -969,6 +973,9 @@ nlohmann::json RowJson(const Row& row, const std::string& eval_cost, const SimCo
   j["mean_step_ms"] = r.mean_step_ms;
   j["tpot_p50_ms"] = r.tpot_p50_ms;
   j["tpot_p99_ms"] = r.tpot_p99_ms;
+  j["latency_mean_ms"] = r.latency_mean_ms;
+  j["latency_p50_ms"] = r.latency_p50_ms;
+  j["ctx_imbalance"] = r.ctx_imbalance;
   j["token_balance"] = r.token_balance;
   j["mean_verify_len"] = r.mean_verify_len;
   j["mean_draft_depth"] = r.mean_draft_depth;

@@ -92,6 +92,8 @@ struct RunTotals {
   BubbleMeter bubble;  // the steps' rank attention times (balance efficiency = 1 - bubble)
   double v1_act = 0, v1_ideal = 0, v2_act = 0, v2_ideal = 0;
   double ideal_time_us = 0, token_balance_sum = 0, k_sum = 0, k_count = 0, depth_sum = 0;
+  double ctx_imbalance_sum = 0;
+  int64_t ctx_imbalance_steps = 0;  // steps with context on some rank
   int64_t blocked_steps = 0;
   int64_t quiet_steps = 0;  // planner rows in quiet mode: steps without a plan
   double model_error_sum = 0, model_error_n = 0;
@@ -101,7 +103,8 @@ struct RunTotals {
   double expected_tokens = 0, bound_tokens = 0, bound_time_us = 0;  // step_bound
 
 
-  void Finish(RunResult& res, double now_us, const std::vector<double>& tpots) const {
+  void Finish(RunResult& res, double now_us, const std::vector<double>& tpots,
+              const std::vector<double>& latencies) const {
     res.sim_time_s = now_us / 1e6;
     res.balance_efficiency = bubble.balance_efficiency();
     res.cost_ratio_v1 = v1_act / v1_ideal;
@@ -111,6 +114,13 @@ struct RunTotals {
     res.mean_step_ms = now_us / 1000.0 / res.steps;
     res.tpot_p50_ms = Percentile(tpots, 0.5);
     res.tpot_p99_ms = Percentile(tpots, 0.99);
+    if (!latencies.empty()) {
+      double sum = 0;
+      for (double l : latencies) sum += l;
+      res.latency_mean_ms = sum / static_cast<double>(latencies.size());
+      res.latency_p50_ms = Percentile(latencies, 0.5);
+    }
+    res.ctx_imbalance = ctx_imbalance_steps > 0 ? ctx_imbalance_sum / ctx_imbalance_steps : 0;
     res.token_balance = token_balance_sum / res.steps;
     res.mean_verify_len = k_count > 0 ? k_sum / k_count : 0;
     res.mean_draft_depth = depth_sum / res.steps;
@@ -231,6 +241,7 @@ class Simulation {
   std::deque<std::vector<Observation>> pending_;  // the last N steps' outcomes, not yet seen
   std::vector<int32_t> pending_scratch_;
   std::vector<double> tpots_;
+  std::vector<double> latencies_;  // per finished request, ms (RunResult::latency_mean_ms)
   std::vector<std::pair<float, bool>> confidence_samples_;  // (first draft's confidence, accepted)
   size_t next_ = 0;
   int64_t active_ = 0;  // requests the engine believes in flight (finished ones until it learns)
@@ -438,7 +449,9 @@ void Simulation::AddToLoad(RankLoad& l, const InflightRequest& a) const {
 // Routes the trace's next requests while the instance takes them (closed loop: fewer than
 // `inflight` in flight; open loop: arrived); a request that fits on no rank waits, in order.
 absl::StatusOr<Simulation::Admission> Simulation::Admit() {
-  if (next_ >= trace_.size()) return Admission::kTraceDone;
+  if (next_ >= trace_.size()) {
+    return cfg_.drain && active_ > 0 ? Admission::kStep : Admission::kTraceDone;
+  }
   for (int r = 0; r < num_ranks_; ++r) loads_[r] = LoadOf(r);
   while (next_ < trace_.size()) {
     const TraceRequest& t = trace_[next_];
@@ -713,6 +726,21 @@ double Simulation::Time(int depth) {
       truth_.attention.uses_grid() ? sum_attn / num_ranks : truth_.attention.AttentionUs(ideal);
   totals_.ideal_time_us += ideal_attention_us + global_us;
   totals_.token_balance_sum += max_q > 0 ? (sum_q / num_ranks) / max_q : 1.0;
+  // The ranks' context as the live harness measures it (the contexts of each rank's running
+  // requests, summed): the largest over the mean.
+  double ctx_sum = 0, ctx_max = 0;
+  for (const auto& rank : ranks_) {
+    double ctx = 0;
+    for (const InflightRequest& a : rank) {
+      if (a.finished_step < 0) ctx += static_cast<double>(a.ctx);
+    }
+    ctx_sum += ctx;
+    ctx_max = std::max(ctx_max, ctx);
+  }
+  if (ctx_sum > 0) {
+    totals_.ctx_imbalance_sum += ctx_max / (ctx_sum / num_ranks);
+    ++totals_.ctx_imbalance_steps;
+  }
   totals_.depth_sum += depth;
   return step_us;
 }
@@ -815,6 +843,7 @@ absl::Status Simulation::Progress(double step_us) {
       if (a.remaining > 0) continue;
       a.finished_step = step_;
       tpots_.push_back((now_us_ - a.start_us) / 1000.0 / a.output);
+      latencies_.push_back((now_us_ - a.start_us) / 1000.0);
       ++res_.requests_finished;
       pending_.back().push_back({r, a.id, 0, 0, 0, 0, true});
     }
@@ -886,7 +915,7 @@ absl::StatusOr<RunResult> Simulation::Run() {
     ++step_;
   }
   if (res_.steps == 0) return absl::FailedPreconditionError("replay ran no decode step");
-  totals_.Finish(res_, now_us_, tpots_);
+  totals_.Finish(res_, now_us_, tpots_, latencies_);
   if (!confidence_samples_.empty()) res_.confidence_auc = Auc(std::move(confidence_samples_));
   for (const dspark::OnlineSps& o : online_sps_) res_.dspark_table_rebuilds += o.rebuilds();
   res_.dspark_table_rebuilds -= res_.dspark_warmup_rebuilds;

@@ -7,7 +7,7 @@
 // - Closed loop (default): the next trace request is admitted whenever the instance has fewer
 //   than `inflight` requests and some rank has capacity; open loop: at its (scaled) arrival time.
 //   Requests that fit nowhere wait, in order. Measurement stops when the trace is exhausted
-//   (the drain at the end is not measured).
+//   (the drain at the end is not measured), or with `drain` when every request has finished.
 // - The planner never sees the truth: it plans with `planner_model` and acceptance estimated
 //   from observed accept counts; `kOracle` plans with the truth model and true acceptance.
 // - Token tiers (`padded`): every rank runs the instance's agreed token count: the tier its
@@ -92,6 +92,9 @@ struct SimConfig {
   int inflight = 2048;                    // closed loop: requests in flight, whole instance
   bool open_loop = false;
   double arrival_speedup = 1.0;           // open loop: arrival times divided by this
+  // Run on after the trace is exhausted until every request has finished, the drain measured
+  // (a live stream's figures cover every request; scripts/live_vllm.sh --routing's prediction).
+  bool drain = false;
   RoutingConfig routing;
   VerifyMode verify = VerifyMode::kStatic;
   int static_k = 3;                       // kStatic: verify length; planner modes: default_k
@@ -169,6 +172,13 @@ struct RunResult {
   double mean_step_ms = 0;
   double tpot_p50_ms = 0;
   double tpot_p99_ms = 0;
+  // Per finished request, from its admission (the step boundary at which a rank took it) to
+  // its last token, ms: mean and median.
+  double latency_mean_ms = 0;
+  double latency_p50_ms = 0;
+  // Mean over steps of the largest rank's summed context tokens over the ranks' mean (1: every
+  // rank holds as much context; steps with no context anywhere are left out).
+  double ctx_imbalance = 0;
   double token_balance = 0;            // mean over steps of avg/max rank query tokens
   double mean_verify_len = 0;          // mean k over request-steps
   double mean_draft_depth = 0;

@@ -14,9 +14,11 @@ size --dp, eager mode and ngram speculative decoding; the plugin's classes are n
 qualified names (dpbalance_vllm.ENGINE_ARGS). The stream (make_requests) takes its lengths from
 a bundled trace (--in-scale, --out-scale, capped by --max-in / --max-out) and its request
 classes from --workload (MIXES: sampling and prompt per class, a seeded SamplingParams per
-request); request i runs on DP rank i % dp. The prompts are token ids (no tokenizer:
---skip-tokenizer-init); the acceptance reported is what vLLM verified, nothing else
-(docs/live_vllm.md).
+request). --routing says which DP rank serves a request: rr (the default) pins request i on rank
+i % dp; vllm leaves it to vLLM's DP load balancer; A-E to dpbalance's Router through the
+package's routing hook (DPB_ROUTING; integration/vllm/live_routing.py summarises such arms). The
+prompts are token ids (no tokenizer: --skip-tokenizer-init); the acceptance reported is what vLLM
+verified, nothing else (docs/live_vllm.md).
 """
 from __future__ import annotations
 
@@ -190,7 +192,7 @@ def make_requests(a):
 
     Lengths come from the bundled trace in order from --offset, scaled and capped; the class of
     request i is drawn with the shares of the mix from a generator seeded by --seed; its
-    SamplingParams seed is derived from --seed and i; with --placement rr request i runs on DP
+    SamplingParams seed is derived from --seed and i; with --routing rr request i runs on DP
     rank i % dp (vLLM's data_parallel_rank), so every arm sees the same per-rank streams.
 
     Prompts: with --shared-prefix (the default) a request's prompt is the first (length - 16)
@@ -236,6 +238,49 @@ def make_requests(a):
     return reqs
 
 
+# --routing: rr pins request i on rank i % dp (one closed loop per rank); every other value is
+# one closed loop whose requests carry no data_parallel_rank, placed by vLLM's DP load balancer
+# (vllm) or by dpbalance's Router inside it (the package's hook, DPB_ROUTING: docs/design.md,
+# "Routing").
+ROUTER_STRATEGIES = ("A", "B", "C", "D", "E")
+ROUTINGS = ("rr", "vllm") + ROUTER_STRATEGIES
+
+
+def resolve_routing(a) -> None:
+    """Sets a.routing and a.placement from --routing, or from --placement (its older form: rr
+    or vllm) when --routing is not given; a --placement that contradicts --routing is an
+    error. make_requests and steady_window read the placement: rr, or one closed loop."""
+    if a.routing is None:
+        a.routing = "vllm" if a.placement == "vllm" else "rr"
+    placement = "rr" if a.routing == "rr" else "vllm"
+    if a.placement not in (None, placement):
+        raise SystemExit(f"live_bench: --placement {a.placement} contradicts --routing "
+                         f"{a.routing} (which places by {placement})")
+    a.placement = placement
+
+
+def set_routing_env(routing: str, log_dir: str, environ=os.environ) -> None:
+    """The environment the package's routing hook reads when AsyncLLM starts (its register()
+    reads it then; the engine-core processes inherit it): DPB_ROUTING = the strategy for A-E,
+    unset otherwise (vLLM's own scoring); DPBALANCE_VLLM_ROUTE_LOG = LOG_DIR/route.jsonl (a
+    fresh file) for every routing but rr. The hook needs the plugin on: A-E without
+    DPB_PLUGIN=dpbalance is an error here, not an arm that silently routes by vLLM (DPB_MODE=off
+    keeps vLLM's own verify lengths)."""
+    environ.pop("DPB_ROUTING", None)
+    if routing == "rr":
+        return
+    if routing in ROUTER_STRATEGIES:
+        if environ.get("DPB_PLUGIN") != "dpbalance":
+            raise SystemExit(f"live_bench: --routing {routing} needs DPB_PLUGIN=dpbalance (the "
+                             f"package's routing hook; DPB_MODE=off for vLLM's verify lengths), "
+                             f"have DPB_PLUGIN={environ.get('DPB_PLUGIN', '')!r}")
+        environ["DPB_ROUTING"] = routing
+    path = os.path.join(log_dir, "route.jsonl")
+    if os.path.exists(path):
+        os.remove(path)
+    environ["DPBALANCE_VLLM_ROUTE_LOG"] = path
+
+
 def _uptime() -> str:
     """`uptime`'s line (the machine's load when an arm starts), or '' where there is none."""
     import subprocess
@@ -247,6 +292,9 @@ def _uptime() -> str:
 
 
 async def run_stream(a):
+    # Before vLLM is imported and the engine made: the package's register() reads the routing
+    # flags when vLLM loads its plugins.
+    set_routing_env(a.routing, a.log_dir)
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.inputs import TokensPrompt
@@ -282,7 +330,7 @@ async def run_stream(a):
     t_ready = time.time()
     reqs = make_requests(a)
     results = []
-    # Closed loop: --concurrency requests in flight; with --placement rr each DP rank keeps its
+    # Closed loop: --concurrency requests in flight; with --routing rr each DP rank keeps its
     # share of them in flight from its own queue (request i on rank i % dp).
     if a.placement == "rr":
         per = max(1, a.concurrency // a.dp)
@@ -323,7 +371,7 @@ async def run_stream(a):
             "wall_s": t1 - t0, "hung": hung, "t_begin": t0, "t_end": t1,
             "workload": a.workload, "mix": parse_mix(a.mix or a.workload), "seed": a.seed,
             "requests_sent": len(reqs), "dp": a.dp, "concurrency": a.concurrency,
-            "placement": a.placement,
+            "placement": a.placement, "routing": a.routing,
             "model_config": json.load(open(os.path.join(a.model, "config.json"))),
             "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DPB_")},
             "load_before": load_before, "load_after": os.getloadavg(),
@@ -487,15 +535,21 @@ def steady_window(client):
     return start, end, tokens
 
 
+def decode_steps(log_dir, dp, warmup):
+    """(every aligned step, the busy ones after `warmup`, the decode steps among those): busy
+    steps are those in which some rank ran requests (not the idle tail after the stream); an
+    arm's figures are over its decode steps (is_decode_step)."""
+    all_steps, _ = step_rows(log_dir, dp)
+    busy = [st for st in all_steps if any(r["kind"] == "model" for r in st)][warmup:]
+    return all_steps, busy, [st for st in busy if is_decode_step(st)]
+
+
 def summarize_arm(log_dir, dp, warmup):
     """One arm's figures (an entry of the JSON's `runs`) from its client record and step logs."""
     client = json.load(open(os.path.join(log_dir, "client.json")))
     name = client["name"]
-    all_steps, _ = step_rows(log_dir, dp)
-    # Steps in which some rank ran requests (not the idle tail after the stream); the figures
-    # are over the decode steps among them (is_decode_step), the all-steps bubble is reported too.
-    busy = [st for st in all_steps if any(r["kind"] == "model" for r in st)][warmup:]
-    steps = [st for st in busy if is_decode_step(st)]
+    # The figures are over the decode steps; the all-steps bubble is reported too.
+    all_steps, busy, steps = decode_steps(log_dir, dp, warmup)
     # The wait at the barrier, timed: each rank's time inside the MoE dispatch all-gathers
     # (coll_us) minus the last-arriving rank's, whose time there is the transfer alone.
     timed = [st for st in steps if all(r.get("coll_us") is not None for r in st)]
@@ -565,6 +619,7 @@ def summarize_arm(log_dir, dp, warmup):
     steady = steady_window(client)
     return {
         "name": name, "mode": client.get("mode", "static"),
+        "routing": client.get("routing", client.get("placement", "rr")),
         "k": client.get("k", client.get("k_spec")), "k_spec": client.get("k_spec"),
         "default_k": int(env["DPB_DEFAULT_K"]) if "DPB_DEFAULT_K" in env else None,
         "workload": client.get("workload"), "seed": client.get("seed"),
@@ -1130,18 +1185,19 @@ def collect(root):
     return out
 
 
-def measured_own_us(found, dp):
-    """What DPB_GUARD_MEASURED charged the dpbalance arms' TPOT guard, as near as their logs
-    say: per replicate, the largest over ranks of the rank's median plan call (`plan_us`, the
-    adapter's wall time around the plugin's plan call, exchange included: the plugin's own
-    own median plus the adapter's marshalling); the mean over replicates. Only steps that ran
+def measured_own_us(found, dp, mode="dpbalance"):
+    """What DPB_GUARD_MEASURED charged the TPOT guard of the arms of `mode` (the dpbalance
+    arms; routing_dpbalance for E + verify balancing), as near as their logs say: per
+    replicate, the largest over ranks of the rank's median plan call (`plan_us`, the adapter's
+    wall time around the plugin's plan call, exchange included: the plugin's own median plus
+    the adapter's marshalling); the mean over replicates. Only steps that ran
     the exchange count (`xchg_us` logged), as the plugin's own median counts only those: a quiet
     step (DPB_QUIET_AFTER) plans without one. A median over the whole run, as the plugin's is
     over its last 32 calls, so the first exchange (which waits for the other rank's start-up)
-    does not count. None when no dpbalance arm logged one."""
+    does not count. None when no arm of `mode` logged one."""
     per_rep = []
     for log_dir, c in found:
-        if c.get("mode") != "dpbalance":
+        if c.get("mode") != mode:
             continue
         medians = []
         for k in range(dp):
@@ -1180,7 +1236,7 @@ def cmd_summarize(a):
         c0 = arms[0][1]
         res.setdefault("streams", {})[f"{workload}/dp{dp}"] = {
             k: c0.get(k) for k in ("workload", "mix", "seed", "requests_sent", "concurrency",
-                                   "placement", "model_config", "args")}
+                                   "placement", "routing", "model_config", "args")}
     res["acceptance"] = {f"dp{dp}": acceptance_summary(found, dp)
                          for dp in sorted({d for _, d in found})}
     if predicted:
@@ -1288,7 +1344,8 @@ def predict_rows(binary, trace, base, ks, default_k, slo_ms, seeds, tmp, min_pla
 
 
 def _replay_mean(binary, trace, flags, seeds, tmp):
-    """One replay row over seeds 1..seeds: mean goodput (and its SD), bubble, TPOT p99."""
+    """One replay row over seeds 1..seeds: mean goodput (and its SD), bubble, TPOT p99, request
+    latency (mean, median) and context imbalance."""
     got = [replay_row(binary, trace, flags, s, tmp) for s in range(1, seeds + 1)]
     return {"goodput_tok_per_s": statistics.mean(g["goodput_tok_per_s"] for g in got),
             "goodput_sd": statistics.stdev([g["goodput_tok_per_s"] for g in got])
@@ -1297,6 +1354,9 @@ def _replay_mean(binary, trace, flags, seeds, tmp):
             "tpot_p99_ms": statistics.mean(g["tpot_p99_ms"] for g in got),
             "mean_step_ms": statistics.mean(g["mean_step_ms"] for g in got),
             "mean_verify_len": statistics.mean(g["mean_verify_len"] for g in got),
+            "latency_mean_ms": statistics.mean(g["latency_mean_ms"] for g in got),
+            "latency_p50_ms": statistics.mean(g["latency_p50_ms"] for g in got),
+            "ctx_imbalance": statistics.mean(g["ctx_imbalance"] for g in got),
             **({"quiet_step_fraction": statistics.mean(g["quiet_step_fraction"] for g in got)}
                if "quiet_step_fraction" in got[0] else {}),
             "flags": flags}
@@ -1464,9 +1524,13 @@ def main(argv=None):
     r.add_argument("--draft-model", default="", help="the draft model's folder (draft_model)")
     r.add_argument("--lookup-min", type=int, default=1, help="ngram drafts: prompt_lookup_min")
     r.add_argument("--lookup-max", type=int, default=3, help="ngram drafts: prompt_lookup_max")
-    r.add_argument("--placement", default="rr", choices=("rr", "vllm"),
-                   help="rr: request i on DP rank i %% dp, each rank its own closed loop; vllm: "
-                        "vLLM's DP load balancer, one closed loop")
+    r.add_argument("--routing", default=None, choices=ROUTINGS,
+                   help="rr (the default): request i on DP rank i %% dp, each rank its own closed "
+                        "loop; vllm: vLLM's DP load balancer, one closed loop; A-E: the same loop "
+                        "routed by dpbalance's Router (DPB_ROUTING; needs DPB_PLUGIN=dpbalance); "
+                        "every one but rr logs its routes to LOG_DIR/route.jsonl")
+    r.add_argument("--placement", default=None, choices=("rr", "vllm"),
+                   help="the older form of --routing rr|vllm")
     r.add_argument("--in-scale", type=float, default=0.4)
     r.add_argument("--out-scale", type=float, default=1.0)
     r.add_argument("--max-in", type=int, default=6000)
@@ -1480,7 +1544,7 @@ def main(argv=None):
     r.add_argument("--timeout", type=float, default=900)
     r.add_argument("--mode", default="static",
                    choices=("static", "nospec", "dspark", "dpbalance", "dpbalance_auto",
-                            "dpbalance_own", "ab"),
+                            "dpbalance_own", "ab", "routing", "routing_dpbalance"),
                    help="what the arm is, recorded for the summary (the DPB_* environment "
                         "decides what runs)")
     r.add_argument("--replicate", type=int, default=1)
@@ -1572,6 +1636,7 @@ def main(argv=None):
     if a.cmd == "best-static":
         return cmd_best_static(a)
     if a.cmd == "run-arm":
+        resolve_routing(a)
         os.makedirs(a.log_dir, exist_ok=True)
         return cmd_run_arm(a)
     return cmd_summarize(a)

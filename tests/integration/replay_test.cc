@@ -314,6 +314,33 @@ TEST(Simulator, OpenLoopAdmitsAtArrivalTimes) {
   EXPECT_GT(closed.goodput_tok_per_s, open.goodput_tok_per_s);
 }
 
+// --drain: the run goes on until every request has finished. Two requests of 10 tokens that
+// accept no draft, 1,000 and 3,000 tokens of context, routed by A onto the two ranks: each emits
+// one token a step, both finish at step 10, and each step's context imbalance is the larger
+// rank's context over the mean, (3000 + s) / (2000 + s) at step s. Without --drain the trace is
+// exhausted after the first step and nothing finishes.
+TEST(Simulator, DrainFinishesEveryRequestWithItsLatencyAndContextImbalance) {
+  const std::vector<TraceRequest> trace = {{0, 1000, 10, {0.0}}, {0, 3000, 10, {0.0}}};
+  SimConfig c;
+  c.num_ranks = 2;
+  c.inflight = 8;
+  c.static_k = 0;
+  c.routing.strategy = RoutingStrategy::kMinBatch;
+  const RunResult cut = *Simulate(c, TruthModel{}, trace);
+  EXPECT_EQ(cut.steps, 1);
+  EXPECT_EQ(cut.requests_finished, 0);
+  EXPECT_EQ(cut.latency_mean_ms, 0);
+  c.drain = true;
+  const RunResult r = *Simulate(c, TruthModel{}, trace);
+  EXPECT_EQ(r.steps, 10);
+  EXPECT_EQ(r.requests_finished, 2);
+  EXPECT_NEAR(r.latency_mean_ms, r.sim_time_s * 1e3, 1e-6);  // both ran from the start to the end
+  EXPECT_NEAR(r.latency_p50_ms, r.latency_mean_ms, 1e-9);
+  double want = 0;
+  for (int s = 0; s < 10; ++s) want += (3000.0 + s) / (2000.0 + s) / 10;
+  EXPECT_NEAR(r.ctx_imbalance, want, 1e-12);
+}
+
 // --planner_model online: the planner starts from a model 3x too slow and refits it from the
 // measured attention; its error against the truth ends small, and it plans better than the
 // same wrong model held fixed.
