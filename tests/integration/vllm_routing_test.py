@@ -8,7 +8,9 @@ Checked: a bad DPB_ROUTING is an error naming the value; the load board round-tr
 record reads as none; each request goes to the rank the Router ABI picks from the loads (the
 rank's record plus the requests routed since), vLLM's bookkeeping (in-flight maps, abort
 routing) holds the chosen rank, a pinned request keeps vLLM's path, E learns output lengths from
-the outputs, and with DPB_ROUTING unset vLLM's own rule routes (and is logged).
+the outputs, a failure of ours falls back to vLLM's rule, with DPB_ROUTING unset vLLM's own
+rule routes (and is logged), and DPB_ROUTING without the library or with refused flags is an
+error at start-up.
 
 Run with the vLLM venv's python (ctest does). The real `vllm serve` case is vllm_serve_test.py
 route.
@@ -164,14 +166,35 @@ def main() -> int:
     CHECK("r0" not in c.reqs_in_flight and "r0" not in c._dpb_routing.inflight,
           "a finished request leaves vLLM's and dpbalance's in-flight maps")
 
-    # DPB_ROUTING unset: vLLM's rule routes, logged.
+    # A failure of ours routes by vLLM's rule (and vLLM books it).
+    def broken():
+        raise KeyError("a load the board lost")
+    c._dpb_routing.loads = broken
+    e = c.get_core_engine_for_request(request("x0", 100, 8))
+    CHECK(c.reqs_in_flight.get("x0") == e, "routing that fails falls back to vLLM's rule")
+
+    # DPB_ROUTING=vllm: vLLM's rule routes, logged.
     os.environ["DPB_ROUTING"] = "vllm"
-    routing_client = client(2)
-    routing.INSTALLED = False
-    routing.install()
-    routing_client.get_core_engine_for_request(request("v0", 100, 8))
+    client(2).get_core_engine_for_request(request("v0", 100, 8))
     last = json.loads(open(route_log).readlines()[-1])
     CHECK(last["by"] == "vllm" and last["id"] == "v0", "DPB_ROUTING=vllm: vLLM's rule, logged")
+
+    # At start-up: DPB_ROUTING without the library, or with flags the router refuses, is an
+    # error naming them (install() runs in vLLM's plugin loading, before any engine starts).
+    for env, needle in (({"DPB_ROUTING": "E", "DPB_PLUGIN": "none"}, "needs the dpbalance library"),
+                        ({"DPB_ROUTING": "D", "DPB_Z": "-3"}, "refuses its flags")):
+        saved = dict(os.environ)
+        os.environ.update(env)
+        routing.INSTALLED = False  # its checks run before it wraps anything
+        try:
+            routing.install()
+            CHECK(False, f"{env} refused at start-up")
+        except RuntimeError as err:
+            CHECK(needle in str(err), f"{env} refused at start-up", str(err)[:160])
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+            routing.INSTALLED = True
     CHECKS.finish()
 
 

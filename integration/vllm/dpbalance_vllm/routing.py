@@ -209,15 +209,14 @@ class ClientRouting:
         self.letter = letter
         self.router = None
         if letter is not None:
-            lib = engine_plan.library_path()
-            if lib is None:
-                raise RuntimeError(f"dpbalance_vllm: DPB_ROUTING={letter} needs the dpbalance "
-                                   f"library: set DPB_PLUGIN=dpbalance (it is unset or none)")
             try:
-                self.router = engine_plan.adapter.Router(self.num_ranks, library=lib)
-            except engine_plan.adapter.DpBalanceError as e:
-                raise RuntimeError(f"dpbalance_vllm: DPB_ROUTING={letter}: the router refused "
-                                   f"its flags for {self.num_ranks} ranks: {e}") from e
+                self.router = engine_plan.adapter.Router(self.num_ranks,
+                                                         library=engine_plan.library_path())
+            except (engine_plan.adapter.DpBalanceError, OSError) as e:
+                # install() checked the library and the flags; what is left (DPB_GROUPS above
+                # this instance's ranks) routes by vLLM's rule, said once.
+                log.error("dpbalance_vllm: DPB_ROUTING=%s: no router for %d ranks (%s); routing "
+                          "by vLLM's rule", letter, self.num_ranks, e)
         sched = client.vllm_config.scheduler_config
         self.max_requests = int(getattr(sched, "max_num_seqs", 0) or 0)
         self.board: Optional[LoadBoard] = None
@@ -334,8 +333,23 @@ def install() -> None:
     letter = strategy()
     if INSTALLED:
         return
-    board_path()
+    # vLLM first: its torch must load its own NCCL before the dpbalance library brings the
+    # system's (in vLLM's processes torch is imported long before the plugins load anyway).
     from vllm.v1.engine import core_client
+
+    if letter is not None:
+        from . import engine_plan
+
+        lib = engine_plan.library_path()
+        if lib is None:
+            raise RuntimeError(f"dpbalance_vllm: DPB_ROUTING={letter} (environment) needs the "
+                               f"dpbalance library: set DPB_PLUGIN=dpbalance (it is unset or none)")
+        try:  # the flags, on as many ranks as any group setting allows
+            engine_plan.adapter.Router(1 << 16, library=lib).close()
+        except engine_plan.adapter.DpBalanceError as e:
+            raise RuntimeError(f"dpbalance_vllm: DPB_ROUTING={letter}: the router refuses its "
+                               f"flags: {e}") from e
+    board_path()
 
     cls = core_client.DPLBAsyncMPClient
     own_route = cls.get_core_engine_for_request
@@ -344,12 +358,25 @@ def install() -> None:
     def state(self) -> ClientRouting:
         st = self.__dict__.get("_dpb_routing")
         if st is None:
-            st = self.__dict__["_dpb_routing"] = ClientRouting(self, letter)
+            st = self.__dict__["_dpb_routing"] = ClientRouting(self, strategy())
             log.warning("dpbalance_vllm: routing %s over %d DP ranks (pid %d)",
-                        letter or "by vLLM's rule (logged)", st.num_ranks, os.getpid())
+                        st.letter or "by vLLM's rule (logged)", st.num_ranks, os.getpid())
         return st
 
     def get_core_engine_for_request(self, request):
+        try:
+            return routed(self, request)
+        except Exception as e:  # noqa: BLE001  (ours failed: vLLM's rule, said once per client)
+            request.data_parallel_rank = None
+            if not self.__dict__.get("_dpb_routing_failed"):
+                self.__dict__["_dpb_routing_failed"] = True
+                log.exception("dpbalance_vllm: routing failed (%s); vLLM's rule for this request "
+                              "and any other that fails", e)
+            if request.request_id in self.reqs_in_flight:
+                return self.reqs_in_flight[request.request_id]
+            return own_route(self, request)
+
+    def routed(self, request):
         st = state(self)
         inp, outp = _lengths(request)
         if (request.data_parallel_rank is not None or request.request_id in self.reqs_in_flight
