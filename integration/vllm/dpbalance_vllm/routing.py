@@ -40,7 +40,6 @@ import logging
 import mmap
 import os
 import struct
-import threading
 import time
 from typing import Optional
 
@@ -220,18 +219,16 @@ class ClientRouting:
         sched = client.vllm_config.scheduler_config
         self.max_requests = int(getattr(sched, "max_num_seqs", 0) or 0)
         self.board: Optional[LoadBoard] = None
-        path = os.environ.get(BOARD_ENV)
-        self._board_path = path
+        self._board_path = os.environ.get(BOARD_ENV)
         # Requests this client routed: id -> [rank, input, max output, tokens out so far].
         self.inflight: dict = {}
-        # Per rank: (routed count, input, output) of the requests routed to it, oldest first,
-        # kept until a record counts them.
+        # Per rank: the requests routed to it, and the (input, output) of those no record has
+        # counted yet, oldest first.
         self.routed = [0] * self.num_ranks
         self.unseen: list = [[] for _ in range(self.num_ranks)]
         log_path = os.environ.get(LOG_ENV)
         self._log = open(log_path, "a", buffering=1) if log_path else None
-        self._lock = threading.Lock()
-        self.decisions = {"dpbalance": 0, "vllm": 0, "pinned": 0, "fallback": 0}
+        self.refused = 0  # requests the router refused (ValueError): the first is logged
 
     def _board(self) -> Optional[LoadBoard]:
         if self.board is None and self._board_path:
@@ -259,7 +256,7 @@ class ClientRouting:
                 del unseen[:drop]
                 n, ctx = rec["num_requests"], rec["ctx"]
                 longest, reserved = rec["max_ctx"], rec["reserved"]
-                for _, inp, outp in unseen:
+                for inp, outp in unseen:
                     n += 1
                     ctx += inp
                     longest = max(longest, inp)
@@ -281,7 +278,7 @@ class ClientRouting:
     def sent(self, request_id: str, rank: int, inp: int, outp: int) -> None:
         self.inflight[request_id] = [rank, inp, outp, 0]
         self.routed[rank] += 1
-        self.unseen[rank].append((self.routed[rank], inp, outp))
+        self.unseen[rank].append((inp, outp))
         if len(self.unseen[rank]) > 4096:  # a rank that never writes its record
             del self.unseen[rank][:2048]
 
@@ -299,7 +296,6 @@ class ClientRouting:
             self.inflight.pop(rid, None)  # aborted
 
     def record(self, request, rank: int, by: str, inp: int, outp: int, loads) -> None:
-        self.decisions[by] += 1
         if self._log is None:
             return
         self._log.write(json.dumps({
@@ -394,8 +390,9 @@ def install() -> None:
                 rank = st.router.route([l for l, _, _ in loads], inp, outp)
                 by = "dpbalance" if rank is not None else "fallback"
             except ValueError as e:  # input the router refused: vLLM's rule (logged once)
-                if st.decisions["fallback"] == 0:
+                if st.refused == 0:
                     log.error("dpbalance_vllm: %s; routing by vLLM's rule", e)
+                st.refused += 1
                 by = "fallback"
         if rank is None:
             engine = own_route(self, request)
