@@ -19,6 +19,7 @@
 #                        [--min-plan-gain F] [--value-deferral] [--anchor-k K] [--nospec-each]
 #                        [--guard-overhead-us US] [--no-guard-measured] [--quiet-after N]
 #                        [--zero-config] [--exchange ride|own|both] [--drafter ngram|draft_model]
+#                        [--bypass-ab E] [--plugin-arms LIST] [--no-nospec]
 #                        [--routing LIST] [--keep-logs DIR] [--quick]
 #   scripts/live_vllm.sh --install-only   (the venv and the plugin package, nothing run;
 #                                          scripts/serve_vllm.sh and the README's quickstart)
@@ -58,6 +59,15 @@
 # (learnt online), no DSpark or A/B arm; the summary's `zero_config` compares them (goodput,
 # wall goodput, TPOT p99, each with its interval; the learnt terms against the fit). LIVE_VLLM_ARGS adds
 # live_bench.py run-arm flags to every arm.
+#
+# --bypass-ab E: a `bypass` arm beside the plugin arms: dpbalance as the dpbalance arm runs it, with
+# DPBALANCE_VLLM_BYPASS_EPOCH=E (engine_plan.py): steps E..2E-1, 3E..4E-1, ... run vLLM as shipped
+# at the fallback length (static_best's k) with the plugin not called on any rank, the others with
+# the plugin; the summary's `bypass` pairs each planned epoch with the bypassed one after it, inside
+# the instance (live_bench.py bypass_summary): the plugin's whole cost per step, resolved to
+# fractions of a percent where instances apart cannot resolve 5%. --plugin-arms LIST: only these
+# plugin arms (of dspark, dpbalance, dpbalance_own, auto, ab, bypass). --no-nospec: no
+# no-speculation arm (calibration from the static arms alone, as --quick).
 #
 # --routing LIST (of vllm, rr, A, B, C, D, E; e.g. vllm,A,B,C,D,E): routing arms instead of the
 # verify arms, on the mixed stream with long and short contexts (every 5th prompt 6000 tokens, the
@@ -103,6 +113,8 @@ EXCHANGE=ride                  # the plugin arms' DPBALANCE_VLLM_EXCHANGE (both:
 DRAFTER=ngram                  # every arm's drafter (draft_model: vLLM's draft-model proposer)
 ZERO_CONFIG=0                  # 1: plugin arms dpbalance (fitted step flags) and auto (none)
 ROUTING=""                     # --routing: the routing arms (empty: the verify arms)
+BYPASS_EPOCH=""                # --bypass-ab: the bypass arm's epoch in steps (empty: no such arm)
+PLUGIN_ARMS=""                 # --plugin-arms: only these plugin arms (empty: as the flags say)
 WORKLOAD_GIVEN=0
 ARGS=("$@")
 while [ $# -gt 0 ]; do
@@ -132,6 +144,9 @@ while [ $# -gt 0 ]; do
     --exchange) EXCHANGE="${2:?--exchange needs ride, own or both}"; shift 2 ;;
     --drafter) DRAFTER="${2:?--drafter needs ngram or draft_model}"; shift 2 ;;
     --routing) ROUTING="${2:?--routing needs a list such as vllm,A,B,C,D,E}"; shift 2 ;;
+    --bypass-ab) BYPASS_EPOCH="${2:?--bypass-ab needs an epoch length in steps}"; shift 2 ;;
+    --plugin-arms) PLUGIN_ARMS="${2:?--plugin-arms needs a list such as dpbalance,bypass}"; shift 2 ;;
+    --no-nospec) NOSPEC=0; shift ;;
     -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) echo "live_vllm.sh: unknown flag '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -139,6 +154,11 @@ done
 if [ "$QUICK" = 1 ]; then
   WORKLOADS=mixed; REPLICATES=1; REQS=${REQS:-48}; AB=0; NOSPEC=0; NOSPEC_EACH=0
 fi
+case "$BYPASS_EPOCH" in ''|*[!0-9]*|0) [ -z "$BYPASS_EPOCH" ] || { echo "live_vllm.sh: --bypass-ab '$BYPASS_EPOCH' is not a whole number of steps >= 1" >&2; exit 2; } ;; esac
+for entry in ${PLUGIN_ARMS//,/ }; do
+  case "$entry" in dspark|dpbalance|dpbalance_own|auto|ab|bypass) ;; *) echo "live_vllm.sh: --plugin-arms entry '$entry' is not dspark, dpbalance, dpbalance_own, auto, ab or bypass" >&2; exit 2 ;; esac
+  [ "$entry" = bypass ] && [ -z "$BYPASS_EPOCH" ] && { echo "live_vllm.sh: --plugin-arms bypass needs --bypass-ab E" >&2; exit 2; }
+done
 ROUTE_STREAM=()
 if [ -n "$ROUTING" ]; then
   for entry in ${ROUTING//,/ }; do
@@ -319,6 +339,8 @@ plugin_arms() {  # WORKLOAD REPLICATE ORDER(fwd|rev)
   [ "$ZERO_CONFIG" = 1 ] && arms=(dpbalance auto)
   [ "$EXCHANGE" = both ] && arms+=(dpbalance_own)
   [ "$AB" = 1 ] && arms+=(ab)
+  [ -n "$BYPASS_EPOCH" ] && arms+=(bypass)
+  [ -n "$PLUGIN_ARMS" ] && arms=(${PLUGIN_ARMS//,/ })
   [ "$order" = rev ] && arms=($(printf '%s\n' "${arms[@]}" | tac))
   for arm in "${arms[@]}"; do
     case "$arm" in
@@ -328,6 +350,8 @@ plugin_arms() {  # WORKLOAD REPLICATE ORDER(fwd|rev)
                        DPBALANCE_VLLM_EXCHANGE=own DPB_QUIET_AFTER="$QUIET_AFTER" ;;
       auto) run_arm "$w" "$rep" auto dpbalance_auto "$PK" "${AUTO_ENV[@]}" DPB_MODE=goodput "${SLO_ENV[@]}" ;;
       ab) run_arm "$w" "$rep" ab ab "$PK" "${PLUGIN_ENV[@]}" DPB_MODE=goodput "${SLO_ENV[@]}" DPB_AB_EPOCH="$EPOCH" ;;
+      bypass) run_arm "$w" "$rep" bypass bypass "$PK" "${PLUGIN_ENV[@]}" DPB_MODE=goodput "${SLO_ENV[@]}" \
+                DPBALANCE_VLLM_BYPASS_EPOCH="$BYPASS_EPOCH" ;;
     esac
   done
 }

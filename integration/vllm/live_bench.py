@@ -763,6 +763,78 @@ def paired_summary(by_epoch, epoch, default_k, block_pairs=10):
     return out
 
 
+def bypass_summary(log_dir, dp, epoch, warmup, block_pairs=5):
+    """The bypass A/B of one instance (DPBALANCE_VLLM_BYPASS_EPOCH = `epoch`, engine_plan.py):
+    even epochs run the plugin, odd ones vLLM as shipped at the fallback length with the plugin
+    not called. Each planned epoch 2j pairs with the bypassed epoch 2j+1 right after it, so the
+    machine's drift and the stream's cancel. Goodput is tokens emitted (every reported request's
+    accepted drafts plus its sampled token, all ranks) over wall time (engine step x's time is
+    rank 0's report of x less its report of x - 1: scheduling, the plan call, the forward,
+    sampling, output), over `all` steps and over `decode` steps (no prompt tokens on any rank
+    in the step or the one before). Ratios over all complete pairs; 95% CIs from a delete-one-
+    block jackknife over blocks of `block_pairs` consecutive pairs. `on_changed` is the share
+    of planned steps whose plan left the defaults."""
+    eng = [{r["x"]: r for r in read_jsonl(os.path.join(log_dir, f"engine_dp{k}.jsonl"))
+            if "x" in r} for k in range(dp)]
+    xs = sorted(set.intersection(*(set(e) for e in eng))) if eng else []
+    steps = {}
+    for x in xs:
+        if x < max(1, warmup) or x - 1 not in eng[0]:
+            continue
+        rows = [e[x] for e in eng]
+        prev = [e.get(x - 1) for e in eng]
+        dt = rows[0]["t"] - eng[0][x - 1]["t"]
+        if dt <= 0:
+            continue
+        steps[x] = {"s": dt, "tok": sum(r["accepted"] + r["n"] for r in rows),
+                    "decode": all(r.get("extra", 0) == 0 for r in rows)
+                    and all(p is not None and p.get("extra", 0) == 0 for p in prev),
+                    "bypass": rows[0]["result"] == "bypass",
+                    "changed": any(r.get("changed") for r in rows),
+                    "plan_us": max((r.get("plan_us") or 0) for r in rows)}
+    mislabelled = sum(1 for x, st in steps.items() if st["bypass"] != ((x // epoch) % 2 == 1))
+    by_epoch = {}
+    for x, st in steps.items():
+        by_epoch.setdefault(x // epoch, []).append(st)
+    pairs = [(by_epoch[e], by_epoch[e + 1]) for e in sorted(by_epoch)
+             if e % 2 == 0 and len(by_epoch[e]) == epoch and len(by_epoch.get(e + 1, [])) == epoch]
+    out = {"epoch_steps": epoch, "pairs": len(pairs), "block_pairs": block_pairs,
+           "mislabelled_steps": mislabelled}
+    on = [st for p in pairs for st in p[0]]
+    off = [st for p in pairs for st in p[1]]
+    if not on:
+        return out
+    out.update(on_step_ms=1e3 * statistics.mean(st["s"] for st in on),
+               off_step_ms=1e3 * statistics.mean(st["s"] for st in off),
+               on_tokens_per_step=statistics.mean(st["tok"] for st in on),
+               off_tokens_per_step=statistics.mean(st["tok"] for st in off),
+               on_changed=sum(st["changed"] for st in on) / len(on),
+               on_plan_us_median=statistics.median(st["plan_us"] for st in on))
+    for kind in ("all", "decode"):
+        def sums(sts):
+            sel = [st for st in sts if kind == "all" or st["decode"]]
+            return (sum(st["tok"] for st in sel), sum(st["s"] for st in sel))
+        blocks = []
+        for b in range(0, len(pairs) - len(pairs) % block_pairs, block_pairs):
+            chunk = pairs[b:b + block_pairs]
+            a, o = [sums(p[0]) for p in chunk], [sums(p[1]) for p in chunk]
+            blocks.append((sum(t for t, _ in a), sum(u for _, u in a),
+                           sum(t for t, _ in o), sum(u for _, u in o)))
+
+        def ratio(bl):
+            t_on, s_on, t_off, s_off = (sum(b[i] for b in bl) for i in range(4))
+            return (t_on / s_on) / (t_off / s_off) if s_on and s_off and t_off else None
+        full = ratio(blocks) if blocks else None
+        key = "goodput_ratio" if kind == "all" else "decode_goodput_ratio"
+        out[key] = full
+        n = len(blocks)
+        jack = [ratio(blocks[:i] + blocks[i + 1:]) for i in range(n)] if n >= 2 else []
+        if full is not None and jack and None not in jack:
+            m = sum(jack) / n
+            out[key + "_ci95"] = 1.96 * math.sqrt((n - 1) / n * sum((j - m) ** 2 for j in jack))
+    return out
+
+
 def cmd_calibrate(a):
     """From static arms' step logs (--log-dir, repeatable; arms of several k tell a query
     token's cost from a key token's): timing rows for dpbalance-calibrate (one rank's decode
@@ -1015,7 +1087,7 @@ def zero_config_summary(auto, dpb, sb):
     return out
 
 
-def workload_summary(runs, ab, predicted):
+def workload_summary(runs, ab, predicted, bypass=()):
     """The JSON's `summary` entry of one workload and DP size (see docs/live_vllm.md)."""
     static = {}
     for r in runs:
@@ -1125,6 +1197,22 @@ def workload_summary(runs, ab, predicted):
                                        ("pairs", "goodput_ratio", "goodput_ratio_ci95",
                                         "bubble_reduction", "bubble_reduction_ci95",
                                         "off_steps_above_default")} for x in ab]}
+    if bypass:
+        # The plugin against vLLM as shipped at its fallback length, inside each instance
+        # (bypass_summary), pooled over instances; with every plan at the default (greedy)
+        # this is the plugin's whole cost per step.
+        out["bypass"] = {"instances": len(bypass)}
+        for key in ("goodput_ratio", "decode_goodput_ratio"):
+            v, c = pooled([(b.get(key), b.get(key + "_ci95")) for b in bypass])
+            if v is None:  # no instance with an interval: their plain mean
+                v = mean_of(bypass, key)
+            out["bypass"][key], out["bypass"][key + "_ci95"] = v, c
+        out["bypass"]["per_instance"] = [
+            {k: b.get(k) for k in ("pairs", "goodput_ratio", "goodput_ratio_ci95",
+                                   "decode_goodput_ratio", "decode_goodput_ratio_ci95",
+                                   "on_step_ms", "off_step_ms", "on_tokens_per_step",
+                                   "off_tokens_per_step", "on_changed", "on_plan_us_median",
+                                   "mislabelled_steps")} for b in bypass]
     p = (predicted or {}).get(f'{out["workload"]}/dp{out["dp"]}')
     if p:
         out["predicted_goodput_ratio"] = p.get("goodput_ratio")
@@ -1220,7 +1308,7 @@ def cmd_summarize(a):
     predicted = json.load(open(a.predicted)) if a.predicted else {}
     found = collect(a.runs_root)
     for (workload, dp), arms in found.items():
-        runs, ab = [], []
+        runs, ab, bypass = [], [], []
         for log_dir, client in arms:
             r = summarize_arm(log_dir, dp, a.warmup)
             if client.get("mode") == "ab":
@@ -1228,11 +1316,16 @@ def cmd_summarize(a):
                 dk = int(client["env"].get("DPB_DEFAULT_K", 0))
                 r["ab"] = ab_summary(log_dir, dp, epoch, a.warmup, dk)
                 ab.append({"paired": r["ab"]["paired"], "default_k": dk})
+            if client.get("mode") == "bypass":
+                epoch = int(client["env"].get("DPBALANCE_VLLM_BYPASS_EPOCH", 0))
+                r["bypass"] = bypass_summary(log_dir, dp, epoch, a.warmup) if epoch else {}
+                bypass.append(r["bypass"])
             res["runs"].append(r)
-            if client.get("mode") != "ab":
+            if client.get("mode") not in ("ab", "bypass"):
                 runs.append(r)
         if runs:
-            res["summary"].append(workload_summary(runs, ab, predicted.get("workloads")))
+            res["summary"].append(workload_summary(runs, ab, predicted.get("workloads"),
+                                                   bypass))
         c0 = arms[0][1]
         res.setdefault("streams", {})[f"{workload}/dp{dp}"] = {
             k: c0.get(k) for k in ("workload", "mix", "seed", "requests_sent", "concurrency",
@@ -1278,6 +1371,13 @@ def resolution_lines(s):
         out.append(f"resolution {s['workload']}/dp{s['dp']}: dpbalance / static_best {label} "
                    f"{v:.3f}" + (f" +- {half:.3f} ({'resolved' if half <= 0.05 else 'NOT resolved'}"
                                  f" at +-0.05)" if half is not None else " (one replicate: no interval)"))
+    b = s.get("bypass") or {}
+    for key, label in (("goodput_ratio", "wall goodput"), ("decode_goodput_ratio", "decode")):
+        v, h = b.get(key), b.get(key + "_ci95")
+        if v is not None:
+            out.append(f"resolution {s['workload']}/dp{s['dp']}: plugin / vLLM as shipped at the "
+                       f"fallback length, inside {b['instances']} instance(s) (bypass A/B), "
+                       f"{label} {v:.4f}" + (f" +- {h:.4f}" if h is not None else " (no interval)"))
     return out
 
 
@@ -1544,7 +1644,7 @@ def main(argv=None):
     r.add_argument("--timeout", type=float, default=900)
     r.add_argument("--mode", default="static",
                    choices=("static", "nospec", "dspark", "dpbalance", "dpbalance_auto",
-                            "dpbalance_own", "ab", "routing", "routing_dpbalance"),
+                            "dpbalance_own", "ab", "bypass", "routing", "routing_dpbalance"),
                    help="what the arm is, recorded for the summary (the DPB_* environment "
                         "decides what runs)")
     r.add_argument("--replicate", type=int, default=1)

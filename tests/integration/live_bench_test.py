@@ -195,4 +195,45 @@ with tempfile.TemporaryDirectory() as tmp:
     check("measured own time: mean over replicates of the largest rank mean", got == 1200.0, got)
     check("measured own time: none logged", lb.measured_own_us(found[:1], 2) is None)
 
+# The bypass A/B (--bypass-ab): each planned epoch pairs with the bypassed one after it; the
+# wall goodput ratio is tokens over rank 0's report-to-report time; a prompt step (and the step
+# after it) leaves the decode ratio; a step logged in the wrong arm is counted.
+with tempfile.TemporaryDirectory() as tmp:
+    epoch, n = 4, 200
+    for r in range(2):
+        with open(os.path.join(tmp, f"engine_dp{r}.jsonl"), "w") as f:
+            t = 100.0
+            for x in range(n):
+                off = (x // epoch) % 2 == 1
+                prompt = x == 98  # a planned step with prompt tokens, 10x as long
+                t += (0.100 if off else 0.102) * (10 if prompt else 1)
+                f.write(json.dumps({"x": x, "n": 4, "accepted": 20 if off else 21, "t": t,
+                                    "extra": 500 if prompt else 0,
+                                    "result": "bypass" if off else "dpbSuccess",
+                                    "changed": not off and x % 2 == 0,
+                                    "plan_us": None if off else 150.0}) + "\n")
+            f.write(json.dumps({"final": {}}) + "\n")
+    b = lb.bypass_summary(tmp, 2, epoch, 10)
+    want_decode = (50 / 0.102) / (48 / 0.100)
+    check("bypass A/B: complete pairs after the warm-up only", b["pairs"] == 23, b["pairs"])
+    check("bypass A/B: decode goodput ratio, prompt step and the one after it left out",
+          abs(b["decode_goodput_ratio"] - want_decode) < 1e-9, b)
+    check("bypass A/B: the wall ratio counts the prompt step's time",
+          b["goodput_ratio"] < want_decode - 0.01, b["goodput_ratio"])
+    check("bypass A/B: per-step means and the planned steps' changed share",
+          abs(b["on_step_ms"] - (102 + 918 / 92)) < 1e-6 and abs(b["off_step_ms"] - 100) < 1e-6
+          and b["on_tokens_per_step"] == 50 and b["off_tokens_per_step"] == 48
+          and b["on_changed"] == 0.5 and b["on_plan_us_median"] == 150.0, b)
+    check("bypass A/B: a jackknife interval over blocks of pairs",
+          b.get("decode_goodput_ratio_ci95") is not None
+          and b["decode_goodput_ratio_ci95"] < 1e-9, b.get("decode_goodput_ratio_ci95"))
+    check("bypass A/B: every step in its arm", b["mislabelled_steps"] == 0)
+    check("bypass A/B: a wrong epoch length is seen",
+          lb.bypass_summary(tmp, 2, 8, 10)["mislabelled_steps"] > 0)
+    s = lb.workload_summary([arm_run("static", 3, 1, 10.0)], [], None, [b, b])
+    check("bypass A/B: pooled over instances in the workload summary",
+          s["bypass"]["instances"] == 2
+          and abs(s["bypass"]["decode_goodput_ratio"] - want_decode) < 1e-9, s.get("bypass"))
+    check("bypass A/B: a resolution line", any("bypass A/B" in x for x in lb.resolution_lines(s)))
+
 checks.finish()

@@ -582,7 +582,7 @@ class RideTest(unittest.TestCase):
         for name in ("DPBALANCE_VLLM_STEP_LOG", "DPB_DEFAULT_K", "DPB_STRICT", "DPB_DRAFT_US",
                      "DPB_GUARD_MEASURED", "DPB_QUIET_AFTER", "DPB_MIN_PLAN_GAIN",
                      "PROMETHEUS_MULTIPROC_DIR", "DPBALANCE_VLLM_METRICS_PORT",
-                     "DPBALANCE_VLLM_EXCHANGE"):
+                     "DPBALANCE_VLLM_EXCHANGE", "DPBALANCE_VLLM_BYPASS_EPOCH", "DPB_AB_EPOCH"):
             os.environ.pop(name, None)
 
     def tearDown(self):
@@ -663,6 +663,56 @@ class RideTest(unittest.TestCase):
         self.assertEqual([p.carried for p in plans], [steps - 2, steps - 2])
         self.assertEqual([p.missing for p in plans], [0, 0])  # steps 0, 1: nothing to read yet
         self.assertEqual([p.desyncs for p in plans], [0, 0])
+
+    def test_bypass_epochs_run_vllm_as_shipped_on_every_rank_alike(self):
+        """DPBALANCE_VLLM_BYPASS_EPOCH=4: steps 4-7, 12-15, ... call no plugin on any rank and
+        run the fallback lengths; the others plan as usual, from the records of the step
+        before when it was planned too. The step log marks each step's arm."""
+        import json
+        import tempfile
+        steps, epoch = 40, 4
+        os.environ["DPBALANCE_VLLM_BYPASS_EPOCH"] = str(epoch)
+        with tempfile.TemporaryDirectory() as d:
+            os.environ["DPBALANCE_VLLM_STEP_LOG"] = d
+            plans, own, sync, got, reqs = self.run_ride(steps)
+            for p in plans:
+                p.close()
+            logs = [[json.loads(x) for x in open(os.path.join(d, f"engine_dp{r}.jsonl"))
+                     if x.startswith('{"x"')] for r in range(2)]
+        self.assertEqual([p.cfg.error for p in plans], ["", ""])
+        self.assertEqual(own.calls, [1, 1])
+        self.assertEqual(sync.calls, [steps, steps])  # vLLM's sync runs every step, as shipped
+        self.assertEqual([p.bypassed for p in plans], [steps // 2, steps // 2])
+        # Each balanced epoch after the first plans from its own records from its second step
+        # on; its first step finds the bypassed step's none, which is not a missing record.
+        self.assertEqual([p.carried for p in plans], [(epoch - 1) * steps // (2 * epoch)] * 2)
+        self.assertEqual([p.missing for p in plans], [0, 0])
+        self.assertEqual([p.desyncs for p in plans], [0, 0])
+        stats = [p.stats() for p in plans]
+        self.assertEqual([s["bypassed"] for s in stats], [steps // 2] * 2)
+        for r in range(2):
+            self.assertEqual(len(logs[r]), steps)
+            for x, (lens, row) in enumerate(zip(got[r], logs[r])):
+                off = (x // epoch) % 2 == 1
+                self.assertEqual(row["x"], x)
+                self.assertEqual(row["result"] == "bypass", off, row)
+                self.assertEqual(row["arm_on"], not off, row)
+                if off:
+                    self.assertEqual(lens, [7] * len(reqs[r]), x)
+                    self.assertIsNone(row["plan_us"])
+        # Balanced in the planned epochs: the long-context rank verifies less than its default.
+        on = [lens for x, lens in enumerate(got[0]) if (x // epoch) % 2 == 0 and x % epoch]
+        self.assertLess(sum(map(sum, on)), 7 * 3 * len(on))
+
+    def test_bad_bypass_epochs_are_named(self):
+        os.environ["DPBALANCE_VLLM_BYPASS_EPOCH"] = "two"
+        plan = make_plan(0, 2, ThreadGroup(2))
+        self.assertIn("DPBALANCE_VLLM_BYPASS_EPOCH: 'two'", plan.cfg.error)
+        os.environ["DPBALANCE_VLLM_BYPASS_EPOCH"] = "4"
+        os.environ["DPB_AB_EPOCH"] = "2"
+        plan = make_plan(0, 2, ThreadGroup(2))
+        self.assertIn("DPBALANCE_VLLM_BYPASS_EPOCH: 4 with DPB_AB_EPOCH=2", plan.cfg.error)
+        self.assertEqual(plan.bypass_epoch, 0)  # refused: the rank runs the fallback throughout
 
     def test_quiet_mode_is_refused_when_riding(self):
         os.environ["DPB_QUIET_AFTER"] = "8"

@@ -132,6 +132,7 @@ class EngineConfig:
     bubble_window: int = BUBBLE_WINDOW_DEFAULT
     metrics_port: int = 0            # DPBALANCE_VLLM_METRICS_PORT (0: none)
     exchange: str = "ride"           # DPBALANCE_VLLM_EXCHANGE: ride (vLLM's DP sync) or own
+    bypass_epoch: int = 0            # DPBALANCE_VLLM_BYPASS_EPOCH (0: none; engine_plan.py)
     error: str = ""
 
     @property
@@ -167,6 +168,12 @@ class EngineConfig:
             c.bubble_window = _env_int("DPBALANCE_VLLM_BUBBLE_WINDOW", 1, 1_000_000,
                                        BUBBLE_WINDOW_DEFAULT)
             c.metrics_port = _env_int("DPBALANCE_VLLM_METRICS_PORT", 0, 65535, 0)
+            c.bypass_epoch = _env_int("DPBALANCE_VLLM_BYPASS_EPOCH", 0, 1_000_000, 0)
+            if c.bypass_epoch and os.environ.get("DPB_AB_EPOCH", "0") not in ("", "0"):
+                raise ConfigError(
+                    f"environment variable DPBALANCE_VLLM_BYPASS_EPOCH: {c.bypass_epoch} with "
+                    f"DPB_AB_EPOCH={os.environ['DPB_AB_EPOCH']}: one A/B at a time (the bypass "
+                    f"A/B's off epochs run without the plugin, DPB_AB_EPOCH's with it)")
             if os.environ.get("DPBALANCE_VLLM_CPU_DP", "0") not in ("0", "1"):
                 raise ConfigError(f"environment variable DPBALANCE_VLLM_CPU_DP: "
                                   f"'{os.environ['DPBALANCE_VLLM_CPU_DP']}' is not 0 or 1")

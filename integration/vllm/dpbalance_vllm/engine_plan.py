@@ -141,6 +141,10 @@ class EnginePlan:
         self.disabled_reason = self.cfg.error
         # DPB_AB_EPOCH is the plugin's flag (checked above); the step log marks the arms with it.
         self.ab_epoch = int(os.environ.get("DPB_AB_EPOCH") or 0) if self.cfg.usable else 0
+        # DPBALANCE_VLLM_BYPASS_EPOCH=E (a measurement, config.py): steps E..2E-1, 3E..4E-1, ...
+        # run as vLLM as shipped at the fallback length (`_bypass`), the others as usual.
+        self.bypass_epoch = self.cfg.bypass_epoch if self.cfg.usable else 0
+        self.bypassed = 0                  # steps run bypassed
         # Plans not yet reported, oldest first: token -> (requests, lens, result, extra, plan_id,
         # time of its exchange). At most two (the async scheduler's lag).
         self._outstanding = {}
@@ -214,7 +218,7 @@ class EnginePlan:
         for old in [k for k in self._gathered if k < want]:
             del self._gathered[old]
         if got is None:
-            if want >= 0:
+            if want >= 0 and not self._bypassing(want):  # a bypassed step carried nothing
                 self.missing += 1
                 if self.missing == MISSING_WARN and not self.carried:
                     log.error("dpbalance: DP rank %d: vLLM's DP sync carried no record in %d "
@@ -311,6 +315,8 @@ class EnginePlan:
         self._t_step = time.perf_counter()
         if not self._ensure_loaded():
             return None
+        if self._bypassing(self.steps):
+            return self._bypass(requests, extra_tokens)
         reqs = [adapter.Request(str(r[0]), int(r[1]), 0,
                                 max(0, min(int(r[2]), _config.PLUGIN_K_LIMIT)))
                 for r in requests]
@@ -354,6 +360,32 @@ class EnginePlan:
         plan_id = getattr(res.plan, "plan_id", None) if res.plan is not None else None
         self._outstanding[self.last_token] = (requests, lens, result, extra, plan_id, self._t_step)
         while len(self._outstanding) > 2:  # a plan never reported (a step the engine dropped)
+            del self._outstanding[next(iter(self._outstanding))]
+        return lens
+
+    def _bypassing(self, step: int) -> bool:
+        """Step `step` falls in an off epoch of DPBALANCE_VLLM_BYPASS_EPOCH."""
+        return self.bypass_epoch > 0 and (step // self.bypass_epoch) % 2 == 1
+
+    def _bypass(self, requests: Sequence[tuple], extra_tokens: int) -> list:
+        """A step of a bypass epoch: vLLM as shipped at the fallback length, the plugin not
+        called (no plan, no exchange, no report; riding, this rank's rows of vLLM's sync carry
+        zeros, as they do for a rank without a record). Every rank bypasses the same steps: the
+        step index is the one the ride's records are matched by, equal on every rank. The
+        step log marks it (`result` "bypass"), so the harness pairs each balanced epoch with
+        the bypassed one after it (live_bench.py `bypass_summary`): the plugin's whole cost
+        per step, measured inside one instance."""
+        lens = [min(self.default_k, int(r[2])) for r in requests]
+        self._carry = None
+        self._plan_s = self._exchange_s = None
+        self.last_plan = None
+        self.exchanged_this_step = True
+        self.steps += 1
+        self.bypassed += 1
+        self.last_token = self.steps - 1
+        self._outstanding[self.last_token] = (requests, lens, "bypass", max(0, int(extra_tokens)),
+                                              None, self._t_step)
+        while len(self._outstanding) > 2:
             del self._outstanding[next(iter(self._outstanding))]
         return lens
 
@@ -407,7 +439,8 @@ class EnginePlan:
             step_us = (time.perf_counter() - t_step) * 1e6
         att = float(attention_us) if attention_us is not None else 0.0
         info = None
-        if self.dpb is not None:
+        bypassed = result == "bypass"
+        if self.dpb is not None and not bypassed:
             acc = [adapter.Accepted(str(a[0]), int(a[1]), int(a[2]), bool(a[3]))
                    for a in accepted]
             self.dpb.report(att, float(step_us or 0.0), acc, plan_id=plan_id)
@@ -421,7 +454,7 @@ class EnginePlan:
         changed = any(a != b for a, b in zip(lens, defaults))
         n_acc = sum(int(a[2]) for a in accepted)
         n_verified = sum(int(a[1]) for a in accepted)
-        if self.metrics is not None:
+        if self.metrics is not None and not bypassed:
             self.metrics.step(fallback=None if result == "dpbSuccess" else result,
                               changed=changed, planned=n_verified, accepted=n_acc,
                               output_tokens=n_acc + len(accepted),
@@ -433,7 +466,7 @@ class EnginePlan:
                 self.metrics.set_enabled(balancing)
         if self._log is not None:
             self._writing = True
-            arm_on = self.ab_epoch <= 0 or (token // self.ab_epoch) % 2 == 0
+            arm_on = not bypassed and (self.ab_epoch <= 0 or (token // self.ab_epoch) % 2 == 0)
             self._log.write(json.dumps({
                 "x": token, "n": len(requests), "result": result, "arm_on": arm_on,
                 "extra": extra,
@@ -455,6 +488,7 @@ class EnginePlan:
         s.update({"dp_rank": self.dp_rank, "steps": self.steps, "exchanges": self.exchanges,
                   "exchange": "ride" if self.ride else "own", "lag": self.lag if self.ride else 0,
                   "own_collectives": self.own_collectives, "carried": self.carried,
+                  "bypass_epoch": self.bypass_epoch, "bypassed": self.bypassed,
                   "missing": self.missing, "worker_ride": dict(self.worker_ride),
                   "quiet_steps": self.pb.quiet_steps if self.pb is not None else 0,
                   "fallback_results": dict(self.fallbacks), "desyncs": self.desyncs,
