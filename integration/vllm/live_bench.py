@@ -373,7 +373,9 @@ async def run_stream(a):
             "requests_sent": len(reqs), "dp": a.dp, "concurrency": a.concurrency,
             "placement": a.placement, "routing": a.routing,
             "model_config": json.load(open(os.path.join(a.model, "config.json"))),
-            "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DPB_")},
+            "env": {k: v for k, v in sorted(os.environ.items())
+                    if k.startswith("DPB_") or k in ("DPBALANCE_VLLM_BYPASS_EPOCH",
+                                                     "DPBALANCE_VLLM_EXCHANGE")},
             "load_before": load_before, "load_after": os.getloadavg(),
             "uptime_before": uptime_before, "args": vars(a), "requests": results}
 
@@ -585,6 +587,9 @@ def summarize_arm(log_dir, dp, warmup):
     plan_rows = [[r for r in e if "x" in r] for e in eng]
     finals = [next((r["final"] for r in reversed(e) if "final" in r), None) for e in eng]
     desyncs = sum(max((r.get("desyncs", 0) for r in p), default=0) for p in plan_rows)
+    # A bypass A/B's bypassed steps (vLLM as shipped, result `bypass`) are neither plans nor
+    # fallbacks.
+    plan_rows = [[r for r in p if r.get("result") != "bypass"] for p in plan_rows]
     n_plan = min((len(p) for p in plan_rows), default=0)
     changed = sum(1 for x in range(n_plan) if any(p[x]["changed"] for p in plan_rows))
     fallbacks = {}
@@ -763,6 +768,15 @@ def paired_summary(by_epoch, epoch, default_k, block_pairs=10):
     return out
 
 
+def bypass_epoch_of(log_dir) -> int:
+    """The bypass A/B's epoch from rank 0's step log (its first bypassed step is step E), for
+    runs whose client.json did not record DPBALANCE_VLLM_BYPASS_EPOCH; 0 when none."""
+    for r in read_jsonl(os.path.join(log_dir, "engine_dp0.jsonl")):
+        if r.get("result") == "bypass":
+            return int(r["x"])
+    return 0
+
+
 def bypass_summary(log_dir, dp, epoch, warmup, block_pairs=5):
     """The bypass A/B of one instance (DPBALANCE_VLLM_BYPASS_EPOCH = `epoch`, engine_plan.py):
     even epochs run the plugin, odd ones vLLM as shipped at the fallback length with the plugin
@@ -787,6 +801,9 @@ def bypass_summary(log_dir, dp, epoch, warmup, block_pairs=5):
         if dt <= 0:
             continue
         steps[x] = {"s": dt, "tok": sum(r["accepted"] + r["n"] for r in rows),
+                    "cov": [float(r["n"]) for r in rows] + [sum(r.get("ctx") or ()) / 1e3
+                                                             for r in rows],
+                    "extra": [r.get("extra", 0) / 1e3 for r in rows],
                     "decode": all(r.get("extra", 0) == 0 for r in rows)
                     and all(p is not None and p.get("extra", 0) == 0 for p in prev),
                     "bypass": rows[0]["result"] == "bypass",
@@ -832,6 +849,80 @@ def bypass_summary(log_dir, dp, epoch, warmup, block_pairs=5):
         if full is not None and jack and None not in jack:
             m = sum(jack) / n
             out[key + "_ci95"] = 1.96 * math.sqrt((n - 1) / n * sum((j - m) ** 2 for j in jack))
+    adjusted = adjusted_ratio(pairs, block_pairs)
+    if adjusted:
+        out.update(adjusted)
+    return out
+
+
+def _ols(rows, ys):
+    """Least-squares coefficients of ys on rows (normal equations, Gauss-Jordan with partial
+    pivoting); None when singular."""
+    n = len(rows[0])
+    m = [[sum(r[i] * r[j] for r in rows) for j in range(n)] + [sum(r[i] * y for r, y in
+                                                               zip(rows, ys))] for i in range(n)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda i: abs(m[i][c]))
+        if abs(m[p][c]) < 1e-12:
+            return None
+        m[c], m[p] = m[p], m[c]
+        for i in range(n):
+            if i != c:
+                f = m[i][c] / m[c][c]
+                m[i] = [a - f * b for a, b in zip(m[i], m[c])]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def adjusted_ratio(pairs, block_pairs):
+    """The bypass A/B's goodput ratio adjusted for the batch each step ran: step time and tokens
+    emitted are each regressed on every rank's requests and summed context (what the stream and
+    the past put in the batch, not what the plan chose), over decode steps (`adjusted_decode_`)
+    and over all steps with every rank's prompt tokens too (`adjusted_`), and an indicator of the
+    planned arm; the ratio is (tokens + its effect) / (time + its effect) over tokens / time at
+    the bypassed steps' means. Per-step noise from the batch's make-up, which pairing epochs
+    leaves, is taken out; the plan's own effect (shorter steps, fewer tokens) stays in. 95% CI:
+    delete-one-block jackknife over blocks of `block_pairs` pairs."""
+    out = {}
+    for prefix, decode_only in (("adjusted_decode_", True), ("adjusted_", False)):
+        out.update(_adjusted(pairs, block_pairs, prefix, decode_only))
+    return out
+
+
+def _adjusted(pairs, block_pairs, prefix, decode_only):
+    def fit(prs):
+        rows, t, k = [], [], []
+        for on, off in prs:
+            for arm, sts in ((1.0, on), (0.0, off)):
+                for st in sts:
+                    if st["decode"] or not decode_only:
+                        extra = [] if decode_only else st["extra"]
+                        rows.append([1.0, *st["cov"], *extra, arm])
+                        t.append(st["s"] * 1e3)
+                        k.append(float(st["tok"]))
+        if len(rows) < 4 * (len(rows[0]) if rows else 1):
+            return None
+        bt, bk = _ols(rows, t), _ols(rows, k)
+        if bt is None or bk is None:
+            return None
+        off_t = [y for r, y in zip(rows, t) if r[-1] == 0.0]
+        off_k = [y for r, y in zip(rows, k) if r[-1] == 0.0]
+        mt, mk = statistics.mean(off_t), statistics.mean(off_k)
+        return ((mk + bk[-1]) / (mt + bt[-1])) / (mk / mt), bt[-1], bk[-1], mt, mk
+    full = fit(pairs)
+    if full is None:
+        return {}
+    sub = "decode_" if decode_only else ""
+    names = (prefix + "goodput_ratio", prefix + "step_ms_effect", prefix + "tokens_effect")
+    out = {names[0]: full[0], names[1]: full[1], names[2]: full[2],
+           f"off_{sub}step_ms_mean": full[3], f"off_{sub}tokens_per_step_mean": full[4]}
+    n = len(pairs) // block_pairs
+    blocks = [pairs[b * block_pairs:(b + 1) * block_pairs] for b in range(n)]
+    jack = [fit([p for j, bl in enumerate(blocks) if j != i for p in bl]) for i in range(n)]
+    if n >= 2 and None not in jack:
+        for idx, key in enumerate(names):
+            m = sum(j[idx] for j in jack) / n
+            out[key + "_ci95"] = 1.96 * math.sqrt((n - 1) / n * sum((j[idx] - m) ** 2
+                                                                    for j in jack))
     return out
 
 
@@ -1202,7 +1293,10 @@ def workload_summary(runs, ab, predicted, bypass=()):
         # (bypass_summary), pooled over instances; with every plan at the default (greedy)
         # this is the plugin's whole cost per step.
         out["bypass"] = {"instances": len(bypass)}
-        for key in ("goodput_ratio", "decode_goodput_ratio"):
+        for key in ("goodput_ratio", "decode_goodput_ratio", "adjusted_decode_goodput_ratio",
+                    "adjusted_decode_step_ms_effect", "adjusted_decode_tokens_effect",
+                    "adjusted_goodput_ratio", "adjusted_step_ms_effect",
+                    "adjusted_tokens_effect"):
             v, c = pooled([(b.get(key), b.get(key + "_ci95")) for b in bypass])
             if v is None:  # no instance with an interval: their plain mean
                 v = mean_of(bypass, key)
@@ -1210,6 +1304,13 @@ def workload_summary(runs, ab, predicted, bypass=()):
         out["bypass"]["per_instance"] = [
             {k: b.get(k) for k in ("pairs", "goodput_ratio", "goodput_ratio_ci95",
                                    "decode_goodput_ratio", "decode_goodput_ratio_ci95",
+                                   "adjusted_decode_goodput_ratio",
+                                   "adjusted_decode_goodput_ratio_ci95",
+                                   "adjusted_decode_step_ms_effect",
+                                   "adjusted_decode_step_ms_effect_ci95",
+                                   "adjusted_decode_tokens_effect", "adjusted_goodput_ratio",
+                                   "adjusted_goodput_ratio_ci95", "adjusted_step_ms_effect",
+                                   "adjusted_step_ms_effect_ci95", "off_decode_step_ms_mean",
                                    "on_step_ms", "off_step_ms", "on_tokens_per_step",
                                    "off_tokens_per_step", "on_changed", "on_plan_us_median",
                                    "mislabelled_steps")} for b in bypass]
@@ -1317,7 +1418,8 @@ def cmd_summarize(a):
                 r["ab"] = ab_summary(log_dir, dp, epoch, a.warmup, dk)
                 ab.append({"paired": r["ab"]["paired"], "default_k": dk})
             if client.get("mode") == "bypass":
-                epoch = int(client["env"].get("DPBALANCE_VLLM_BYPASS_EPOCH", 0))
+                epoch = int(client["env"].get("DPBALANCE_VLLM_BYPASS_EPOCH", 0)) \
+                    or bypass_epoch_of(log_dir)
                 r["bypass"] = bypass_summary(log_dir, dp, epoch, a.warmup) if epoch else {}
                 bypass.append(r["bypass"])
             res["runs"].append(r)
@@ -1372,7 +1474,9 @@ def resolution_lines(s):
                    f"{v:.3f}" + (f" +- {half:.3f} ({'resolved' if half <= 0.05 else 'NOT resolved'}"
                                  f" at +-0.05)" if half is not None else " (one replicate: no interval)"))
     b = s.get("bypass") or {}
-    for key, label in (("goodput_ratio", "wall goodput"), ("decode_goodput_ratio", "decode")):
+    for key, label in (("goodput_ratio", "wall goodput"), ("decode_goodput_ratio", "decode"),
+                       ("adjusted_goodput_ratio", "all steps, adjusted for the batch"),
+                       ("adjusted_decode_goodput_ratio", "decode, adjusted for the batch")):
         v, h = b.get(key), b.get(key + "_ci95")
         if v is not None:
             out.append(f"resolution {s['workload']}/dp{s['dp']}: plugin / vLLM as shipped at the "

@@ -228,12 +228,55 @@ with tempfile.TemporaryDirectory() as tmp:
           b.get("decode_goodput_ratio_ci95") is not None
           and b["decode_goodput_ratio_ci95"] < 1e-9, b.get("decode_goodput_ratio_ci95"))
     check("bypass A/B: every step in its arm", b["mislabelled_steps"] == 0)
+    check("bypass A/B: the epoch read back from the step log", lb.bypass_epoch_of(tmp) == epoch)
     check("bypass A/B: a wrong epoch length is seen",
           lb.bypass_summary(tmp, 2, 8, 10)["mislabelled_steps"] > 0)
+    check("bypass A/B: no batch adjustment where the batch never varies",
+          "adjusted_decode_goodput_ratio" not in b, b.get("adjusted_decode_goodput_ratio"))
+
+# The batch-adjusted ratio: step time and tokens depend on the batch (requests, context) and the
+# arm; the regression recovers the arm's own effects (+1 ms, -2 tokens) where the raw pairing is
+# thrown off by the batch's drift.
+with tempfile.TemporaryDirectory() as tmp:
+    import random
+    rng = random.Random(3)
+    epoch, n = 4, 400
+    batch = [(rng.randint(4, 12), rng.randint(4, 12), rng.uniform(5e3, 6e4), rng.uniform(5e3, 6e4))
+             for _ in range(n)]
+    logs = [[], []]
+    t = 0.0
+    for x in range(n):
+        on = (x // epoch) % 2 == 0
+        n0, n1, c0, c1 = batch[x]
+        dt = 40 + 2.0 * n0 + 1.5 * n1 + 0.3 * c0 / 1e3 + 0.2 * c1 / 1e3 + (1.0 if on else 0.0)
+        tok = [int(6 * n0 - (2 if on else 0)), int(6 * n1)]
+        t += (dt + rng.gauss(0, 0.3)) / 1e3
+        for r, (nr, cr) in enumerate(((n0, c0), (n1, c1))):
+            logs[r].append({"x": x, "n": nr, "accepted": tok[r] - nr, "t": t, "extra": 0,
+                            "ctx": [cr], "result": "dpbSuccess" if on else "bypass",
+                            "changed": False, "plan_us": 100.0 if on else None})
+    for r in range(2):
+        with open(os.path.join(tmp, f"engine_dp{r}.jsonl"), "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in logs[r])
+    b = lb.bypass_summary(tmp, 2, epoch, 10)
+    check("bypass A/B adjusted: the arm's time effect (+1 ms)",
+          abs(b["adjusted_decode_step_ms_effect"] - 1.0) < 0.15, b.get("adjusted_decode_step_ms_effect"))
+    check("bypass A/B adjusted: the arm's token effect (-2)",
+          abs(b["adjusted_decode_tokens_effect"] + 2.0) < 0.6, b.get("adjusted_decode_tokens_effect"))
+    want = ((b["off_decode_tokens_per_step_mean"] - 2.0) / (b["off_decode_step_ms_mean"] + 1.0)) / (
+        b["off_decode_tokens_per_step_mean"] / b["off_decode_step_ms_mean"])
+    check("bypass A/B adjusted: the ratio at the bypassed steps' means",
+          abs(b["adjusted_decode_goodput_ratio"] - want) < 0.005
+          and b["adjusted_decode_goodput_ratio_ci95"] < 0.01,
+          (b["adjusted_decode_goodput_ratio"], want, b.get("adjusted_decode_goodput_ratio_ci95")))
+    check("bypass A/B adjusted: tighter than the raw pairing",
+          b["adjusted_decode_goodput_ratio_ci95"] < b["decode_goodput_ratio_ci95"],
+          (b["adjusted_decode_goodput_ratio_ci95"], b["decode_goodput_ratio_ci95"]))
     s = lb.workload_summary([arm_run("static", 3, 1, 10.0)], [], None, [b, b])
     check("bypass A/B: pooled over instances in the workload summary",
           s["bypass"]["instances"] == 2
-          and abs(s["bypass"]["decode_goodput_ratio"] - want_decode) < 1e-9, s.get("bypass"))
+          and abs(s["bypass"]["adjusted_decode_goodput_ratio"]
+                  - b["adjusted_decode_goodput_ratio"]) < 1e-9, s.get("bypass"))
     check("bypass A/B: a resolution line", any("bypass A/B" in x for x in lb.resolution_lines(s)))
 
 checks.finish()

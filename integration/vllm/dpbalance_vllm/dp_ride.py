@@ -54,6 +54,7 @@ class _State:
         self.syncs = 0            # vLLM syncs seen
         self.carried = 0          # of them, syncs that carried an armed record
         self.sync_s = 0.0         # time in vLLM's syncs since `take_sync_us`
+        self.ext = None           # the taller CPU tensor of the last sync, reused (`_carrying`)
 
 
 _STATE: Optional[_State] = None
@@ -83,6 +84,8 @@ class _RidingDist:
         if st.width == 0:  # timing only: vLLM's sync as shipped
             st.syncs += 1
             return self._real.all_reduce(tensor, *args, **kwargs)
+        if tensor.device.type == "cpu" and tensor.is_contiguous() and not kwargs.get("async_op"):
+            return self._carrying_cpu(st, tensor, *args, **kwargs)
         import torch
         dp = tensor.shape[1]
         extra = torch.zeros(st.width, dp, dtype=tensor.dtype)
@@ -103,6 +106,34 @@ class _RidingDist:
         mine = ext[rows:].to("cpu", torch.int32)
         if carry is not None or bool(mine.any()):
             st.gathered = mine.t().contiguous().numpy().tobytes()
+        return out
+
+
+    def _carrying_cpu(self, st, tensor, *args, **kwargs):
+        """`_carrying` for a CPU tensor (gloo: vLLM on CPUs, and its CPU group under async
+        scheduling): the taller tensor is kept between syncs and filled and read through numpy
+        views of the same memory, where a chain of small torch ops cost ~150 us a sync on the
+        2-core VM (bench/vllm_sync_rows_bench.py)."""
+        import numpy as np
+        import torch
+        rows, dp = tensor.shape
+        ext = st.ext
+        if ext is None or tuple(ext.shape) != (rows + st.width, dp) or ext.dtype != tensor.dtype:
+            ext = st.ext = torch.zeros(rows + st.width, dp, dtype=tensor.dtype)
+        a = ext.numpy()
+        a[:rows] = tensor.numpy()
+        a[rows:] = 0
+        carry, st.armed = st.armed, None
+        if carry is not None:
+            a[rows:, st.rank] = np.frombuffer(carry.ljust(st.width * 4, b"\0"), dtype=np.int32)
+        out = self._real.all_reduce(ext, *args, **kwargs)
+        tensor.numpy()[:] = a[:rows]
+        st.syncs += 1
+        if carry is not None:
+            st.carried += 1
+        mine = a[rows:]
+        if carry is not None or mine.any():  # as `_carrying`: rank r's bytes, one row each
+            st.gathered = np.ascontiguousarray(mine.T, dtype=np.int32).tobytes()
         return out
 
 
