@@ -18,6 +18,12 @@ its own from its first replicate) or TPOT SLOs (each run takes its anchor's p99 
 replicate) are pooled: that is how the configuration runs, and the JSON lists each file's.
 
   scripts/studies/live_pool.py --json OUT RUN1.json RUN2.json ... [--workload mixed] [--dp 2]
+
+--across-streams: runs of different streams or anchors (not one configuration) are not pooled
+into one run; instead each replicate's ratios are taken against its own run's static_best
+(dpbalance / static_best steady and wall goodput, TPOT p99, as each run's summary pairs them),
+and the mean of all of them gets a Student-t interval over every replicate: the spread of a
+configuration class over streams, labelled so (docs/live_vllm.md, "Mixed ... five replicates").
 """
 import argparse
 import json
@@ -26,7 +32,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "integration", "vllm"))
-from live_bench import workload_summary  # noqa: E402  (the live summary's own arithmetic)
+from live_bench import (best_static_k, mean_ci, paired,  # noqa: E402  (the live summary's own arithmetic)
+                        workload_summary)
 
 SAME = ("workload", "dp", "seed", "requests")
 
@@ -65,12 +72,47 @@ def pool(docs, workload, dp):
     return pooled, sources, workload_summary(pooled, [], None)
 
 
+RATIO_KEYS = (("goodput", "goodput_tok_per_s"), ("wall_goodput", "wall_goodput_tok_per_s"),
+              ("tpot_p99", "tpot_p99_ms"))
+
+
+def across_streams(docs, workload, dp):
+    """Per run: dpbalance / its own static_best per replicate (live_bench.paired); over all
+    runs: the mean and 95% t interval of every replicate's ratio, per key of RATIO_KEYS."""
+    per_run, out = [], {}
+    for path, doc in docs:
+        runs = [r for r in doc.get("runs", []) if r.get("workload") == workload
+                and r.get("dp") == dp and r.get("mode") in ("static", "dpbalance")]
+        static = {}
+        for r in runs:
+            if r["mode"] == "static":
+                static.setdefault(r["k"], []).append(r)
+        dpb = [r for r in runs if r["mode"] == "dpbalance"]
+        if not static or not dpb:
+            raise ValueError(f"{path}: no static and dpbalance arms of workload {workload} at "
+                             f"DP {dp}")
+        k = best_static_k(static)
+        ratios = {name: paired(dpb, static[k], key)["per_replicate"] for name, key in RATIO_KEYS}
+        per_run.append({"file": path, "command": doc.get("command"), "static_best_k": k,
+                        **{name + "_per_replicate": v for name, v in ratios.items()}})
+    for name, _ in RATIO_KEYS:
+        xs = [x for run in per_run for x in run[name + "_per_replicate"]]
+        m, h = mean_ci(xs)
+        out[name + "_ratio"] = m
+        out[name + "_ratio_ci95_low"] = m - h if h is not None else None
+        out[name + "_ratio_ci95_high"] = m + h if h is not None else None
+        out[name + "_replicates"] = len(xs)
+    return per_run, out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("inputs", nargs="+", help="live_vllm.sh --json files of one configuration")
     ap.add_argument("--json", required=True, help="where the pooled summary goes")
     ap.add_argument("--workload", default="mixed")
     ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--across-streams", action="store_true",
+                    help="per-replicate ratios against each run's own static_best, pooled")
     a = ap.parse_args(argv)
     docs = []
     for path in a.inputs:
@@ -79,12 +121,25 @@ def main(argv=None):
                 docs.append((path, json.load(f)))
         except (OSError, ValueError) as e:
             sys.exit(f"live_pool: cannot read {path}: {e}")
+    command = "scripts/studies/live_pool.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if a.across_streams:
+        try:
+            per_run, summary = across_streams(docs, a.workload, a.dp)
+        except ValueError as e:
+            sys.exit(f"live_pool: {e}")
+        with open(a.json, "w") as f:
+            json.dump({"command": command, "across_streams": per_run, "summary": summary}, f,
+                      indent=1)
+        for run in per_run:
+            print(f"source {run['file']}: static_best k = {run['static_best_k']}, per replicate "
+                  f"{[round(x, 3) for x in run['goodput_per_replicate']]}")
+        print("across streams:", json.dumps(summary))
+        return 0
     try:
         runs, sources, summary = pool(docs, a.workload, a.dp)
     except ValueError as e:
         sys.exit(f"live_pool: {e}")
-    out = {"command": "scripts/studies/live_pool.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "sources": sources, "runs": runs, "summary": summary}
+    out = {"command": command, "sources": sources, "runs": runs, "summary": summary}
     with open(a.json, "w") as f:
         json.dump(out, f, indent=1)
     for s in sources:

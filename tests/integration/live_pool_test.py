@@ -55,6 +55,23 @@ check("pooled interval: t with 3 degrees of freedom",
       abs(s["goodput_ratio"] - 1.05) < 1e-12
       and abs(s["goodput_ratio_ci95_low"] - (1.05 - 3.182 * sd / 2)) < 2e-3, s["goodput_ratio_ci95_low"])
 
+# --across-streams: each run's replicates against its own static_best (A: k = 3, 880/810 and
+# 800/810; B: k = 1, 990/900 and 900/900), then one t interval over all four, whatever the
+# anchors (B's differs here and is not refused).
+per_run, s2 = lp.across_streams([("A.json", a), ("B.json", doc([1, 2], [900, 900], [840, 840],
+                                                                [990, 900], default_k=3))],
+                                "mixed", 2)
+want = [880 / 810, 800 / 810, 1.1, 1.0]
+got = [x for run in per_run for x in run["goodput_per_replicate"]]
+check("across streams: each run against its own static_best",
+      [run["static_best_k"] for run in per_run] == [3, 1]
+      and all(abs(x - y) < 1e-12 for x, y in zip(got, want)), got)
+m = sum(want) / 4
+sd = math.sqrt(sum((x - m) ** 2 for x in want) / 3)
+check("across streams: the mean and a t interval over every replicate (3 d.f.)",
+      abs(s2["goodput_ratio"] - m) < 1e-12 and s2["goodput_replicates"] == 4
+      and abs(s2["goodput_ratio_ci95_low"] - (m - 3.182 * sd / 2)) < 2e-3, s2)
+
 for name, other, field in [("anchor", doc([1], [800], [810], [880], default_k=3), "default_k"),
                            ("request count", doc([1], [800], [810], [880], requests=96),
                             "requests")]:
