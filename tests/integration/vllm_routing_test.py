@@ -151,6 +151,31 @@ def main() -> int:
     CHECK(l1.num_requests == 1 + picks.count(1), "requests the record counts are not added again",
           str(l1))
 
+    # After its output a step's finished requests leave the record, which keeps its step and
+    # interval; a rank whose last requests finished is idle, not stale, however long it waits.
+    before = c._dpb_routing.board.read(1)
+    writers[1].publish(_Sched([]), tick=False)
+    after = c._dpb_routing.board.read(1)
+    CHECK(after["num_requests"] == 0 and after["step"] == before["step"]
+          and after["interval_ns"] == before["interval_ns"] and after["t_ns"] > before["t_ns"],
+          "the record after the step's output: requests gone, same step and interval",
+          f"{before} -> {after}")
+    stale, routing.STALE_S = routing.STALE_S, 0.0
+    try:
+        CHECK(c._dpb_routing.loads()[1][1] is not None, "an idle rank's record is used however old")
+        writers[1].publish(_Sched([_Req(300, 10, 300)]), tick=False)
+        CHECK(c._dpb_routing.loads()[1][1] is None, "a busy rank's record past STALE_S is not")
+    finally:
+        routing.STALE_S = stale
+
+    # A rank that has timed no step interval of its own yet is aged by the instance's.
+    fresh = routing.RankWriter(0, 2)  # a new record for rank 0: one step, no interval
+    fresh._board._seq = list(c._dpb_routing.board._seq)  # (a second writer of the same slot)
+    fresh.publish(_Sched([_Req(100, 1, 64)]))
+    got = c._dpb_routing.loads()
+    CHECK(c._dpb_routing.board.read(0)["interval_ns"] == 0 and got[0][1] is not None,
+          "a rank without its own step interval is aged by the other ranks'", str(got[0]))
+
     # A pinned request keeps vLLM's path.
     e = c.get_core_engine_for_request(request("p0", 100, 8, rank=0))
     CHECK(e == c.core_engines[0] and json.loads(open(route_log).readlines()[-1])["by"] == "pinned",

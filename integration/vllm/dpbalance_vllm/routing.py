@@ -16,9 +16,9 @@ vLLM's changed. A request with `data_parallel_rank` set, or a streaming-input se
 chunk, keeps vLLM's path. The wrapper lets vLLM's own method do its bookkeeping (the in-flight
 maps aborts and its own counts read) with the chosen rank as the request's rank, then clears it.
 
-The loads. Each engine core's DpbScheduler writes its rank's load after every `schedule()` into
-a shared-memory board (`LoadBoard`, one 128-byte slot a rank, a sequence lock): its requests
-(running and waiting), their contexts summed and the longest, the KV they reserve (contexts plus
+The loads. Each engine core's DpbScheduler writes its rank's load after every `schedule()` (and
+once more after the step's output, its finished requests gone) into a shared-memory board
+(`LoadBoard`, one 128-byte slot a rank, a sequence lock): its requests (running and waiting), their contexts summed and the longest, the KV they reserve (contexts plus
 the outputs still to come), its KV capacity, the count of requests it has been handed, the step
 index and time. At routing time a rank's load is its last record plus the requests this client
 routed to it that the record has not yet counted (routed after it: exact while one client
@@ -99,13 +99,16 @@ class LoadBoard:
         self._interval_ns = [0.0] * dp_size
 
     def write(self, rank: int, step: int, num_requests: int, max_requests: int, ctx: int,
-              max_ctx: int, reserved: int, capacity: int, handed: int) -> None:
+              max_ctx: int, reserved: int, capacity: int, handed: int, tick: bool = True) -> None:
+        """One record; `tick`: a new step (the mean step interval learns from it), else the same
+        step's record after its output (finished requests gone), stamped now."""
         now = time.monotonic_ns()
-        if self._last_ns[rank]:
+        if tick and self._last_ns[rank]:
             gap = now - self._last_ns[rank]
             iv = self._interval_ns[rank]
             self._interval_ns[rank] = gap if iv == 0 else 0.9 * iv + 0.1 * gap
-        self._last_ns[rank] = now
+        if tick:
+            self._last_ns[rank] = now
         off = rank * SLOT_BYTES
         seq = self._seq[rank] + 1
         struct.pack_into("<Q", self._mm, off, seq)  # odd: being written
@@ -171,10 +174,15 @@ class RankWriter:
             self._ids.write(json.dumps({"id": request_id, "rank": self.dp_rank,
                                         "t": round(time.time(), 4)}) + "\n")
 
-    def publish(self, scheduler) -> None:
+    def publish(self, scheduler, tick: bool = True) -> None:
+        """This rank's load: after schedule() (`tick`, a step), and after update_from_output()
+        (the step's finished requests gone). Without the second, a rank whose last requests
+        finished kept a busy record until it next scheduled, which the router drops as stale
+        after STALE_S: it then routed that idle rank on its own counts."""
         if self._board is None:
             return
-        self.steps += 1
+        if tick:
+            self.steps += 1
         n = ctx = longest = reserved = 0
         for queue in (scheduler.running, scheduler.waiting):
             for r in queue:
@@ -187,7 +195,8 @@ class RankWriter:
                 reserved += tokens + max(0, left)
         blocks = scheduler.cache_config.num_gpu_blocks or 0
         self._board.write(self.dp_rank, self.steps, n, int(scheduler.max_num_running_reqs), ctx,
-                          longest, reserved, int(blocks) * int(scheduler.block_size), self.handed)
+                          longest, reserved, int(blocks) * int(scheduler.block_size), self.handed,
+                          tick=tick)
 
     def close(self) -> None:
         if self._board is not None:
@@ -243,9 +252,13 @@ class ClientRouting:
         from . import engine_plan
 
         board, now = self._board(), time.monotonic_ns()
+        recs = [board.read(r) if board is not None else None for r in range(self.num_ranks)]
+        # The ranks of a DP instance step together (an idle rank runs vLLM's dummy batch), so a
+        # rank that has not yet timed two steps of its own is aged by the others' interval.
+        step_ns = max((x["interval_ns"] for x in recs if x is not None), default=0)
         out = []
         for r in range(self.num_ranks):
-            rec = board.read(r) if board is not None else None
+            rec = recs[r]
             if rec is not None and (now - rec["t_ns"]) > STALE_S * 1e9 and rec["num_requests"]:
                 rec = None  # a busy rank that stopped writing: its record says nothing now
             if rec is not None:
@@ -262,7 +275,8 @@ class ClientRouting:
                     longest = max(longest, inp)
                     reserved += inp + outp
                 age_ms = (now - rec["t_ns"]) / 1e6
-                age_steps = (now - rec["t_ns"]) / rec["interval_ns"] if rec["interval_ns"] else None
+                iv = rec["interval_ns"] or step_ns
+                age_steps = (now - rec["t_ns"]) / iv if iv else None
                 load = engine_plan.adapter.RankLoad(n, ctx, reserved, rec["capacity"] or (1 << 50),
                                                     rec["max_requests"], longest)
             else:  # this client's own count of what it sent the rank

@@ -141,6 +141,8 @@ class _DpbMixin:
                 acc = max(0, min(len(sampled[i]) - 1, len(drafts)))
                 accepted.append([rid, len(drafts), acc, False])
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self._dpb_route is not None:
+            self._dpb_route.publish(self, tick=False)  # the step's finished requests gone
         if plan is not None and plan.enabled and scheduler_output.total_num_scheduled_tokens > 0:
             for a in accepted:
                 r = self.requests.get(a[0])
