@@ -721,6 +721,22 @@ def ab_summary(log_dir, dp, epoch, warmup, default_k=3):
     return out
 
 
+def jackknife_ci95(stat, blocks):
+    """95% half-widths of the figures `stat(blocks)` returns (a tuple) by a delete-one-block
+    jackknife; None with fewer than two blocks or where a leave-one-out `stat` is None."""
+    n = len(blocks)
+    if n < 2:
+        return None
+    jack = [stat(blocks[:i] + blocks[i + 1:]) for i in range(n)]
+    if any(j is None for j in jack):
+        return None
+    out = []
+    for k in range(len(jack[0])):
+        mean = sum(j[k] for j in jack) / n
+        out.append(1.96 * math.sqrt((n - 1) / n * sum((j[k] - mean) ** 2 for j in jack)))
+    return out
+
+
 def paired_summary(by_epoch, epoch, default_k, block_pairs=10):
     """The A/B as a paired design: each balanced epoch 2j against the default epoch 2j+1 right
     after it, which runs nearly the same requests at nearly the same contexts, so the workload's
@@ -756,15 +772,11 @@ def paired_summary(by_epoch, epoch, default_k, block_pairs=10):
            "on_steps_above_default": on_above}
     if len(blocks) < 2:
         return out
-    full = stats(blocks)
-    n = len(blocks)
-    jack = [stats(blocks[:i] + blocks[i + 1:]) for i in range(n)]
+    full, half = stats(blocks), jackknife_ci95(stats, blocks)
     names = ("bubble_on", "bubble_off", "bubble_reduction", "goodput_ratio")
     for k, name in enumerate(names):
-        mean = sum(j[k] for j in jack) / n
-        se = math.sqrt((n - 1) / n * sum((j[k] - mean) ** 2 for j in jack))
         out[name] = full[k]
-        out[name + "_ci95"] = 1.96 * se
+        out[name + "_ci95"] = half[k]
     return out
 
 
@@ -844,11 +856,9 @@ def bypass_summary(log_dir, dp, epoch, warmup, block_pairs=5):
         full = ratio(blocks) if blocks else None
         key = "goodput_ratio" if kind == "all" else "decode_goodput_ratio"
         out[key] = full
-        n = len(blocks)
-        jack = [ratio(blocks[:i] + blocks[i + 1:]) for i in range(n)] if n >= 2 else []
-        if full is not None and jack and None not in jack:
-            m = sum(jack) / n
-            out[key + "_ci95"] = 1.96 * math.sqrt((n - 1) / n * sum((j - m) ** 2 for j in jack))
+        half = jackknife_ci95(lambda bl: None if ratio(bl) is None else (ratio(bl),), blocks)
+        if full is not None and half is not None:
+            out[key + "_ci95"] = half[0]
     adjusted = adjusted_ratio(pairs, block_pairs)
     if adjusted:
         out.update(adjusted)
@@ -915,14 +925,12 @@ def _adjusted(pairs, block_pairs, prefix, decode_only):
     names = (prefix + "goodput_ratio", prefix + "step_ms_effect", prefix + "tokens_effect")
     out = {names[0]: full[0], names[1]: full[1], names[2]: full[2],
            f"off_{sub}step_ms_mean": full[3], f"off_{sub}tokens_per_step_mean": full[4]}
-    n = len(pairs) // block_pairs
-    blocks = [pairs[b * block_pairs:(b + 1) * block_pairs] for b in range(n)]
-    jack = [fit([p for j, bl in enumerate(blocks) if j != i for p in bl]) for i in range(n)]
-    if n >= 2 and None not in jack:
+    blocks = [pairs[b * block_pairs:(b + 1) * block_pairs]
+              for b in range(len(pairs) // block_pairs)]
+    half = jackknife_ci95(lambda bl: fit([p for b in bl for p in b]), blocks)
+    if half is not None:
         for idx, key in enumerate(names):
-            m = sum(j[idx] for j in jack) / n
-            out[key + "_ci95"] = 1.96 * math.sqrt((n - 1) / n * sum((j[idx] - m) ** 2
-                                                                    for j in jack))
+            out[key + "_ci95"] = half[idx]
     return out
 
 

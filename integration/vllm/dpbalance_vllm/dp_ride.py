@@ -108,7 +108,6 @@ class _RidingDist:
             st.gathered = mine.t().contiguous().numpy().tobytes()
         return out
 
-
     def _carrying_cpu(self, st, tensor, *args, **kwargs):
         """`_carrying` for a CPU tensor (gloo: vLLM on CPUs, and its CPU group under async
         scheduling): the taller tensor is kept between syncs and filled and read through numpy

@@ -355,13 +355,21 @@ class EnginePlan:
             lens = list(res.verify_len)   # balanced, or the defaults of an A/B off epoch
         else:
             self.fallbacks[result] = self.fallbacks.get(result, 0) + 1
-            lens = [min(self.default_k, int(r[2])) for r in requests]  # the engine's default
-        self.last_token = self.steps - 1
+            lens = self._defaults(requests)  # the engine's default
         plan_id = getattr(res.plan, "plan_id", None) if res.plan is not None else None
+        self._remember(requests, lens, result, extra, plan_id)
+        return lens
+
+    def _defaults(self, requests: Sequence[tuple]) -> list:
+        """The fallback verify length of each request [(id, context, cap), ...]."""
+        return [min(self.default_k, int(r[2])) for r in requests]
+
+    def _remember(self, requests, lens, result: str, extra: int, plan_id) -> None:
+        """This step's plan (the latest, `last_token`) until after_step reports it."""
+        self.last_token = self.steps - 1
         self._outstanding[self.last_token] = (requests, lens, result, extra, plan_id, self._t_step)
         while len(self._outstanding) > 2:  # a plan never reported (a step the engine dropped)
             del self._outstanding[next(iter(self._outstanding))]
-        return lens
 
     def _bypassing(self, step: int) -> bool:
         """Step `step` falls in an off epoch of DPBALANCE_VLLM_BYPASS_EPOCH."""
@@ -375,18 +383,14 @@ class EnginePlan:
         step log marks it (`result` "bypass"), so the harness pairs each balanced epoch with
         the bypassed one after it (live_bench.py `bypass_summary`): the plugin's whole cost
         per step, measured inside one instance."""
-        lens = [min(self.default_k, int(r[2])) for r in requests]
+        lens = self._defaults(requests)
         self._carry = None
         self._plan_s = self._exchange_s = None
         self.last_plan = None
         self.exchanged_this_step = True
         self.steps += 1
         self.bypassed += 1
-        self.last_token = self.steps - 1
-        self._outstanding[self.last_token] = (requests, lens, "bypass", max(0, int(extra_tokens)),
-                                              None, self._t_step)
-        while len(self._outstanding) > 2:
-            del self._outstanding[next(iter(self._outstanding))]
+        self._remember(requests, lens, "bypass", max(0, int(extra_tokens)), None)
         return lens
 
     def _previous_barrier(self, rows) -> None:
@@ -450,7 +454,7 @@ class EnginePlan:
         pred = info["predicted_attention_us"] if info else -1.0
         err = abs(pred - att) / att if pred > 0 and att > 0 and not info["extend"] else None
         self._prev = (att if attention_us is not None else -1.0, 1 if extra > 0 else 0)
-        defaults = [min(self.default_k, int(r[2])) for r in requests]
+        defaults = self._defaults(requests)
         changed = any(a != b for a, b in zip(lens, defaults))
         n_acc = sum(int(a[2]) for a in accepted)
         n_verified = sum(int(a[1]) for a in accepted)

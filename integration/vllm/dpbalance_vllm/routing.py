@@ -18,9 +18,9 @@ maps aborts and its own counts read) with the chosen rank as the request's rank,
 
 The loads. Each engine core's DpbScheduler writes its rank's load after every `schedule()` (and
 once more after the step's output, its finished requests gone) into a shared-memory board
-(`LoadBoard`, one 128-byte slot a rank, a sequence lock): its requests (running and waiting), their contexts summed and the longest, the KV they reserve (contexts plus
-the outputs still to come), its KV capacity, the count of requests it has been handed, the step
-index and time. At routing time a rank's load is its last record plus the requests this client
+(`LoadBoard`, one 128-byte slot a rank, a sequence lock): its requests (running and waiting),
+their contexts summed and the longest, the KV they reserve (contexts plus the outputs still to
+come), its KV capacity, the count of requests it has been handed, the step index and time. At routing time a rank's load is its last record plus the requests this client
 routed to it that the record has not yet counted (routed after it: exact while one client
 routes). The board is a file under /dev/shm named by `DPBALANCE_VLLM_LOADS`, which the first
 process to load the plugin sets and the engine cores inherit; engine cores on another node
