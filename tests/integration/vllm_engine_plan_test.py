@@ -589,7 +589,7 @@ class RideTest(unittest.TestCase):
         os.environ.clear()
         os.environ.update(self.env)
 
-    def run_ride(self, steps, lag=1, idle_rank1=False):
+    def run_ride(self, steps, lag=1, idle_rank1=False, unrun=None):
         own = ThreadGroup(2)   # the engine core's DP group: init's handshake only
         sync = ThreadGroup(2)  # vLLM's per-step sync in the worker
         plans = []
@@ -605,7 +605,12 @@ class RideTest(unittest.TestCase):
             def go():
                 p = plans[r]
                 backlog = []  # gathered records not yet processed (the async scheduler's lag)
-                for _ in range(steps):
+                for x in range(steps):
+                    if unrun is not None and unrun == (r, x):
+                        # A schedule() that planned a step vLLM then never ran (nothing
+                        # scheduled and no dummy batch): no forward, no sync, no report.
+                        p.begin_step()
+                        p.exchange(reqs[r])
                     p.begin_step()
                     if r == 1 and idle_rank1:
                         p.join_idle()
@@ -655,6 +660,22 @@ class RideTest(unittest.TestCase):
         self.assertEqual([p.carried for p in plans], [steps - 1, steps - 1])
         self.assertEqual([p.desyncs for p in plans], [0, 0])
         self.assertGreater(plans[0].dpb.stats()["balanced_steps"], 0)
+
+    def test_a_plan_vllm_never_ran_leaves_no_gap(self):
+        """A rank whose schedule() planned a step that vLLM then did not run (seen at a
+        `vllm serve` shutdown: 27 plans on one rank, 26 on the other, 26 syncs each) hands no
+        record to any sync. The records are labelled by the sync they ride, not by the plans
+        made, so both ranks go on reading the same records: nothing missing, no desync."""
+        steps = 20
+        for lag in (1, 2):
+            plans, own, sync, got, _ = self.run_ride(steps, lag=lag, unrun=(1, 7))
+            self.assertEqual(sync.calls, [steps, steps])
+            self.assertEqual([p.steps for p in plans], [steps, steps + 1])
+            self.assertEqual([p.stats()["unsent"] for p in plans], [0, 1])
+            self.assertEqual([p.missing for p in plans], [0, 0], lag)
+            self.assertEqual([p.desyncs for p in plans], [0, 0], lag)
+            self.assertEqual([p.carried for p in plans], [steps - lag, steps + 1 - lag], lag)
+            self.assertGreater(plans[0].dpb.stats()["balanced_steps"], steps // 2)
 
     def test_the_async_scheduler_plans_from_two_steps_back(self):
         steps = 20

@@ -374,11 +374,20 @@ def test_serve(work: str) -> None:
     check(all(len(f) == 1 for f in finals), "one final record per rank", str([len(f) for f in finals]))
     if all(finals):
         f0, f1 = finals[0][0], finals[1][0]
-        check(f0["dp_rank"] == 0 and f1["dp_rank"] == 1 and f0["exchanges"] == f1["exchanges"]
+        # A rank may make one plan more than its peer that no sync carried (one CI run: 27 plans
+        # and 26 syncs on rank 1, 26 and 26 on rank 0, the extra plan after the test's last
+        # read, so at Ctrl-C; most likely in the wave's idle tail, where vLLM runs dummy steps
+        # until its next DP state sync, dp_sync_interval 16, and the worker was gone before the
+        # planned dummy forward ran). It is counted (`unsent`) and leaves no gap (the records
+        # are labelled by the sync they ride); the plans that rode a sync match.
+        sent = [f["exchanges"] - f.get("unsent", 0) for f in (f0, f1)]
+        check(f0["dp_rank"] == 0 and f1["dp_rank"] == 1 and sent[0] == sent[1]
+              and (f0.get("worker_ride") or {}).get("syncs") == (f1.get("worker_ride") or {}).get("syncs")
               and f0["desyncs"] == f1["desyncs"] == 0 and f0["enabled"] == f1["enabled"] == 1,
-              "the final records: both ranks, the same exchanges, no desync, enabled")
+              "the final records: both ranks, the same exchanges riding the same syncs, no desync, "
+              "enabled", f"exchanges that rode a sync {sent}")
         for f in (f0, f1):
-            keep = ("dp_rank", "exchanges", "steps", "balanced_steps", "fallbacks", "enabled",
+            keep = ("dp_rank", "exchanges", "unsent", "steps", "balanced_steps", "fallbacks", "enabled",
                     "bubble_fraction", "predicted_error", "goodput_tok_per_s", "max_exchange_ms",
                     "fallback_results", "desyncs", "default_k", "wait_share_window")
             print("FIGURE final " + json.dumps({k: f.get(k) for k in keep}))
@@ -402,8 +411,9 @@ def test_serve(work: str) -> None:
                   f"DP rank {f['dp_rank']}: no collective of the package's own besides init's "
                   "handshake (engine core and worker, counted at torch.distributed)",
                   json.dumps({k: f.get(k) for k in ("exchange", "audit_own_collectives", "worker_ride")}))
-            check(f.get("missing") == 0 and f.get("carried", 0) >= f["steps"] - 1
-                  and w.get("carried", 0) >= f["steps"] - 1,
+            ran = f["steps"] - f.get("unsent", 0)
+            check(f.get("missing") == 0 and f.get("carried", 0) >= ran - 1
+                  and w.get("carried", 0) >= ran - 1,
                   f"DP rank {f['dp_rank']}: every step's record rode vLLM's sync and every plan "
                   "after the first read the step before's records",
                   json.dumps({k: f.get(k) for k in ("steps", "carried", "missing", "worker_ride")}))

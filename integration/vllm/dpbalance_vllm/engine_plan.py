@@ -122,7 +122,12 @@ class EnginePlan:
         self.ride = self.cfg.exchange == "ride" and self.dp_size > 1
         self.lag = int(lag)
         self._carry = None                 # this step's bytes for vLLM's next sync
-        self._gathered = {}                # plan index -> every rank's carry from vLLM's sync
+        # Records are labelled by the sync they ride: `sent` counts the syncs this rank has
+        # handed a carry slot to (take_carry, once per vLLM sync, the same count on every rank
+        # at the same step). A plan whose step vLLM never ran (schedule() planned, nothing was
+        # scheduled, no dummy batch followed) hands nothing on and leaves no gap.
+        self.sent = 0
+        self._gathered = {}                # record label -> every rank's carry from vLLM's sync
         self._in_step = False
         self.own_collectives = 0           # collectives this package ran itself (ride: init's)
         self.carried = 0                   # plans whose records came from vLLM's sync
@@ -213,9 +218,9 @@ class EnginePlan:
         every rank's plugin reads as "nobody planned" (default lengths)."""
         t0 = time.perf_counter()
         self._carry = bytes(send)
-        want = self.steps - self.lag
-        got = self._gathered.pop(want, None)
-        for old in [k for k in self._gathered if k < want]:
+        want = self.sent - self.lag
+        got = self._gathered.get(want)  # kept: a plan vLLM never runs is followed by one that
+        for old in [k for k in self._gathered if k < want]:  # reads the same records
             del self._gathered[old]
         if got is None:
             if want >= 0 and not self._bypassing(want):  # a bypassed step carried nothing
@@ -234,13 +239,15 @@ class EnginePlan:
         return got
 
     def take_carry(self) -> Optional[bytes]:
-        """This step's bytes for vLLM's sync (the worker arms them), once."""
+        """This step's bytes for vLLM's sync (the worker arms them), once; called once per
+        sync (None: this rank carries nothing, the sync runs anyway)."""
         c, self._carry = self._carry, None
+        self.sent += 1
         return c
 
     def received(self, gathered: Optional[bytes]) -> None:
         """What vLLM's sync gathered (the worker's `dpb_gathered`): every rank's carry, rank
-        order, each padded to int32. Kept by the plan index in the payloads."""
+        order, each padded to int32. Kept by the label in the payloads (`_label`)."""
         if not self.ride or not gathered:
             return
         width = len(gathered) // self.dp_size
@@ -315,13 +322,13 @@ class EnginePlan:
         self._t_step = time.perf_counter()
         if not self._ensure_loaded():
             return None
-        if self._bypassing(self.steps):
+        if self._bypassing(self._label()):
             return self._bypass(requests, extra_tokens)
         reqs = [adapter.Request(str(r[0]), int(r[1]), 0,
                                 max(0, min(int(r[2]), _config.PLUGIN_K_LIMIT)))
                 for r in requests]
         extra = max(0, int(extra_tokens))
-        payload = _PAYLOAD.pack(self.steps if self.ride else self.exchanges, len(reqs),
+        payload = _PAYLOAD.pack(self._label() if self.ride else self.exchanges, len(reqs),
                                 sum(1 + q.k_cap for q in reqs) + extra, self._prev[0], self._prev[1])
         kind = "extend" if extra > 0 else ("decode" if reqs else "idle")
         self._exchange_s = None
@@ -371,15 +378,20 @@ class EnginePlan:
         while len(self._outstanding) > 2:  # a plan never reported (a step the engine dropped)
             del self._outstanding[next(iter(self._outstanding))]
 
+    def _label(self) -> int:
+        """The step's index common to every rank: riding, the sync its record will ride
+        (`sent`); else the plans made (each ran the plugin's own collective)."""
+        return self.sent if self.ride else self.steps
+
     def _bypassing(self, step: int) -> bool:
-        """Step `step` falls in an off epoch of DPBALANCE_VLLM_BYPASS_EPOCH."""
+        """Step `step` (`_label`) falls in an off epoch of DPBALANCE_VLLM_BYPASS_EPOCH."""
         return self.bypass_epoch > 0 and (step // self.bypass_epoch) % 2 == 1
 
     def _bypass(self, requests: Sequence[tuple], extra_tokens: int) -> list:
         """A step of a bypass epoch: vLLM as shipped at the fallback length, the plugin not
         called (no plan, no exchange, no report; riding, this rank's rows of vLLM's sync carry
         zeros, as they do for a rank without a record). Every rank bypasses the same steps: the
-        step index is the one the ride's records are matched by, equal on every rank. The
+        step index (`_label`) is the one the ride's records are matched by, equal on every rank. The
         step log marks it (`result` "bypass"), so the harness pairs each balanced epoch with
         the bypassed one after it (live_bench.py `bypass_summary`): the plugin's whole cost
         per step, measured inside one instance."""
@@ -494,6 +506,8 @@ class EnginePlan:
                   "own_collectives": self.own_collectives, "carried": self.carried,
                   "bypass_epoch": self.bypass_epoch, "bypassed": self.bypassed,
                   "missing": self.missing, "worker_ride": dict(self.worker_ride),
+                  # riding: plans whose step vLLM never ran, so no sync carried their record
+                  "unsent": max(0, self.steps - self.sent) if self.ride else 0,
                   "quiet_steps": self.pb.quiet_steps if self.pb is not None else 0,
                   "fallback_results": dict(self.fallbacks), "desyncs": self.desyncs,
                   "stale_steps": self.stale_steps, "disabled_reason": self.disabled_reason,
