@@ -12,6 +12,7 @@
 #include "absl/base/attributes.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "dpbalance/radix_sort.h"
 #include "hash.h"
 
 namespace dpbalance {
@@ -45,23 +46,6 @@ constexpr double kBarrierSlack = 1e-6;
 int KnotBudget(int num_ranks) { return std::clamp(1024 / num_ranks, 16, kKnotPool); }
 
 uint32_t FloatKey(float v) { return std::bit_cast<uint32_t>(v); }  // monotone for v >= 0
-
-// Stable LSD radix sort of events by their upper 32 bits (the cost key). Ties keep insertion
-// order, which is deterministic; the sweep applies equal costs together anyway.
-void SortByCost(std::vector<uint64_t>& v, std::vector<uint64_t>& tmp) {
-  if (v.size() < 512) {  // below this, four 256-bucket passes cost more than a comparison sort
-    std::sort(v.begin(), v.end());  // keys are unique (rank, knot in the low bits)
-    return;
-  }
-  tmp.resize(v.size());
-  for (int shift = 32; shift < 64; shift += 8) {
-    std::array<uint32_t, 257> count{};
-    for (uint64_t e : v) ++count[((e >> shift) & 0xff) + 1];
-    for (int b = 0; b < 256; ++b) count[b + 1] += count[b];
-    for (uint64_t e : v) tmp[count[(e >> shift) & 0xff]++] = e;
-    v.swap(tmp);
-  }
-}
 
 absl::Status CheckSummary(const RankSummary& s, size_t idx, uint64_t want_hash) {
   if (s.magic != kSummaryMagic || s.version != kSummaryVersion) {
@@ -174,9 +158,8 @@ class BestPlan {
     best_.step_us = step_us;
     best_.expected_tokens = gain;
     best_.tokens_per_us = tokens_per_us;
-    best_.ffn_tokens = std::llround(ffn);
-    best_.padded_rank_tokens =
-        global_.padded_tokens ? TierFor(config_->token_tiers, std::llround(max_tokens)) : 0;
+    best_ffn_ = ffn;  // rounded once, by best(): most sweeps improve on the best many times
+    best_max_tokens_ = max_tokens;
   }
   // Whether an upper bound on goodput is clearly below the best within the guard (only clearly:
   // rounding in the bound never drops a barrier that would tie or narrowly win).
@@ -186,7 +169,15 @@ class BestPlan {
   bool within_guard() const { return within_guard_; }
   double tokens_per_us() const { return tokens_per_us_; }  // the best's goodput; < 0: none yet
   double max_step_us() const { return max_step_us_; }
-  const GlobalDecision& best() const { return best_; }
+  GlobalDecision best() const {
+    GlobalDecision b = best_;
+    if (best_ffn_ >= 0) {
+      b.ffn_tokens = std::llround(best_ffn_);
+      b.padded_rank_tokens =
+          global_.padded_tokens ? TierFor(config_->token_tiers, std::llround(best_max_tokens_)) : 0;
+    }
+    return b;
+  }
 
  private:
   const PlannerConfig* config_;  // a pointer: plans are copied into a sweep and back
@@ -195,6 +186,7 @@ class BestPlan {
   double ffn_scale_;
   double max_step_us_ = std::numeric_limits<double>::infinity();
   GlobalDecision best_;
+  double best_ffn_ = -1, best_max_tokens_ = 0;  // the best's FFN and largest rank's tokens
   double tokens_per_us_ = -1;
   bool within_guard_ = false;
 };
@@ -566,7 +558,9 @@ void SweepPerRankDepths(const PlannerConfig& c, absl::Span<const RankSummary> su
       }
     }
   }
-  SortByCost(events, scratch.sort_tmp);
+  // Ties keep insertion order (deterministic; the sweep applies equal costs together anyway).
+  // Below 512 events four byte passes cost more than a comparison sort.
+  SortByHighHalf(events, scratch.sort_tmp, 512);
   double gain = t.base_gain, sum_tokens = t.base_tokens, max_tokens = t.max_base_tokens;
   auto apply = [&](uint64_t ev) {
     const RankSummary& s = summaries[EventRank(ev)];
@@ -715,6 +709,10 @@ void MergeKnots(int d, absl::Span<const RankSummary> summaries, bool steps_only,
 // the largest gain cannot beat the best never enter the merge.
 void SweepDepth(const PlannerConfig& c, int d, absl::Span<const RankSummary> summaries,
                 const UsableTotals& t, DecideScratch& scratch, BestPlan& plans) {
+  if (d == 0) {  // no drafts: every rank at its base (EnterDepth's lines, without the walk)
+    plans.Consider(0, t.floor_us, t.base_gain, t.base_tokens, t.max_base_tokens);
+    return;
+  }
   DepthLines lines = EnterDepth(c, d, summaries, t, scratch);
   plans.Consider(d, t.floor_us, lines.GainAt(t.floor_us), lines.TokensAt(t.floor_us),
                  lines.max_tokens);
@@ -738,6 +736,55 @@ void SweepDepth(const PlannerConfig& c, int d, absl::Span<const RankSummary> sum
   if (!(top > t.floor_us)) return;  // nothing above the floor can win (NaN-safe)
   MergeKnots(d, summaries, c.uniform_per_rank, FloatKey(static_cast<float>(top)), lines, scratch,
              plans);
+}
+
+// Upper bounds on goodput at each depth d_lo..d_hi (>= 1) over every barrier, from the
+// summaries' bases alone (EnterDepth's bound starts from the segment at the floor): each rank's
+// gain lies under the line from its base with its steepest slope, and under its last knot's. One
+// pass over the ranks, far cheaper than entering a depth, so depths are swept best-first and one
+// that cannot win is never entered. Non-padded only (the FFN term linear in tokens): +inf there.
+// `knots` gets each depth's knots summed over the ranks: Summarize gives most of a rank's pool to
+// the depth of its previous decision (ShareKnotPool), so the depth with the most is where the
+// last plan landed, read off the summaries.
+std::array<double, kMaxDraftLen + 1> DepthBounds(const PlannerConfig& c, int d_lo, int d_hi,
+                                                 absl::Span<const RankSummary> summaries,
+                                                 const UsableTotals& t, const DecideScratch& scratch,
+                                                 const BestPlan& plans,
+                                                 std::array<int, kMaxDraftLen + 1>& knots) {
+  std::array<double, kMaxDraftLen + 1> bound;
+  bound.fill(std::numeric_limits<double>::infinity());
+  knots.fill(0);
+  for (uint32_t r : scratch.usable_ranks) {
+    for (int d = d_lo; d <= d_hi; ++d) knots[d] += summaries[r].num_knots[d - 1];
+  }
+  if (c.global.padded_tokens) return bound;
+  std::array<DepthLines, kMaxDraftLen + 1> lines{};
+  for (int d = d_lo; d <= d_hi; ++d) lines[d].max_gain = t.base_gain;
+  for (uint32_t r : scratch.usable_ranks) {
+    const RankSummary& s = summaries[r];
+    for (int d = d_lo; d <= d_hi; ++d) {
+      const int slot = std::min<int>(d, s.max_depth);
+      if (slot <= 0) continue;  // no knots at any depth: its base, slope 0
+      const int n = s.num_knots[slot - 1];
+      if (n > 0) lines[d].max_gain += s.knot_gain[s.knot_begin[slot - 1] + n - 1] - s.base_gain;
+      const double m = s.base_max_slope[slot - 1];
+      if (std::isinf(m)) {
+        ++lines[d].sum.unbounded;
+      } else {
+        lines[d].sum.bound_slope += m;
+        lines[d].sum.bound0 += s.base_gain - m * s.base_attention_us;
+      }
+    }
+    if (s.max_depth <= 0) {
+      for (int d = d_lo; d <= d_hi; ++d) lines[d].sum.bound0 += s.base_gain;
+    }
+  }
+  for (int d = d_lo; d <= d_hi; ++d) {
+    const double global_base = plans.GlobalUs(t.base_tokens, t.max_base_tokens, d);
+    const double b = GoodputBound(t.floor_us, t.base_gain, lines[d], global_base, plans.FfnUsPerToken());
+    if (b >= 0) bound[d] = b;  // a NaN (0 / 0) stays +inf: swept first, never skipped
+  }
+  return bound;
 }
 
 // Padded mode with token tiers: every rank runs the agreed tier's P tokens. A rank fills part of
@@ -1356,8 +1403,9 @@ void Planner::OrderItems(LocalState& st) const {
                               (uint64_t{static_cast<uint32_t>(i)} << 8) | static_cast<uint64_t>(j)});
     }
   }
-  std::sort(st.items.begin(), st.items.end(),
-            [](const Item& a, const Item& b) { return a.key < b.key; });
+  // Pushed in request order, positions rising: in the order of the keys' low halves, so the
+  // radix sort (from 64 items: it beat std::sort in the planner bench) gives the key order.
+  SortByHighHalf(st.items, st.items_tmp, 64);
 }
 
 std::array<int64_t, kMaxDraftLen + 1> Planner::ItemsPerDepth(absl::Span<const Item> items,
@@ -1529,8 +1577,27 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
   } else if (tiers) {
     SweepTiers(c, totals->depth_lo, depth_hi, summaries, *totals, decide_, plans);
   } else {
-    for (int d = totals->depth_lo; d <= depth_hi; ++d) {
-      if (c.DepthAllowed(d)) SweepDepth(c, d, summaries, *totals, decide_, plans);
+    // No drafts first (one Consider: a plan to beat), then the depth the last plan chose (the
+    // one whose knots the ranks' summaries hold most of; with one length per rank every depth's
+    // knots are its levels, so none), then the others, shallow to deep. A depth whose bound
+    // from the bases cannot beat the best so far is never entered. The order comes from the
+    // summaries alone, so every rank sweeps alike.
+    const int d_lo = std::max(1, totals->depth_lo);
+    std::array<int, kMaxDraftLen + 1> knots;
+    const std::array<double, kMaxDraftLen + 1> bound =
+        DepthBounds(c, d_lo, depth_hi, summaries, *totals, decide_, plans, knots);
+    int focus = 0;
+    for (int d = d_lo; d <= depth_hi && !c.uniform_per_rank; ++d) {
+      if (c.DepthAllowed(d) && (focus == 0 || knots[d] > knots[focus])) focus = d;
+    }
+    auto sweep = [&](int d) {
+      if (d > 0 && plans.CannotWin(bound[d])) return;
+      SweepDepth(c, d, summaries, *totals, decide_, plans);
+    };
+    if (totals->depth_lo == 0 && c.DepthAllowed(0)) sweep(0);
+    if (focus > 0) sweep(focus);
+    for (int d = d_lo; d <= depth_hi; ++d) {
+      if (d != focus && c.DepthAllowed(d)) sweep(d);
     }
   }
   // Step 4: a rank that sent no usable summary runs the engine's default lengths; every rank

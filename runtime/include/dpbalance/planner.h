@@ -328,6 +328,7 @@ class Planner {
   struct LocalState {
     std::vector<PlanRequest> batch;
     std::vector<Item> items;  // extra-token items, by gain per microsecond, descending
+    std::vector<Item> items_tmp;  // OrderItems' sort buffer
     std::vector<int32_t> base_len;
     int64_t kv_free_tokens = -1;
     BatchAggregates base_agg;
