@@ -741,8 +741,8 @@ void SweepDepth(const PlannerConfig& c, int d, absl::Span<const RankSummary> sum
 // Upper bounds on goodput at each depth d_lo..d_hi (>= 1) over every barrier, from the
 // summaries' bases alone (EnterDepth's bound starts from the segment at the floor): each rank's
 // gain lies under the line from its base with its steepest slope, and under its last knot's. One
-// pass over the ranks, far cheaper than entering a depth, so depths are swept best-first and one
-// that cannot win is never entered. Non-padded only (the FFN term linear in tokens): +inf there.
+// pass over the ranks for every depth, far cheaper than entering one, so a depth that cannot win
+// is never entered. Non-padded only (the FFN term linear in tokens): +inf there.
 // `knots` gets each depth's knots summed over the ranks: Summarize gives most of a rank's pool to
 // the depth of its previous decision (ShareKnotPool), so the depth with the most is where the
 // last plan landed, read off the summaries.
@@ -782,7 +782,7 @@ std::array<double, kMaxDraftLen + 1> DepthBounds(const PlannerConfig& c, int d_l
   for (int d = d_lo; d <= d_hi; ++d) {
     const double global_base = plans.GlobalUs(t.base_tokens, t.max_base_tokens, d);
     const double b = GoodputBound(t.floor_us, t.base_gain, lines[d], global_base, plans.FfnUsPerToken());
-    if (b >= 0) bound[d] = b;  // a NaN (0 / 0) stays +inf: swept first, never skipped
+    if (b >= 0) bound[d] = b;  // a NaN (0 / 0) stays +inf: never skipped
   }
   return bound;
 }
