@@ -754,17 +754,17 @@ std::array<double, kMaxDraftLen + 1> DepthBounds(const PlannerConfig& c, int d_l
   std::array<double, kMaxDraftLen + 1> bound;
   bound.fill(std::numeric_limits<double>::infinity());
   knots.fill(0);
-  for (uint32_t r : scratch.usable_ranks) {
-    for (int d = d_lo; d <= d_hi; ++d) knots[d] += summaries[r].num_knots[d - 1];
-  }
-  if (c.global.padded_tokens) return bound;
   std::array<DepthLines, kMaxDraftLen + 1> lines{};
   for (int d = d_lo; d <= d_hi; ++d) lines[d].max_gain = t.base_gain;
   for (uint32_t r : scratch.usable_ranks) {
     const RankSummary& s = summaries[r];
     for (int d = d_lo; d <= d_hi; ++d) {
+      knots[d] += s.num_knots[d - 1];
       const int slot = std::min<int>(d, s.max_depth);
-      if (slot <= 0) continue;  // no knots at any depth: its base, slope 0
+      if (slot <= 0) {  // no knots at any depth: its base, slope 0
+        lines[d].sum.bound0 += s.base_gain;
+        continue;
+      }
       const int n = s.num_knots[slot - 1];
       if (n > 0) lines[d].max_gain += s.knot_gain[s.knot_begin[slot - 1] + n - 1] - s.base_gain;
       const double m = s.base_max_slope[slot - 1];
@@ -775,10 +775,8 @@ std::array<double, kMaxDraftLen + 1> DepthBounds(const PlannerConfig& c, int d_l
         lines[d].sum.bound0 += s.base_gain - m * s.base_attention_us;
       }
     }
-    if (s.max_depth <= 0) {
-      for (int d = d_lo; d <= d_hi; ++d) lines[d].sum.bound0 += s.base_gain;
-    }
   }
+  if (c.global.padded_tokens) return bound;
   for (int d = d_lo; d <= d_hi; ++d) {
     const double global_base = plans.GlobalUs(t.base_tokens, t.max_base_tokens, d);
     const double b = GoodputBound(t.floor_us, t.base_gain, lines[d], global_base, plans.FfnUsPerToken());
@@ -1587,8 +1585,10 @@ absl::StatusOr<GlobalDecision> Planner::Decide(absl::Span<const RankSummary> sum
     const std::array<double, kMaxDraftLen + 1> bound =
         DepthBounds(c, d_lo, depth_hi, summaries, *totals, decide_, plans, knots);
     int focus = 0;
-    for (int d = d_lo; d <= depth_hi && !c.uniform_per_rank; ++d) {
-      if (c.DepthAllowed(d) && (focus == 0 || knots[d] > knots[focus])) focus = d;
+    if (!c.uniform_per_rank) {
+      for (int d = d_lo; d <= depth_hi; ++d) {
+        if (c.DepthAllowed(d) && (focus == 0 || knots[d] > knots[focus])) focus = d;
+      }
     }
     auto sweep = [&](int d) {
       if (d > 0 && plans.CannotWin(bound[d])) return;
