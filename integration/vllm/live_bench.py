@@ -515,6 +515,32 @@ def acceptance_histogram(values, bins=10):
     return h
 
 
+def first_batch(client):
+    """({rank: its requests in the order sent}, how many of each rank's first requests made the
+    stream's first batch: those sent at its start, every slot at once, whose prefills make the
+    start-up burst)."""
+    per = max(1, client["concurrency"] // client["dp"]) if client.get("placement") == "rr" \
+        else client["concurrency"]
+    by_rank = {}
+    for r in sorted(client["requests"], key=lambda r: int(r["id"].split("-")[1])):
+        by_rank.setdefault(r.get("rank"), []).append(r)
+    return by_rank, per
+
+
+def tpot_split(client):
+    """(TPOT ms of the first batch's requests, TPOT ms of every later one): the first batch
+    decodes through the start-up burst of prefills (every arm's alike), the rest in the steady
+    stream and the drain, where a plan's own tail would show."""
+    by_rank, per = first_batch(client)
+    first = {id(x) for rs in by_rank.values() for x in rs[:per]}
+    split = ([], [])
+    for r in client["requests"]:
+        t = request_tpot_ms(r)
+        if t is not None:
+            split[id(r) not in first].append(t)
+    return split
+
+
 def steady_window(client):
     """(start, end, tokens) of the stream's steady state, seconds from its start: from the first
     token of the last of the first batch's requests (every slot decoding) to the moment the first
@@ -524,11 +550,7 @@ def steady_window(client):
     if not reqs or not all(r.get("stamps") for r in reqs):
         return None
     t_begin = client["t_begin"]
-    per = max(1, client["concurrency"] // client["dp"]) if client.get("placement") == "rr" \
-        else client["concurrency"]
-    by_rank = {}
-    for r in sorted(reqs, key=lambda r: int(r["id"].split("-")[1])):
-        by_rank.setdefault(r.get("rank"), []).append(r)
+    by_rank, per = first_batch(client)
     start = max(x["stamps"][0][0] for rs in by_rank.values() for x in rs[:per])
     end = min(max(x["t0"] - t_begin for x in rs) for rs in by_rank.values())
     if end - start < 1.0:
@@ -563,6 +585,7 @@ def summarize_arm(log_dir, dp, warmup):
     reqs = client["requests"]
     toks = sum(r["out"] for r in reqs)
     tpot = [t for t in map(request_tpot_ms, reqs) if t is not None]
+    tpot_first, tpot_later = tpot_split(client) if reqs else ([], [])
     # The step's forward: the slowest rank's (every rank leaves the step's last MoE collective
     # together, then samples its own tokens). Attention's share of it, the mean rank's (what the
     # balancing can move) and the slowest rank's.
@@ -645,6 +668,8 @@ def summarize_arm(log_dir, dp, warmup):
         "decode_goodput_tok_per_s": dec_tok / dec_s if dec_s else None,
         "output_tokens": toks, "wall_s": client["wall_s"], "startup_s": client["startup_s"],
         "tpot_p50_ms": pct(tpot, 50), "tpot_p99_ms": pct(tpot, 99),
+        "tpot_p99_first_batch_ms": pct(tpot_first, 99),
+        "tpot_p99_after_first_batch_ms": pct(tpot_later, 99),
         "acceptance_rate": accepted / drafted if drafted else None,
         "drafts_per_request_step": drafted / verified if verified else None,
         "drafted": drafted, "accepted": accepted,
@@ -1073,8 +1098,8 @@ def paired(num, den, key, fn=lambda a, b: a / b):
     the machine's drift cancels); mean, 95% t interval, and the per-replicate values."""
     by_rep = {r["replicate"]: r for r in den}
     vals = [fn(r[key], by_rep[r["replicate"]][key]) for r in num
-            if r["replicate"] in by_rep and r[key] is not None
-            and by_rep[r["replicate"]][key]]
+            if r["replicate"] in by_rep and r.get(key) is not None
+            and by_rep[r["replicate"]].get(key)]
     m, h = mean_ci(vals)
     return {"mean": m, "ci95": h, "low": (m - h) if h is not None else None,
             "high": (m + h) if h is not None else None, "per_replicate": vals}
@@ -1248,6 +1273,11 @@ def workload_summary(runs, ab, predicted, bypass=()):
         out.update(tpot_p99_ratio=t["mean"], tpot_p99_ratio_ci95=t["ci95"],
                    tpot_p99_ratio_ci95_low=t["low"], tpot_p99_ratio_ci95_high=t["high"])
         out["tpot_p50_ratio"] = paired(dpb, sb, "tpot_p50_ms")["mean"]
+        for part in ("first_batch", "after_first_batch"):
+            t = paired(dpb, sb, f"tpot_p99_{part}_ms")
+            out.update({f"tpot_p99_{part}_ratio": t["mean"],
+                        f"tpot_p99_{part}_ratio_ci95_low": t["low"],
+                        f"tpot_p99_{part}_ratio_ci95_high": t["high"]})
         if ds:
             v = paired(dpb, ds, "goodput_tok_per_s")
             out.update(goodput_ratio_vs_dspark=v["mean"], goodput_ratio_vs_dspark_ci95_low=v["low"],
@@ -1467,14 +1497,17 @@ def resolution_lines(s):
     per replicate), and whether that half-width is within 5 points."""
     rows = [("goodput (steady)", "goodput_ratio", None), ("wall goodput", "wall_goodput_ratio",
                                                            "wall_goodput_ratio_ci95"),
-            ("TPOT p99", "tpot_p99_ratio", "tpot_p99_ratio_ci95")]
+            ("TPOT p99", "tpot_p99_ratio", "tpot_p99_ratio_ci95"),
+            ("TPOT p99 of the first batch (the start-up burst)", "tpot_p99_first_batch_ratio",
+             None),
+            ("TPOT p99 after the first batch", "tpot_p99_after_first_batch_ratio", None)]
     out = []
     for label, key, half_key in rows:
         v = s.get(key)
         if v is None:
             continue
-        if half_key is None:
-            lo, hi = s.get("goodput_ratio_ci95_low"), s.get("goodput_ratio_ci95_high")
+        if half_key is None:  # from the interval's ends
+            lo, hi = s.get(key + "_ci95_low"), s.get(key + "_ci95_high")
             half = (hi - lo) / 2 if lo is not None and hi is not None else None
         else:
             half = s.get(half_key)

@@ -137,6 +137,20 @@ client = {"t_begin": 100.0, "concurrency": 2, "dp": 2, "placement": "rr", "reque
 w = lb.steady_window(client)
 check("steady window and its tokens", w == (1.5, 4.0, 3), w)
 
+# The TPOT split: the first batch (each rank's first concurrency / dp requests in the order sent,
+# whatever order the client recorded them in) against every later request; TPOT = (end - first)
+# / (out - 1), a request of one token has none.
+timed = {"t_begin": 0.0, "concurrency": 2, "dp": 2, "placement": "rr", "requests": [
+    {"id": "req-2", "rank": 0, "first": 4.0, "end": 5.0, "out": 11},    # later: 100 ms
+    {"id": "req-0", "rank": 0, "first": 1.0, "end": 3.0, "out": 11},    # first batch: 200 ms
+    {"id": "req-10", "rank": 1, "first": 6.0, "end": 6.5, "out": 11},   # later: 50 ms
+    {"id": "req-1", "rank": 1, "first": 1.0, "end": 4.0, "out": 11},    # first batch: 300 ms
+    {"id": "req-3", "rank": 1, "first": 5.0, "end": 5.0, "out": 1}]}    # later, no TPOT
+first, later = lb.tpot_split(timed)
+check("TPOT split: the first batch and the later requests",
+      (sorted(round(t, 6) for t in first), sorted(round(t, 6) for t in later))
+      == ([200.0, 300.0], [50.0, 100.0]), (first, later))
+
 # The plugin's default margin for a model file (flags.cc's rule), which the live run's CPU arms
 # and the prediction's H200 rows each take from their own model.
 with tempfile.TemporaryDirectory() as d:
