@@ -111,6 +111,28 @@ def main():
     st.note_run("depth", 2)
     st.end_run(token)
     checks.check("the depth that ran is what is reported", st._lens_run(st.waiting[pf.seq]) == [2, 2])
+    # DPBALANCE_SGLANG_DSPARK_TOPK: SGLang's own lengths (the anchor counted) are reported as
+    # drafts; the flag is 0, 1 or unset, anything else read as 0.
+    import torch
+
+    g = batch(2)
+    pg = plan(g)
+    token = st.begin_run(g)
+    st.note_run("sglang_lens", torch.tensor([1, 4], dtype=torch.int32))
+    st.end_run(token)
+    checks.check("SGLang's top-k lengths are reported as drafts",
+                 st._lens_run(st.waiting[pg.seq]) == [0, 3])
+    saved = os.environ.get("DPBALANCE_SGLANG_DSPARK_TOPK")
+    try:
+        for raw, want in (("", False), ("0", False), ("1", True), ("yes", False), ("2", False)):
+            os.environ["DPBALANCE_SGLANG_DSPARK_TOPK"] = raw
+            checks.check(f"DPBALANCE_SGLANG_DSPARK_TOPK={raw!r} reads {want}",
+                         engine_step.read_dspark_topk() is want)
+    finally:
+        if saved is None:
+            os.environ.pop("DPBALANCE_SGLANG_DSPARK_TOPK", None)
+        else:
+            os.environ["DPBALANCE_SGLANG_DSPARK_TOPK"] = saved
     checks.check("the plugin answers last_step", before is not None)
     checks.finish()
 

@@ -1012,15 +1012,31 @@ class Observer:
         wcls = type(spec_worker)
         pcls = type(spec_worker._verify_planner)
         orig_layout = pcls.schedule_layout
+        # SGLang's top-k allocator (the one dspark_planner.py calls): its confidence, budget and
+        # lengths, attached to the layout it was run for.
+        from sglang.kernels.ops.speculative.dspark import dspark_schedule
+        topk_cls = dspark_schedule.ScheduleVerifyLensTopk
+        orig_topk = topk_cls.execute
+        last_topk = []
+
+        def execute(_cls, *a, **k):
+            out = orig_topk(*a, **k)
+            last_topk[:] = [{"confidence": k["confidence"].float().tolist(),
+                             "budget": int(k["budget"]), "lens": out.tolist()}]
+            return out
+
+        topk_cls.execute = classmethod(execute)
 
         def schedule_layout(self, *a, **k):
+            last_topk.clear()
             layout = orig_layout(self, *a, **k)
             if cur:
                 d = {"verify_all": bool(getattr(self, "_is_verify_all", False)),
                      "plan": running_plan(),
                      "dp_tier_num_tokens": k.get("dp_tier_num_tokens"),
                      "budget": _jsonable(k.get("budget")),
-                     "global_num_reqs": k.get("global_num_reqs")}
+                     "global_num_reqs": k.get("global_num_reqs"),
+                     "topk": last_topk[0] if last_topk else None}
                 if layout is not None:
                     lens = layout.verify_lens_cpu
                     d["verify_lens"] = list(lens) if lens is not None else \

@@ -69,6 +69,8 @@ def cases():
         if fixed_terms:
             c["env"]["DPB_LEARN_STEP_TERMS"] = "0"
         c["learn_terms"] = not fixed_terms
+        if kw.get("topk"):
+            c["env"]["DPBALANCE_SGLANG_DSPARK_TOPK"] = "1"
         c.update(kw)
         return c
 
@@ -79,6 +81,9 @@ def cases():
     short = [dict(r, max_new_tokens=min(r["max_new_tokens"], 50)) for r in long_requests()]
     return {
         "overlap_dspark": case("overlap", "dspark", 150, draft_moe=True, min_steps=100),
+        # The plan's drafts per rank spent by DSpark's own top-k on the fresh confidence.
+        "overlap_dspark_topk": case("overlap", "dspark", 150, draft_moe=True, min_steps=100,
+                                    topk=True),
         "normal_dspark_sps": case("normal", "dspark_sps", 160, min_steps=100),
         "overlap_eagle": case("overlap", "eagle_adaptive", 160, accept_schedule=swing,
                               min_steps=100, fixed_terms=True),
@@ -154,6 +159,29 @@ def check_common(c, got, f):
     return figures
 
 
+def topk_reference(confidence, budget, gamma):
+    """SGLang's top-k rule read by hand (sglang/kernels/ops/speculative/dspark/dspark_schedule.py,
+    `schedule_verify_lens_topk_from_survival`, 98984213ca90b9d0f5ad2099efcda7c469ab4e49; its
+    limits from SGLang's own DSparkScheduleConfig): a draft's survival is the running product of
+    its request's confidences; of the drafts in the verify window whose survival is at least
+    survival_eps, the `budget` largest, ties to the earlier position, then the earlier request;
+    each request verifies min_verify_len plus its drafts taken, within [max(min, 1), max len]."""
+    from sglang.srt.speculative.dspark_components.dspark_planner import DSparkScheduleConfig
+
+    cfg = DSparkScheduleConfig(gamma=gamma)
+    lo, hi = cfg.min_verify_len, cfg.resolved_max_verify_len()
+    import torch
+
+    # The running product in float32, as SGLang's survival is (compute_sort_survival).
+    survival = torch.cumprod(torch.tensor(confidence, dtype=torch.float32), dim=1).tolist()
+    drafts = [(x, j, i) for i, row in enumerate(survival) for j, x in enumerate(row[:hi])]
+    drafts.sort(key=lambda t: (-t[0], t[1], t[2]))
+    taken = [0] * len(confidence)
+    for surv, j, i in drafts[:budget]:
+        taken[i] += surv >= cfg.survival_eps
+    return [min(max(lo + t, max(lo, 1)), hi) for t in taken]
+
+
 def layouts(rec):
     """(iteration, layout record) of every DSpark verify layout this rank built."""
     return [(it["iter"], d) for it in rec["iterations"] for d in it.get("dspark_layout", [])]
@@ -163,7 +191,7 @@ def check_dspark(c, got, f):
     """3: DSpark verifies the plan's lengths, each busy rank the total every rank agreed for it,
     and (MoE-draft path) the agreed tier is the plan's on busy and idle ranks."""
     width = None
-    changed, checked = 0, 0
+    changed, checked, topk_moved = 0, 0, 0
     tiers = {}  # iteration -> {rank: dp tier it laid out with}
     for p, rec in sorted(got.items()):
         r = rec["dp_rank"]
@@ -175,11 +203,30 @@ def check_dspark(c, got, f):
             checked += 1
             width = max(width or 0, max(lens))
             want = [1 + k for k in plan["lens"]]
-            f.check(lens == want, f"process {p} iteration {i}: DSpark verifies {lens}, the "
-                                  f"plan {want}")
-            f.check(sum(lens) == plan["rank_tokens"][r],
-                    f"process {p} iteration {i}: verifies {sum(lens)} tokens, every rank "
-                    f"agreed {plan['rank_tokens'][r]} for DP rank {r}")
+            if c.get("topk"):
+                # SGLang's top-k ran on the plan's budget and its lengths are what DSpark lays
+                # out; the brute-force reading of its rule (topk_reference) gives the same.
+                topk = d.get("topk")
+                if not f.check(topk is not None, f"process {p} iteration {i}: no top-k ran"):
+                    continue
+                f.check(topk["budget"] == sum(plan["lens"]),
+                        f"process {p} iteration {i}: top-k budget {topk['budget']}, the plan's "
+                        f"drafts {sum(plan['lens'])}")
+                f.check(topk["lens"] == lens, f"process {p} iteration {i}: top-k {topk['lens']}, "
+                                              f"laid out {lens}")
+                ref = topk_reference(topk["confidence"], topk["budget"], c.get("gamma", 4))
+                f.check(ref == lens, f"process {p} iteration {i}: SGLang's rule read by hand "
+                                     f"gives {ref}, DSpark verifies {lens}")
+                f.check(sum(lens) <= plan["rank_tokens"][r],
+                        f"process {p} iteration {i}: verifies {sum(lens)} tokens, more than "
+                        f"the {plan['rank_tokens'][r]} every rank agreed for DP rank {r}")
+                topk_moved += lens != want
+            else:
+                f.check(lens == want, f"process {p} iteration {i}: DSpark verifies {lens}, the "
+                                      f"plan {want}")
+                f.check(sum(lens) == plan["rank_tokens"][r],
+                        f"process {p} iteration {i}: verifies {sum(lens)} tokens, every rank "
+                        f"agreed {plan['rank_tokens'][r]} for DP rank {r}")
             changed += lens != [1 + (c.get("gamma", 4))] * len(lens)
             tiers.setdefault(i, {})[r] = (d.get("dp_tier_num_tokens"), plan["padded"])
         for it in rec["iterations"]:
@@ -189,6 +236,13 @@ def check_dspark(c, got, f):
                                                            d["plan"]["padded"])
     f.check(checked >= c["min_steps"], f"only {checked} planned DSpark layouts checked")
     f.check(changed > 0, "the plan never changed DSpark's verify-all lengths")
+    if c.get("topk"):
+        # The confidence must move drafts between requests, or the test shows nothing.
+        f.check(topk_moved > 0, "the top-k always verified the plan's own lengths")
+        for p, rec in sorted(got.items()):
+            s = rec["dpbalance"] or {}
+            f.check(s.get("dspark_topk") and s.get("applied", {}).get("dspark_topk_budget", 0)
+                    >= checked // 4, f"process {p}: top-k hand-offs {s.get('applied')}")
     if c.get("draft_moe"):
         both = {i: t for i, t in tiers.items() if len(t) == 2}
         for i, t in sorted(both.items()):
@@ -199,6 +253,7 @@ def check_dspark(c, got, f):
                     f"iteration {i}: tier laid out / the plan's per rank {t}")
         f.check(len(both) >= c["min_steps"] // 2, f"only {len(both)} iterations with both tiers")
     return {"layouts_checked": checked, "lengths_changed_by_the_plan": changed,
+            "topk_moved_from_the_plan": topk_moved,
             "tier_iterations": len([t for t in tiers.values() if len(t) == 2])}
 
 

@@ -208,6 +208,7 @@ class RankState:
         self.waiting: collections.OrderedDict = collections.OrderedDict()
         self.spec = spec_config.SpecConfig.none()
         self.timer = attention_timer.AttentionTimer()
+        self.dspark_topk = False       # DPBALANCE_SGLANG_DSPARK_TOPK (read_dspark_topk)
 
     # --- the plugin -------------------------------------------------------------------------
 
@@ -232,6 +233,7 @@ class RankState:
                       "every rank", self.init_error)
             return
         self.spec = spec_config.SpecConfig.from_sglang(model_runner)
+        self.dspark_topk = read_dspark_topk() and self.spec.alg == "dspark"
         config = self.spec.plugin_config()
         try:
             path = library.resolve(value)
@@ -493,6 +495,8 @@ class RankState:
         bp, ran = w.bp, w.ran
         if ran is not None and ran[0] == "depth":
             return [int(ran[1])] * len(bp.rids)
+        if ran is not None and ran[0] == "sglang_lens":  # SGLang's own, the anchor counted
+            return [max(0, int(x) - 1) for x in ran[1].tolist()]
         if ran is not None:
             return list(ran[1])
         if bp.kind == "decode" and self.spec.alg != "none":
@@ -510,11 +514,24 @@ class RankState:
                "attention_reports": n.attention_reports, "attention_us": n.attention_us,
                "outstanding": len(self.waiting), "init_error": self.init_error,
                "plugin": self.dpb is not None, "spec": self.spec.describe(),
+               "dspark_topk": self.dspark_topk,
                "timed_layers": self.timer.num_layers}
         if self.dpb is not None:
             out["stats"] = self.dpb.stats()
             out["step_terms"] = self.dpb.step_terms()  # what the plans priced the step with
         return out
+
+
+def read_dspark_topk() -> bool:
+    """DPBALANCE_SGLANG_DSPARK_TOPK: 1 hands each DSpark rank's planned drafts to DSpark's own
+    top-k on the draft's fresh confidence (patch/dspark.py); 0 or unset, the plan's lengths.
+    Any other value is logged, naming it, and read as 0."""
+    raw = os.environ.get("DPBALANCE_SGLANG_DSPARK_TOPK", "")
+    if raw in ("", "0", "1"):
+        return raw == "1"
+    log.error("dpbalance_sglang: environment variable DPBALANCE_SGLANG_DSPARK_TOPK: %r is not 0 "
+              "or 1 (read as 0: DSpark verifies the plan's lengths)", raw)
+    return False
 
 
 def accepted_per_request(result, n: int) -> Optional[Sequence[int]]:

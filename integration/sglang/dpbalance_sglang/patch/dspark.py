@@ -18,7 +18,13 @@ length and the agreed verify tier come from the plan of the batch being run
                                                its attention-TP broadcast, so SGLang's collectives
                                                stay paired), then its lengths are the plan's
                                                1 + verify_len (DSpark counts the anchor); where
-                                               SGLang schedules none (no budget yet), the plan's
+                                               SGLang schedules none (no budget yet), the plan's.
+                                               With DPBALANCE_SGLANG_DSPARK_TOPK=1 its budget is
+                                               the plan's drafts for this rank instead, and its
+                                               own top-k on the fresh confidence picks which
+                                               requests verify them (the replay's "budget spent
+                                               by the signal"): the rank's total, and so the
+                                               agreed tier, stay the plan's
 
 All only when the plan's exchange went through (every DP rank's total known), on every rank
 alike; a rank that fell back then runs the plan's defaults (DPB_DEFAULT_K = the whole block:
@@ -76,12 +82,22 @@ def around_schedule_layout(original, self, *args, **kwargs):
 
 
 def around_schedule_verify_lens(original, self, *args, **kwargs):
-    lens = original(self, *args, **kwargs)
     bp = _decode_plan()
     pool = kwargs.get("req_pool_indices", args[0] if args else None)
     n = int(pool.shape[0]) if pool is not None else -1
     if bp is None or len(bp.plan.verify_len) != n:
-        return lens
+        return original(self, *args, **kwargs)
+    st = engine_step.state()
+    if st.dspark_topk and kwargs.get("confidence") is not None and "budget" in kwargs:
+        # One call (its broadcast stays paired): SGLang's top-k spends the plan's drafts.
+        lens = original(self, *args, **dict(kwargs, budget=int(sum(bp.plan.verify_len))))
+        if lens is not None:
+            st.applied("dspark_topk_budget")
+            st.note_run("sglang_lens", lens.detach().clone())  # read at the report, not here
+            return lens
+        # No budget planner: nothing scheduled, the plan's lengths below.
+    else:
+        lens = original(self, *args, **kwargs)
     import torch
 
     try:
