@@ -760,14 +760,13 @@ std::array<double, kMaxDraftLen + 1> DepthBounds(const PlannerConfig& c, int d_l
     const RankSummary& s = summaries[r];
     for (int d = d_lo; d <= d_hi; ++d) {
       knots[d] += s.num_knots[d - 1];
-      const int slot = std::min<int>(d, s.max_depth);
-      if (slot <= 0) {  // no knots at any depth: its base, slope 0
+      const DepthKnots dk = KnotsAtDepth(s, d);
+      if (dk.slot == 0) {  // no knots at any depth: its base, slope 0
         lines[d].sum.bound0 += s.base_gain;
         continue;
       }
-      const int n = s.num_knots[slot - 1];
-      if (n > 0) lines[d].max_gain += s.knot_gain[s.knot_begin[slot - 1] + n - 1] - s.base_gain;
-      const double m = s.base_max_slope[slot - 1];
+      if (dk.count > 0) lines[d].max_gain += s.knot_gain[dk.first + dk.count - 1] - s.base_gain;
+      const double m = s.base_max_slope[dk.slot - 1];
       if (std::isinf(m)) {
         ++lines[d].sum.unbounded;
       } else {
