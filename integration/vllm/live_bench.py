@@ -532,12 +532,12 @@ def tpot_split(client):
     decodes through the start-up burst of prefills (every arm's alike), the rest in the steady
     stream and the drain, where a plan's own tail would show."""
     by_rank, per = first_batch(client)
-    first = {id(x) for rs in by_rank.values() for x in rs[:per]}
     split = ([], [])
-    for r in client["requests"]:
-        t = request_tpot_ms(r)
-        if t is not None:
-            split[id(r) not in first].append(t)
+    for rs in by_rank.values():
+        for n, r in enumerate(rs):
+            t = request_tpot_ms(r)
+            if t is not None:
+                split[n >= per].append(t)
     return split
 
 
@@ -584,8 +584,8 @@ def summarize_arm(log_dir, dp, warmup):
     verified = sum(len(r.get("q") or []) for st in steps for r in st)  # request-steps
     reqs = client["requests"]
     toks = sum(r["out"] for r in reqs)
-    tpot = [t for t in map(request_tpot_ms, reqs) if t is not None]
-    tpot_first, tpot_later = tpot_split(client) if reqs else ([], [])
+    tpot_first, tpot_later = tpot_split(client)
+    tpot = tpot_first + tpot_later  # every request's (pct sorts)
     # The step's forward: the slowest rank's (every rank leaves the step's last MoE collective
     # together, then samples its own tokens). Attention's share of it, the mean rank's (what the
     # balancing can move) and the slowest rank's.
