@@ -67,7 +67,8 @@
 # the instance (live_bench.py bypass_summary): the plugin's whole cost per step, resolved to
 # fractions of a percent where instances apart cannot resolve 5%. --plugin-arms LIST: only these
 # plugin arms (of dspark, dpbalance, dpbalance_own, auto, ab, bypass). --no-nospec: no
-# no-speculation arm (calibration from the static arms alone, as --quick).
+# no-speculation arm (calibration from the static arms alone, as --quick: too few decode-only
+# steps to fit that kernel path apart, so dpbalance-calibrate prices both with one formula).
 #
 # --routing LIST (of vllm, rr, A, B, C, D, E; e.g. vllm,A,B,C,D,E): routing arms instead of the
 # verify arms, on the mixed stream with long and short contexts (every 5th prompt 6000 tokens, the

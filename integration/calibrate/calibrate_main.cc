@@ -313,6 +313,15 @@ int FitAttention(const Options& options) {
   nlohmann::json out;
   std::printf("fitted on %zu rows; nonzero coefficients (us per unit):\n", train->size());
   PrintCoefficients(*model);
+  const PathSupport paths = KernelPathSupport(*train);
+  std::printf("kernel paths: single-query %zu rows (largest %.0f key tokens), multi-query %zu rows (%.0f): %s\n",
+              paths.rows[0], paths.max_key_tokens[0], paths.rows[1], paths.max_key_tokens[1],
+              paths.split ? "each path fitted its own extras"
+                          : "one formula prices both (one path's rows are too few or too small to fit it "
+                            "apart; docs/cost-model.md, \"Kernel paths\")");
+  out["kernel_paths"] = {{"single_query_rows", paths.rows[0]},
+                         {"multi_query_rows", paths.rows[1]},
+                         {"split", paths.split}};
   const ErrorStats fit_err = EvaluateModel(*model, *train);
   std::printf("training rows: mape %.4f p90 %.4f max %.4f\n", fit_err.mape, fit_err.p90_ape, fit_err.max_ape);
   if (options.folds >= 2) {

@@ -111,6 +111,20 @@ Eigen::VectorXd SolveNnlsGram(const Eigen::MatrixXd& g, const Eigen::VectorXd& c
   return x;
 }
 
+PathSupport KernelPathSupport(absl::Span<const TimingSample> samples) {
+  PathSupport p;
+  for (const TimingSample& s : samples) {
+    if (!(s.measured_us > 0 && std::isfinite(s.measured_us))) continue;
+    const int m = s.agg.multi_query ? 1 : 0;
+    p.rows[m] += 1;
+    p.max_key_tokens[m] = std::max(p.max_key_tokens[m], s.agg.key_tokens);
+  }
+  p.split = p.rows[0] >= kMinPathRows && p.rows[1] >= kMinPathRows &&
+            p.max_key_tokens[0] >= kMinPathReach * p.max_key_tokens[1] &&
+            p.max_key_tokens[1] >= kMinPathReach * p.max_key_tokens[0];
+  return p;
+}
+
 absl::StatusOr<CostModel> FitCostModel(absl::Span<const TimingSample> samples,
                                        const FitOptions& options) {
   if (!(options.loss_power >= 1 && options.loss_power <= 3)) {
@@ -123,7 +137,8 @@ absl::StatusOr<CostModel> FitCostModel(absl::Span<const TimingSample> samples,
   }
   std::vector<int> cols = options.features;
   if (cols.empty()) {
-    for (int f = 0; f < kF; ++f) cols.push_back(f);
+    const int last = KernelPathSupport(samples).split ? kF : kNumCostTerms;
+    for (int f = 0; f < last; ++f) cols.push_back(f);
   }
   if (rows.size() < 2 * cols.size() / 3 + 1) {
     return absl::InvalidArgumentError(absl::StrFormat(

@@ -1,6 +1,7 @@
 #include "dpbalance/calibration.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <numeric>
 #include <optional>
@@ -84,6 +85,93 @@ TEST(Fit, RecoversAKnownModelExactly) {
   absl::StatusOr<CostModel> fit = FitCostModel(rows);
   ASSERT_TRUE(fit.ok()) << fit.status();
   EXPECT_LT(EvaluateModel(*fit, rows).max_ape, 1e-3);
+}
+
+// Rows of one rank's batches: `n` of `b` requests at contexts up to `max_ctx`, each verifying
+// 1..`max_q` query tokens (max_q = 1: every q_i = 1, the single-query path; else at least one
+// request verifies), priced by `truth`.
+std::vector<TimingSample> PathRows(const CostModel& truth, int n, int b, int64_t max_ctx, int max_q,
+                                   std::mt19937_64& rng) {
+  std::vector<TimingSample> rows;
+  for (int i = 0; i < n; ++i) {
+    TimingSample s;
+    for (int k = 0; k < b; ++k) {
+      const int32_t q = max_q == 1 ? 1 : (k == 0 ? 2 : 1 + static_cast<int32_t>(rng() % max_q));
+      s.agg.Add({1 + static_cast<int64_t>(rng() % max_ctx), q});
+    }
+    s.measured_us = truth.AttentionUs(s.agg);
+    rows.push_back(s);
+  }
+  return rows;
+}
+
+TEST(Fit, KernelPathSupportNeedsRowsAndReachOnBothPaths) {
+  const CostModel truth = CostModel::PublishedV2();
+  std::mt19937_64 rng(5);
+  const std::vector<TimingSample> multi = PathRows(truth, 200, 12, 6000, 4, rng);
+  const auto support = [&](std::vector<TimingSample> single) {
+    single.insert(single.end(), multi.begin(), multi.end());
+    return KernelPathSupport(single);
+  };
+  // Enough rows of both paths over the same batches: split.
+  PathSupport p = support(PathRows(truth, kMinPathRows, 12, 6000, 1, rng));
+  EXPECT_EQ(p.rows[0], kMinPathRows);
+  EXPECT_EQ(p.rows[1], 200u);
+  EXPECT_TRUE(p.split);
+  // One row short of kMinPathRows: one formula.
+  EXPECT_FALSE(support(PathRows(truth, kMinPathRows - 1, 12, 6000, 1, rng)).split);
+  // Many rows, all one-request batches (the drain's): the largest reaches under a quarter of the
+  // largest verify batch's key tokens (~6,000 against ~60,000), so one formula.
+  p = support(PathRows(truth, 500, 1, 6000, 1, rng));
+  EXPECT_LT(p.max_key_tokens[0], kMinPathReach * p.max_key_tokens[1]);
+  EXPECT_FALSE(p.split);
+  // No rows of a path at all.
+  EXPECT_FALSE(KernelPathSupport(multi).split);
+  // The shared H200 files show both paths: their published fits keep the split.
+  for (const char* v : {"gqa", "packed"}) EXPECT_TRUE(KernelPathSupport(Rows(v)).split) << v;
+}
+
+// The live vLLM case (docs/cost-model.md, "Kernel paths"): rows from speculative arms hold
+// thousands of verify steps and a handful of one-request decode steps. Fitted apart, the decode
+// path would be learnt from those few and priced at a constant for any batch; with one formula
+// a 12-request decode batch is priced by what the verify rows taught about contexts.
+TEST(Fit, APathSeenInAFewSmallBatchesIsPricedByTheOtherPathsFormula) {
+  CostModel::Weights w{};
+  w[FeatureIndex(Regime::kBase, CostTerm::kConstant)] = 2000;
+  w[FeatureIndex(Regime::kMultiQuery, CostTerm::kKeyTokens)] = 0.14;
+  w[FeatureIndex(Regime::kMultiQuery, CostTerm::kQueryKeyPairs)] = 0.11;
+  w[FeatureIndex(Regime::kSingleQuery, CostTerm::kKeyTokens)] = 0.16;  // decode: 0.16 a key token
+  const CostModel truth = *CostModel::Create(w, "truth");
+  std::mt19937_64 rng(7);
+  std::vector<TimingSample> rows = PathRows(truth, 2000, 12, 6000, 4, rng);
+  std::vector<TimingSample> drain = PathRows(truth, 5, 1, 1000, 1, rng);
+  // Timing noise as measured live: ~10% a verify step, 2.4-6.0 ms for one-request decode steps
+  // of ~1,000 keys (log-normal sigma 0.1 and 0.4).
+  std::normal_distribution<double> noise(0, 1);
+  for (TimingSample& s : rows) s.measured_us *= std::exp(0.1 * noise(rng));
+  for (TimingSample& s : drain) s.measured_us *= std::exp(0.4 * noise(rng));
+  rows.insert(rows.end(), drain.begin(), drain.end());
+  ASSERT_FALSE(KernelPathSupport(rows).split);
+  absl::StatusOr<CostModel> fit = FitCostModel(rows);
+  ASSERT_TRUE(fit.ok()) << fit.status();
+  for (int f = kNumCostTerms; f < kNumCostFeatures; ++f) EXPECT_EQ(fit->weights_us()[f], 0) << FeatureName(f);
+  EXPECT_LT(EvaluateModel(*fit, rows).mape, 0.1);  // the verify rows fit as before
+  BatchAggregates decode;
+  for (int k = 0; k < 12; ++k) decode.Add({5000, 1});
+  const double real = truth.AttentionUs(decode);  // 11.6 ms
+  // One formula: the verify formula at q = 1 (17.0 ms here: this truth's decode path is
+  // cheaper), within 1.5x. Fitted apart (every feature named), the five noisy rows set the
+  // decode path's slope: off by more than half (with this seed), where a plan that believes it
+  // cheap runs decode-only steps.
+  const double one_formula = fit->AttentionUs(decode);
+  EXPECT_GT(one_formula, real / 1.5);
+  EXPECT_LT(one_formula, real * 1.5);
+  FitOptions apart;
+  for (int f = 0; f < kNumCostFeatures; ++f) apart.features.push_back(f);
+  const double fitted_apart = FitCostModel(rows, apart)->AttentionUs(decode);
+  EXPECT_GT(std::abs(fitted_apart / real - 1), 0.5);
+  std::printf("12-request decode batch: truth %.0f us, one formula %.0f, fitted apart %.0f\n", real,
+              one_formula, fitted_apart);
 }
 
 // Real H200 rows: the fitted family must beat the published form refitted, by a wide margin.

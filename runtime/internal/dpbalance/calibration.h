@@ -6,7 +6,8 @@
 //   *relative* error (rows weighted by 1/measured, so a 40 us and a 40 ms batch count alike;
 //   iteratively reweighted NNLS, since MAPE is the figure of merit),
 //   over every feature of the model family at once. Which terms matter is decided by the fit
-//   (NNLS zeroes the rest); nothing is tuned per data file.
+//   (NNLS zeroes the rest); nothing is tuned per data file. A kernel path's extras join the fit
+//   only where the rows show both paths (`KernelPathSupport`).
 //   Linear algebra: Eigen (column-pivoting Householder QR inside a Lawson-Hanson active set).
 // - `OnlineCostModel` refits from a rank's own measured steps on two time scales: the shape is
 //   recursive least squares with exponential forgetting kept in normal-equation form (an O(F^2)
@@ -27,6 +28,7 @@
 #pragma once
 
 #include <Eigen/Dense>
+#include <array>
 #include <cmath>
 #include <vector>
 
@@ -66,6 +68,23 @@ struct FitOptions {
 };
 absl::StatusOr<CostModel> FitCostModel(absl::Span<const TimingSample> samples,
                                        const FitOptions& options = {});
+
+// Whether timing rows show both kernel paths (every q_i = 1, or some q_i > 1) well enough to fit
+// each its own extras. With every feature (`FitOptions::features` empty) the fit gives the paths
+// extras only where `split`: each path has at least kMinPathRows rows, and each path's largest
+// batch (its key tokens, the sum of its contexts) reaches kMinPathReach of the other's.
+// Otherwise the fit keeps the base terms alone and one formula prices both paths: extras fitted
+// on a handful of small batches extrapolate (live vLLM rows from speculative arms alone hold five
+// one-request decode steps against 13,000 verify steps: their single-query path priced a
+// 12-request decode step at 2.6 ms, measured 12 ms; docs/cost-model.md, "Kernel paths").
+inline constexpr size_t kMinPathRows = 16;
+inline constexpr double kMinPathReach = 0.25;
+struct PathSupport {
+  std::array<size_t, 2> rows{};               // [0]: single-query path, [1]: multi-query path
+  std::array<double, 2> max_key_tokens{};     // 0 for a path without rows
+  bool split = false;
+};
+PathSupport KernelPathSupport(absl::Span<const TimingSample> samples);
 
 // Non-negative least squares in normal-equation form: argmin x'Gx - 2c'x subject to x >= 0
 // (Lawson-Hanson active set; each passive-set solve is Eigen's LDLT). `warm` (optional) is a
