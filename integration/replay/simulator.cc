@@ -33,6 +33,9 @@ struct InflightRequest {
   double start_us;
   std::array<double, kMaxDraftLen> rates;  // true conditional acceptance
   AcceptanceCurve truth_curve;
+  // The trace's `offered` (the chance the drafter offers at least j drafts), or empty: every
+  // draft is offered. Drawn once a step; every row's verify length is capped at the count.
+  std::vector<double> offered;
   // SimConfig::step_acceptance_sigma: this step's logit offset on `rates` and the rates it
   // gives (what the step's accept draws use); confidence_sigma: the draft confidence's logit
   // offset at this step and the two before (newest first), and how many steps have drawn one.
@@ -167,7 +170,9 @@ class Simulation {
   const InflightRequest::Seen& Observe(InflightRequest& a, std::vector<int32_t>& pending) const;
   // The planner's PlanRequest for `a` on rank `rank`, from what the engine knows.
   PlanRequest PlanRequestFor(int rank, const InflightRequest& a, const InflightRequest::Seen& seen,
-                             absl::Span<const int32_t> pending) const;
+                             absl::Span<const int32_t> pending, int32_t offered) const;
+  // This step's count of drafts the drafter offers a request (its trace's `offered`).
+  int32_t OfferedDrafts(const InflightRequest& a);
   // Feeds a step's acceptance and pace observations to the estimators and SLO floors (at once,
   // or N steps late with --stale_steps N).
   absl::Status ApplyObservations();
@@ -479,6 +484,7 @@ absl::StatusOr<Simulation::Admission> Simulation::Admit() {
       std::copy(t.acceptance.begin(), t.acceptance.end(), a.rates.begin());
     }
     a.truth_curve = *AcceptanceCurve::FromConditional(a.rates);
+    a.offered = t.offered;
     ranks_[*r].push_back(a);
     AddToLoad(loads_[*r], a);
     ++active_;
@@ -559,12 +565,14 @@ absl::StatusOr<int> Simulation::Plan() {
       const InflightRequest::Seen& seen = Observe(a, pending_scratch_);
       // Sure of: one token a pending step at least, while it runs.
       const int64_t pending_steps = static_cast<int64_t>(pending_scratch_.size());
-      const int32_t sure_cap = static_cast<int32_t>(std::clamp<int64_t>(seen.remaining - pending_steps - 1, 0, cfg_.k_max));
+      int32_t sure_cap = static_cast<int32_t>(std::clamp<int64_t>(seen.remaining - pending_steps - 1, 0, cfg_.k_max));
+      const int32_t offered = OfferedDrafts(a);
+      sure_cap = std::min(sure_cap, offered);
       if (!planned_now_) {
         verify_[r][i] = DefaultVerifyLen(cfg_.static_k, sure_cap);
         continue;
       }
-      batches_[r][i] = PlanRequestFor(r, a, seen, pending_scratch_);
+      batches_[r][i] = PlanRequestFor(r, a, seen, pending_scratch_, offered);
       if (dspark_) {
         // DSpark plans on what it has seen, capped at what the engine is sure of (SGLang does
         // not cap it; that only helps it). Its budget reads survivals two decode steps back.
@@ -609,15 +617,24 @@ absl::StatusOr<int> Simulation::Plan() {
   return depth;
 }
 
+int32_t Simulation::OfferedDrafts(const InflightRequest& a) {
+  if (a.offered.empty()) return kMaxDraftLen;  // no draw: the stream of draws stays as it was
+  const double u = unif_(rng_);
+  int32_t n = 0;  // s_j falls with j: one draw gives the count (u < s_j for j = 1..n)
+  while (n < static_cast<int32_t>(a.offered.size()) && u < a.offered[n]) ++n;
+  return n;
+}
+
 PlanRequest Simulation::PlanRequestFor(int rank, const InflightRequest& a,
                                        const InflightRequest::Seen& seen,
-                                       absl::Span<const int32_t> pending) const {
+                                       absl::Span<const int32_t> pending, int32_t offered) const {
   const AcceptanceCurve curve =
       cfg_.verify == VerifyMode::kOracle || cfg_.plan_on_true_acceptance
           ? a.truth_curve
           : estimators_[rank].Curve(a.id);
   PredictedRequest pr;
   PlanRequest p = LaggedPlanRequest(seen.ctx, seen.remaining, pending, curve, cfg_.k_max, cfg_.lag_predict, &pr);
+  p.k_cap = std::min(p.k_cap, offered);  // the drafts the drafter offered this step
   const int32_t default_len = DefaultVerifyLen(cfg_.static_k, p.k_cap);
   if (cfg_.floor_at_default) {
     p.k_min = default_len;

@@ -104,6 +104,20 @@ absl::StatusOr<std::vector<TraceRequest>> LoadMooncake(std::ifstream& in, const 
         r.acceptance.push_back(v.get<double>());
       }
     }
+    if (j.contains("offered")) {  // the chance the drafter offers at least j drafts in a step
+      const nlohmann::json& o = j["offered"];
+      if (!o.is_array() || o.size() > 8) {
+        return LineError(path, line, absl::StrCat("'offered' ", o.dump(), " is not a list of at most 8 chances"));
+      }
+      for (const nlohmann::json& v : o) {
+        const double p = v.is_number() ? v.get<double>() : -1;
+        if (!(p >= 0 && p <= 1) || (!r.offered.empty() && p > r.offered.back())) {
+          return LineError(path, line, absl::StrCat("'offered' chance ", v.dump(),
+                                                    " is not in [0, 1] or rises (", o.dump(), ")"));
+        }
+        r.offered.push_back(p);
+      }
+    }
     out.push_back(r);
   }
   // Spread arrivals inside each quantisation bucket (the gap to the next distinct timestamp).

@@ -28,6 +28,11 @@ struct TraceRequest {
   // a_1..a_n, each in [0, 1] (n <= 8), as measured live; the replay then draws its accept counts
   // from them instead of the instance profile with a random shift. Empty: not given.
   std::vector<double> acceptance;
+  // Optional (key "offered"): s_1..s_n, the chance the drafter offers at least j drafts in a step
+  // (an ngram drafter finds no match on some steps), each in [0, 1], non-increasing, as measured
+  // live; the replay draws each step's offered count from it and caps every row's verify length
+  // there (positions past s_n: none offered). Empty: every draft offered.
+  std::vector<double> offered;
 };
 
 enum class TraceFormat { kAuto, kMooncakeJsonl, kAzureCsv };

@@ -459,8 +459,9 @@ def request_counts(log_dir, dp, k_slots=0):
     """Per request (bench id): per draft position j = 1..8, `tried` (steps in which draft j was
     verified and drafts 1..j-1 were accepted), `acc` (draft j accepted), and, with k_slots > 0
     (a static arm of k = k_slots), `slots` (steps in which drafts 1..j-1 were accepted and
-    j <= k_slots, whether or not the drafter offered draft j), plus drafted and accepted totals,
-    from the worker logs' per-request `rid`, `d`, `a` (vLLM's own counts)."""
+    j <= k_slots, whether or not the drafter offered draft j) and `off` of `off_n` (steps in
+    which the drafter offered at least j drafts, of the steps with j <= k_slots), plus drafted
+    and accepted totals, from the worker logs' per-request `rid`, `d`, `a` (vLLM's own counts)."""
     out = {}
     for k in range(dp):
         for r in read_jsonl(os.path.join(log_dir, f"worker_dp{k}.jsonl")):
@@ -468,11 +469,15 @@ def request_counts(log_dir, dp, k_slots=0):
                 if acc < 0:
                     continue  # a prefill: nothing sampled for the request
                 c = out.setdefault(base_id(rid), {"tried": [0] * 9, "acc": [0] * 9,
-                                                  "slots": [0] * 9, "drafted": 0,
+                                                  "slots": [0] * 9, "off_n": [0] * 9,
+                                                  "off": [0] * 9, "drafted": 0,
                                                   "accepted": 0, "steps": 0})
                 c["drafted"] += d
                 c["accepted"] += acc
                 c["steps"] += 1
+                for j in range(1, k_slots + 1):  # a static arm verifies what the drafter offers
+                    c["off_n"][j] += 1
+                    c["off"][j] += d >= j
                 for j in range(1, min(d, acc + 1) + 1):
                     c["tried"][j] += 1
                 for j in range(1, acc + 1):
@@ -485,9 +490,10 @@ def request_counts(log_dir, dp, k_slots=0):
 def merge_counts(dst, src):
     for rid, c in src.items():
         t = dst.setdefault(rid, {"tried": [0] * 9, "acc": [0] * 9, "slots": [0] * 9,
+                                 "off_n": [0] * 9, "off": [0] * 9,
                                  "drafted": 0, "accepted": 0, "steps": 0})
-        for key in ("tried", "acc", "slots"):
-            t[key] = [x + y for x, y in zip(t[key], c[key])]
+        for key in ("tried", "acc", "slots", "off_n", "off"):
+            t[key] = [x + y for x, y in zip(t[key], c.get(key, [0] * 9))]
         for key in ("drafted", "accepted", "steps"):
             t[key] += c[key]
     return dst
@@ -504,6 +510,25 @@ def conditional_rates(c, k_max=7, per="tried", min_obs=3):
         n = c[per][j]
         last = c["acc"][j] / n if n >= min_obs else last
         rates.append(round(min(1.0, max(0.0, last)), 4))
+    return rates
+
+
+def offered_rates(c, k_max=7, min_obs=3):
+    """s_1..s_k_max, the chance the drafter offers a request at least j drafts in a step, from a
+    static arm's steps (`off` of `off_n`: vLLM verifies every draft offered up to its k). Past the
+    deepest static arm (k = 3 of k = 1, 3) s_j continues by the last measured step's ratio
+    s_j / s_(j-1) (an ngram match that held j - 1 tokens holds one more as often); a position
+    with fewer than `min_obs` steps does the same."""
+    rates, ratio = [], 1.0
+    for j in range(1, k_max + 1):
+        n = c.get("off_n", [0] * 9)[j]
+        prev = rates[-1] if rates else 1.0
+        if n >= min_obs:
+            s = min(prev, c["off"][j] / n)
+            ratio = s / prev if prev > 0 else 0.0
+        else:
+            s = prev * ratio
+        rates.append(round(max(0.0, s), 4))
     return rates
 
 
@@ -1549,8 +1574,11 @@ def write_trace(path, requests):
     measured conditional acceptance rates (the replay draws its accept counts from them)."""
     with open(path, "w") as f:
         for r in requests:
-            f.write(json.dumps({"timestamp": 0, "input_length": r["in"],
-                                "output_length": r["out"], "acceptance": r["rates"]}) + "\n")
+            row = {"timestamp": 0, "input_length": r["in"], "output_length": r["out"],
+                   "acceptance": r["rates"]}
+            if "offered" in r:
+                row["offered"] = r["offered"]
+            f.write(json.dumps(row) + "\n")
 
 
 def plugin_default_margin(model_path):
@@ -1668,10 +1696,18 @@ def cmd_predict(a):
 
 
 def _predict(a, out, counts, reqs, per_rank, terms, tmp):
-    for variant in ("slots", "tried"):
+    # slots: a draft not offered counts as rejected (every row pays for its verify token);
+    # tried: acceptance of the drafts verified, every draft offered; offered: the same acceptance,
+    # and each step's offered count drawn from the static arms' (no row verifies a draft the
+    # drafter did not offer, as live).
+    for variant in ("slots", "tried", "offered"):
+        per = "slots" if variant == "slots" else "tried"
         served = [{"in": r["in"], "out": max(1, r["out"]),
-                   "rates": conditional_rates(counts[r["id"]], per=variant)
+                   "rates": conditional_rates(counts[r["id"]], per=per)
                    if r["id"] in counts else [0.0]} for r in reqs]
+        if variant == "offered":
+            for s, r in zip(served, reqs):
+                s["offered"] = offered_rates(counts[r["id"]]) if r["id"] in counts else []
         trace = os.path.join(tmp, f"served_{variant}.jsonl")
         write_trace(trace, served)
         base = ["--dp", str(a.dp), "--routing", "A", "--max_batch", str(per_rank),
@@ -1689,9 +1725,9 @@ def _predict(a, out, counts, reqs, per_rank, terms, tmp):
         if variant == "slots" and a.keep_trace:
             write_trace(a.keep_trace, served)
             out["trace"] = a.keep_trace
-    # The primary prediction: rates over the static arms' draft slots (a draft the ngram
-    # drafter did not offer counts as rejected, so each request emits what it emitted live).
-    out.update({k: out["cpu_slots"][k] for k in ("goodput_ratio", "goodput_ratio_vs_dspark",
+    # The primary prediction: the drafts offered as live (each row verifies at most what the
+    # drafter offered, and emits what the verified drafts' acceptance gives).
+    out.update({k: out["cpu_offered"][k] for k in ("goodput_ratio", "goodput_ratio_vs_dspark",
                                                   "static_best_k", "bubble_reduction",
                                                   "tpot_p99_ratio")})
     if a.h200_model:
@@ -1728,7 +1764,7 @@ def _predict(a, out, counts, reqs, per_rank, terms, tmp):
                                        "512 in flight, 64 per rank, routing D z1.2")
     with open(a.json, "w") as f:
         json.dump(out, f, indent=1)
-    for key in ("cpu_slots", "cpu_tried", "h200_served", "h200_scaled"):
+    for key in ("cpu_slots", "cpu_tried", "cpu_offered", "h200_served", "h200_scaled"):
         if key in out:
             p = out[key]
             print(f"predict {a.workload} dp{a.dp} {key}: static_best k={p['static_best_k']}, "

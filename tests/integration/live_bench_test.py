@@ -85,6 +85,14 @@ with tempfile.TemporaryDirectory() as tmp:
           and c["drafted"] == 9 and c["accepted"] == 5, c)
     check("draft slots of a static k = 3 arm count offered-or-not positions",
           c["slots"][1:4] == [4, 3, 1], c["slots"])
+    # Offered: d of the 4 steps at k = 3 was 3, 3, 2, 1: at least 1 in 4, 2 in 3, 3 in 2.
+    check("offered counts per position of a static k = 3 arm",
+          c["off_n"][1:5] == [4, 4, 4, 0] and c["off"][1:5] == [4, 3, 2, 0], c["off"])
+    off = lb.offered_rates(c, k_max=5, min_obs=1)
+    check("offered chances s_j measured to k = 3, then by the last step's ratio (2/3)",
+          off == [1.0, 0.75, 0.5, 0.3333, 0.2222], off)
+    few = lb.offered_rates(c, k_max=3, min_obs=5)
+    check("too few steps at every position: every draft offered", few == [1.0, 1.0, 1.0], few)
     rates = lb.conditional_rates(c, k_max=4, per="tried", min_obs=1)
     check("conditional rates a_j = acc_j / tried_j, the last carried on",
           rates == [0.75, 0.5, 1.0, 1.0], rates)

@@ -2,6 +2,7 @@
 #include <cstdio>
 #include <fstream>
 
+#include "absl/strings/str_cat.h"
 #include "dpbalance/acceptance.h"
 #include "gtest/gtest.h"
 #include "dpbalance/dspark.h"
@@ -74,6 +75,46 @@ TEST(Trace, MeasuredAcceptanceDrivesTheReplaysDraws) {
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("badacc.jsonl:1"), std::string::npos) << bad.status();
   EXPECT_NE(bad.status().message().find("1.5"), std::string::npos) << bad.status();
+}
+
+// The drafts a drafter offers ride in the trace too ("offered": the chance of at least j drafts
+// a step); every row verifies at most what was offered: at static k = 3, offered [1, 0.5, 0.5]
+// gives 1 + 0.5 + 0.5 = 2 drafts a request-step on average (3 without it), and a request that
+// accepts everything emits a token more per draft.
+TEST(Trace, OfferedDraftsCapEveryRowsVerifyLength) {
+  std::string offered, every;
+  for (int i = 0; i < 40; ++i) {
+    offered += "{\"timestamp\": 0, \"input_length\": 100, \"output_length\": 200, \"acceptance\": [1, 1, 1], "
+               "\"offered\": [1, 0.5, 0.5]}\n";
+    every += "{\"timestamp\": 0, \"input_length\": 100, \"output_length\": 200, \"acceptance\": [1, 1, 1]}\n";
+  }
+  const auto with = *LoadTrace(WriteTemp("offered.jsonl", offered), TraceFormat::kAuto, 1);
+  ASSERT_EQ(with[0].offered, (std::vector<double>{1, 0.5, 0.5}));
+  SimConfig c;
+  c.num_ranks = 2;
+  c.inflight = 8;
+  c.static_k = 3;
+  const RunResult r_with = *Simulate(c, TruthModel{}, with);
+  const RunResult r_every = *Simulate(c, TruthModel{}, *LoadTrace(WriteTemp("every.jsonl", every), TraceFormat::kAuto, 1));
+  EXPECT_NEAR(r_with.mean_verify_len, 2.0, 0.15) << r_with.mean_verify_len;
+  EXPECT_NEAR(r_every.mean_verify_len, 3.0, 0.15) << r_every.mean_verify_len;
+  EXPECT_GT(r_with.steps, r_every.steps);  // 3 tokens a step against 4
+  // The planner's rows are capped the same way: the goodput row at k_max 7 never verifies more
+  // than offered (at most 3 here, 2 on average).
+  c.verify = VerifyMode::kGoodput;
+  c.k_max = 7;
+  const RunResult planned = *Simulate(c, TruthModel{}, with);
+  EXPECT_LE(planned.mean_verify_len, 2.0 + 0.15) << planned.mean_verify_len;
+  // Bad chances are errors naming the line and the value: out of [0, 1], or rising with j.
+  for (const char* bad_offered : {"[0.5, 1.5]", "[0.5, 0.7]"}) {
+    absl::StatusOr<std::vector<TraceRequest>> bad = LoadTrace(
+        WriteTemp("badoff.jsonl", absl::StrCat("{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 2, "
+                                               "\"offered\": ", bad_offered, "}\n")),
+        TraceFormat::kAuto, 1);
+    ASSERT_FALSE(bad.ok()) << bad_offered;
+    EXPECT_NE(bad.status().message().find("badoff.jsonl:1"), std::string::npos) << bad.status();
+    EXPECT_NE(bad.status().message().find("'offered' chance"), std::string::npos) << bad.status();
+  }
 }
 
 TEST(Trace, AzureTimestampsAreMillisecondsFromFirst) {
