@@ -49,32 +49,44 @@ TEST(Trace, ErrorsNameFileLineAndValue) {
   EXPECT_FALSE(ParseTraceFormat("parquet").ok());
 }
 
+// `n` requests of 100 prompt tokens at timestamp 0, each `{..., REST}` (a JSONL trace's line).
+std::vector<TraceRequest> Repeated(const std::string& name, const std::string& rest, int n = 40) {
+  std::string text;
+  for (int i = 0; i < n; ++i) text += "{\"timestamp\": 0, \"input_length\": 100, " + rest + "}\n";
+  return *LoadTrace(WriteTemp(name, text), TraceFormat::kAuto, 1);
+}
+
+// Two ranks, 8 requests in flight, static k.
+SimConfig TwoRanks(int static_k) {
+  SimConfig c;
+  c.num_ranks = 2;
+  c.inflight = 8;
+  c.static_k = static_k;
+  return c;
+}
+
+// A bad trace line's error names the file, the line and `what`.
+void ExpectBadLine(const std::string& name, const std::string& line, const std::string& what) {
+  absl::StatusOr<std::vector<TraceRequest>> bad = LoadTrace(WriteTemp(name, line + "\n"), TraceFormat::kAuto, 1);
+  ASSERT_FALSE(bad.ok()) << line;
+  EXPECT_NE(bad.status().message().find(name + ":1"), std::string::npos) << bad.status();
+  EXPECT_NE(bad.status().message().find(what), std::string::npos) << bad.status();
+}
+
 // A request's own measured acceptance rides in the trace ("acceptance": conditional rates); the
 // replay draws its accept counts from it: a request that accepts every draft emits k + 1 tokens a
 // step at static k, one that accepts none emits one.
 TEST(Trace, MeasuredAcceptanceDrivesTheReplaysDraws) {
-  std::string all, none;
-  for (int i = 0; i < 40; ++i) {
-    all += "{\"timestamp\": 0, \"input_length\": 100, \"output_length\": 30, \"acceptance\": [1, 1, 1]}\n";
-    none += "{\"timestamp\": 0, \"input_length\": 100, \"output_length\": 30, \"acceptance\": [0]}\n";
-  }
-  const auto every = *LoadTrace(WriteTemp("all.jsonl", all), TraceFormat::kAuto, 1);
+  const auto every = Repeated("all.jsonl", "\"output_length\": 30, \"acceptance\": [1, 1, 1]");
   ASSERT_EQ(every[0].acceptance, (std::vector<double>{1, 1, 1}));
-  SimConfig c;
-  c.num_ranks = 2;
-  c.inflight = 8;
-  c.static_k = 2;
-  const RunResult r_all = *Simulate(c, TruthModel{}, every);
-  const RunResult r_none = *Simulate(c, TruthModel{}, *LoadTrace(WriteTemp("none.jsonl", none), TraceFormat::kAuto, 1));
+  const RunResult r_all = *Simulate(TwoRanks(2), TruthModel{}, every);
+  const RunResult r_none =
+      *Simulate(TwoRanks(2), TruthModel{}, Repeated("none.jsonl", "\"output_length\": 30, \"acceptance\": [0]"));
   EXPECT_NEAR(r_all.tokens / r_none.tokens, 1.0, 0.05);  // the same outputs, emitted
   EXPECT_LT(3 * r_all.steps, r_none.steps + 12);          // three tokens a step against one
   // Bad rates are errors naming the line and the value.
-  absl::StatusOr<std::vector<TraceRequest>> bad = LoadTrace(
-      WriteTemp("badacc.jsonl", "{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 2, \"acceptance\": [0.5, 1.5]}\n"),
-      TraceFormat::kAuto, 1);
-  ASSERT_FALSE(bad.ok());
-  EXPECT_NE(bad.status().message().find("badacc.jsonl:1"), std::string::npos) << bad.status();
-  EXPECT_NE(bad.status().message().find("1.5"), std::string::npos) << bad.status();
+  ExpectBadLine("badacc.jsonl", "{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 2, \"acceptance\": [0.5, 1.5]}",
+                "1.5");
 }
 
 // The drafts a drafter offers ride in the trace too ("offered": the chance of at least j drafts
@@ -82,20 +94,12 @@ TEST(Trace, MeasuredAcceptanceDrivesTheReplaysDraws) {
 // gives 1 + 0.5 + 0.5 = 2 drafts a request-step on average (3 without it), and a request that
 // accepts everything emits a token more per draft.
 TEST(Trace, OfferedDraftsCapEveryRowsVerifyLength) {
-  std::string offered, every;
-  for (int i = 0; i < 40; ++i) {
-    offered += "{\"timestamp\": 0, \"input_length\": 100, \"output_length\": 200, \"acceptance\": [1, 1, 1], "
-               "\"offered\": [1, 0.5, 0.5]}\n";
-    every += "{\"timestamp\": 0, \"input_length\": 100, \"output_length\": 200, \"acceptance\": [1, 1, 1]}\n";
-  }
-  const auto with = *LoadTrace(WriteTemp("offered.jsonl", offered), TraceFormat::kAuto, 1);
+  const std::string accepts_all = "\"output_length\": 200, \"acceptance\": [1, 1, 1]";
+  const auto with = Repeated("offered.jsonl", accepts_all + ", \"offered\": [1, 0.5, 0.5]");
   ASSERT_EQ(with[0].offered, (std::vector<double>{1, 0.5, 0.5}));
-  SimConfig c;
-  c.num_ranks = 2;
-  c.inflight = 8;
-  c.static_k = 3;
+  SimConfig c = TwoRanks(3);
   const RunResult r_with = *Simulate(c, TruthModel{}, with);
-  const RunResult r_every = *Simulate(c, TruthModel{}, *LoadTrace(WriteTemp("every.jsonl", every), TraceFormat::kAuto, 1));
+  const RunResult r_every = *Simulate(c, TruthModel{}, Repeated("every.jsonl", accepts_all));
   EXPECT_NEAR(r_with.mean_verify_len, 2.0, 0.15) << r_with.mean_verify_len;
   EXPECT_NEAR(r_every.mean_verify_len, 3.0, 0.15) << r_every.mean_verify_len;
   EXPECT_GT(r_with.steps, r_every.steps);  // 3 tokens a step against 4
@@ -106,14 +110,10 @@ TEST(Trace, OfferedDraftsCapEveryRowsVerifyLength) {
   const RunResult planned = *Simulate(c, TruthModel{}, with);
   EXPECT_LE(planned.mean_verify_len, 2.0 + 0.15) << planned.mean_verify_len;
   // Bad chances are errors naming the line and the value: out of [0, 1], or rising with j.
-  for (const char* bad_offered : {"[0.5, 1.5]", "[0.5, 0.7]"}) {
-    absl::StatusOr<std::vector<TraceRequest>> bad = LoadTrace(
-        WriteTemp("badoff.jsonl", absl::StrCat("{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 2, "
-                                               "\"offered\": ", bad_offered, "}\n")),
-        TraceFormat::kAuto, 1);
-    ASSERT_FALSE(bad.ok()) << bad_offered;
-    EXPECT_NE(bad.status().message().find("badoff.jsonl:1"), std::string::npos) << bad.status();
-    EXPECT_NE(bad.status().message().find("'offered' chance"), std::string::npos) << bad.status();
+  for (const char* bad : {"[0.5, 1.5]", "[0.5, 0.7]"}) {
+    ExpectBadLine("badoff.jsonl",
+                  absl::StrCat("{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 2, \"offered\": ", bad, "}"),
+                  "'offered' chance");
   }
 }
 
