@@ -120,9 +120,9 @@ TEST(Fit, KernelPathSupportNeedsRowsAndReachOnBothPaths) {
   EXPECT_TRUE(p.split);
   // One row short of kMinPathRows: one formula.
   EXPECT_FALSE(support(PathRows(truth, kMinPathRows - 1, 12, 6000, 1, rng)).split);
-  // Many rows, all one-request batches (the drain's): the largest reaches under a quarter of the
-  // largest verify batch's key tokens (~6,000 against ~60,000), so one formula.
-  p = support(PathRows(truth, 500, 1, 6000, 1, rng));
+  // Many rows, all one-request batches (the drain's): the largest reaches under a tenth of the
+  // largest verify batch's key tokens (~3,000 against ~60,000), so one formula.
+  p = support(PathRows(truth, 500, 1, 3000, 1, rng));
   EXPECT_LT(p.max_key_tokens[0], kMinPathReach * p.max_key_tokens[1]);
   EXPECT_FALSE(p.split);
   // No rows of a path at all.
