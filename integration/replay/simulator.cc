@@ -33,9 +33,6 @@ struct InflightRequest {
   double start_us;
   std::array<double, kMaxDraftLen> rates;  // true conditional acceptance
   AcceptanceCurve truth_curve;
-  // The trace's `offered` (the chance the drafter offers at least j drafts), or empty: every
-  // draft is offered. Drawn once a step; every row's verify length is capped at the count.
-  std::vector<double> offered;
   // SimConfig::step_acceptance_sigma: this step's logit offset on `rates` and the rates it
   // gives (what the step's accept draws use); confidence_sigma: the draft confidence's logit
   // offset at this step and the two before (newest first), and how many steps have drawn one.
@@ -171,7 +168,8 @@ class Simulation {
   // The planner's PlanRequest for `a` on rank `rank`, from what the engine knows.
   PlanRequest PlanRequestFor(int rank, const InflightRequest& a, const InflightRequest::Seen& seen,
                              absl::Span<const int32_t> pending, int32_t offered) const;
-  // This step's count of drafts the drafter offers a request (its trace's `offered`).
+  // This step's count of drafts the drafter offers a request: drawn from its trace row's
+  // `offered` (the request's id is its row), every draft where that is empty.
   int32_t OfferedDrafts(const InflightRequest& a);
   // Feeds a step's acceptance and pace observations to the estimators and SLO floors (at once,
   // or N steps late with --stale_steps N).
@@ -484,7 +482,6 @@ absl::StatusOr<Simulation::Admission> Simulation::Admit() {
       std::copy(t.acceptance.begin(), t.acceptance.end(), a.rates.begin());
     }
     a.truth_curve = *AcceptanceCurve::FromConditional(a.rates);
-    a.offered = t.offered;
     ranks_[*r].push_back(a);
     AddToLoad(loads_[*r], a);
     ++active_;
@@ -618,10 +615,11 @@ absl::StatusOr<int> Simulation::Plan() {
 }
 
 int32_t Simulation::OfferedDrafts(const InflightRequest& a) {
-  if (a.offered.empty()) return kMaxDraftLen;  // no draw: the stream of draws stays as it was
+  const std::vector<double>& offered = trace_[static_cast<size_t>(a.id)].offered;
+  if (offered.empty()) return kMaxDraftLen;  // no draw: the stream of draws stays as it was
   const double u = unif_(rng_);
   int32_t n = 0;  // s_j falls with j: one draw gives the count (u < s_j for j = 1..n)
-  while (n < static_cast<int32_t>(a.offered.size()) && u < a.offered[n]) ++n;
+  while (n < static_cast<int32_t>(offered.size()) && u < offered[n]) ++n;
   return n;
 }
 

@@ -455,6 +455,12 @@ def base_id(rid: str) -> str:
     return "-".join(parts[:2]) if len(parts) >= 2 and parts[0] == "req" else rid
 
 
+def new_counts():
+    """One request's counts as request_counts keeps them (per draft position 1..8, index 0 unused)."""
+    return {"tried": [0] * 9, "acc": [0] * 9, "slots": [0] * 9, "off_n": [0] * 9, "off": [0] * 9,
+            "drafted": 0, "accepted": 0, "steps": 0}
+
+
 def request_counts(log_dir, dp, k_slots=0):
     """Per request (bench id): per draft position j = 1..8, `tried` (steps in which draft j was
     verified and drafts 1..j-1 were accepted), `acc` (draft j accepted), and, with k_slots > 0
@@ -468,10 +474,7 @@ def request_counts(log_dir, dp, k_slots=0):
             for rid, d, acc in zip(r.get("rid") or [], r.get("d") or [], r.get("a") or []):
                 if acc < 0:
                     continue  # a prefill: nothing sampled for the request
-                c = out.setdefault(base_id(rid), {"tried": [0] * 9, "acc": [0] * 9,
-                                                  "slots": [0] * 9, "off_n": [0] * 9,
-                                                  "off": [0] * 9, "drafted": 0,
-                                                  "accepted": 0, "steps": 0})
+                c = out.setdefault(base_id(rid), new_counts())
                 c["drafted"] += d
                 c["accepted"] += acc
                 c["steps"] += 1
@@ -489,11 +492,9 @@ def request_counts(log_dir, dp, k_slots=0):
 
 def merge_counts(dst, src):
     for rid, c in src.items():
-        t = dst.setdefault(rid, {"tried": [0] * 9, "acc": [0] * 9, "slots": [0] * 9,
-                                 "off_n": [0] * 9, "off": [0] * 9,
-                                 "drafted": 0, "accepted": 0, "steps": 0})
+        t = dst.setdefault(rid, new_counts())
         for key in ("tried", "acc", "slots", "off_n", "off"):
-            t[key] = [x + y for x, y in zip(t[key], c.get(key, [0] * 9))]
+            t[key] = [x + y for x, y in zip(t[key], c[key])]
         for key in ("drafted", "accepted", "steps"):
             t[key] += c[key]
     return dst
@@ -521,7 +522,7 @@ def offered_rates(c, k_max=7, min_obs=3):
     with fewer than `min_obs` steps does the same."""
     rates, ratio = [], 1.0
     for j in range(1, k_max + 1):
-        n = c.get("off_n", [0] * 9)[j]
+        n = c["off_n"][j]
         prev = rates[-1] if rates else 1.0
         if n >= min_obs:
             s = min(prev, c["off"][j] / n)

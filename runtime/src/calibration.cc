@@ -19,6 +19,9 @@ constexpr int64_t kWarmup = 50;
 // Standard deviations per median absolute deviation, for normally distributed values.
 constexpr double kMadToSigma = 1.4826;
 
+// A row the fit uses (and KernelPathSupport counts): a positive, finite measured time.
+bool Usable(const TimingSample& s) { return s.measured_us > 0 && std::isfinite(s.measured_us); }
+
 }  // namespace
 
 ErrorStats EvaluateModel(const CostModel& model, absl::Span<const TimingSample> samples) {
@@ -114,7 +117,7 @@ Eigen::VectorXd SolveNnlsGram(const Eigen::MatrixXd& g, const Eigen::VectorXd& c
 PathSupport KernelPathSupport(absl::Span<const TimingSample> samples) {
   PathSupport p;
   for (const TimingSample& s : samples) {
-    if (!(s.measured_us > 0 && std::isfinite(s.measured_us))) continue;
+    if (!Usable(s)) continue;
     const int m = s.agg.multi_query ? 1 : 0;
     p.rows[m] += 1;
     p.max_key_tokens[m] = std::max(p.max_key_tokens[m], s.agg.key_tokens);
@@ -133,7 +136,7 @@ absl::StatusOr<CostModel> FitCostModel(absl::Span<const TimingSample> samples,
   }
   std::vector<const TimingSample*> rows;
   for (const TimingSample& s : samples) {
-    if (s.measured_us > 0 && std::isfinite(s.measured_us)) rows.push_back(&s);
+    if (Usable(s)) rows.push_back(&s);
   }
   std::vector<int> cols = options.features;
   if (cols.empty()) {
